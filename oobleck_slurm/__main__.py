@@ -1,0 +1,3 @@
+from oobleck_slurm.cli import main
+
+raise SystemExit(main())
