@@ -1,0 +1,153 @@
+"""GPT as an ordered list of layers that a pipeline planner can cut anywhere.
+
+Layer 0 is the token + position embedding, layers 1..n_layer are pre-LN transformer blocks, the last
+layer is the final LayerNorm + LM head. Every layer takes one tensor and returns one tensor, so any
+contiguous range of layers is a pipeline stage: token ids (B, T) -> hidden (B, T, d) -> ... -> logits
+(B, T, vocab).
+
+Each layer is initialised from its own generator seeded by (seed, layer index): a worker that builds
+only layers [start, stop) gets bit-identical weights to a full build, without building the rest.
+
+Embeddings are untied by default: with tied weights the embedding and the head (first and last stage)
+would share one parameter across two workers, and its gradient would need an extra all-reduce between
+the two stages. A single-stage build (all layers on one worker) ties them normally; a partial build
+with `tie_embeddings=True` raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oobleck_slurm.models.config import GPTConfig
+
+INIT_STD = 0.02  # GPT-2 / nanoGPT initialisation
+
+
+def num_layers(cfg: GPTConfig) -> int:
+    """Layers in the list: embedding + n_layer blocks + head."""
+    return cfg.n_layer + 2
+
+
+def layer_keys(cfg: GPTConfig) -> list[str]:
+    """Stable names of the layers, used to address parameters and optimizer state across plans."""
+    width = max(2, len(str(cfg.n_layer - 1)))
+    return ["embed"] + [f"block.{i:0{width}d}" for i in range(cfg.n_layer)] + ["head"]
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding: ids (B, T) -> hidden (B, T, d)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        return self.tok(idx) + self.pos(pos)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.d_model % cfg.n_head:
+            raise ValueError(f"GPTConfig: d_model={cfg.d_model} is not a multiple of n_head={cfg.n_head}")
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.fc_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    """Final LayerNorm + LM head: hidden (B, T, d) -> logits (B, T, vocab)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln(x))
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """Generator seed of layer `index`: distinct per layer, independent of which layers are built."""
+    return (seed * 1_000_003 + index * 7919 + 12345) % (2**63 - 1)
+
+
+@torch.no_grad()
+def _init_layer(layer: nn.Module, gen: torch.Generator, n_layer: int) -> None:
+    # Parameters are visited in registration order, so the draw sequence is fixed per layer type.
+    for name, p in layer.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif ".ln" in f".{name}" and p.dim() == 1:  # LayerNorm weight
+            p.fill_(1.0)
+        else:
+            std = INIT_STD
+            if name.endswith("proj.weight"):  # residual projections, GPT-2 scaling
+                std = INIT_STD / math.sqrt(2 * n_layer)
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def _new_layer(cfg: GPTConfig, index: int) -> nn.Module:
+    if index == 0:
+        return Embedding(cfg)
+    if index == num_layers(cfg) - 1:
+        return Head(cfg)
+    return Block(cfg)
+
+
+def build_layers(cfg: GPTConfig, seed: int, start: int = 0, stop: int | None = None) -> list[nn.Module]:
+    """Layers [start, stop) of the GPT, initialised exactly as in a full build with the same seed."""
+    n = num_layers(cfg)
+    stop = n if stop is None else stop
+    if not 0 <= start < stop <= n:
+        raise ValueError(f"build_layers: range [{start}, {stop}) is not a non-empty range within [0, {n})")
+    if cfg.tie_embeddings and (start, stop) != (0, n):
+        raise NotImplementedError(
+            f"build_layers: tie_embeddings=True needs the embedding and the head on one stage, "
+            f"but layers [{start}, {stop}) of [0, {n}) were asked for; use tie_embeddings=False "
+            f"for multi-stage plans"
+        )
+    layers = []
+    for index in range(start, stop):
+        layer = _new_layer(cfg, index)
+        gen = torch.Generator().manual_seed(layer_seed(seed, index))
+        _init_layer(layer, gen, cfg.n_layer)
+        layers.append(layer)
+    if cfg.tie_embeddings:  # full build only (checked above)
+        layers[-1].lm_head.weight = layers[0].tok.weight
+    return layers
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all positions of a microbatch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
