@@ -1,0 +1,65 @@
+"""Tokenizers for `prepare`: the built-in byte tokenizer, or a user's through a factory string.
+
+A user tokenizer is named `package.module:function`; calling `function()` must return an object
+with `encode(str) -> list[int]` and an integer `vocab_size`. That keeps any tokenizer library
+(tiktoken, sentencepiece, HF tokenizers) an optional, user-side dependency.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol, runtime_checkable
+
+BYTE = "byte"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer string cannot be resolved, or what it names is not a usable tokenizer."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, nothing to download, exact round trip."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer named by `spec`: "byte", or "package.module:function" (a factory)."""
+    if spec == BYTE:
+        return ByteTokenizer()
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name or ":" in func_name:
+        raise TokenizerError(
+            f"tokenizer {spec!r}: expected 'byte' or a factory 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TokenizerError(f"tokenizer {spec!r}: cannot import module {module_name!r} ({e})")
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise TokenizerError(
+            f"tokenizer {spec!r}: module {module_name!r} has no callable {func_name!r}"
+        )
+    tok = factory()
+    vocab = getattr(tok, "vocab_size", None)
+    if not callable(getattr(tok, "encode", None)) or not isinstance(vocab, int) or vocab < 1:
+        raise TokenizerError(
+            f"tokenizer {spec!r}: {func_name}() returned {type(tok).__name__}, which needs "
+            "an encode(str) -> list[int] method and a positive integer vocab_size"
+        )
+    return tok
