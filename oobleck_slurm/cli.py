@@ -1,0 +1,40 @@
+"""`python -m oobleck_slurm COMMAND`: one module per command under `oobleck_slurm.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from oobleck_slurm import __version__
+
+# Order shown in --help. Modules import heavy dependencies (torch) inside run(), so --help is fast.
+COMMANDS = ("validate",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oobleck-slurm",
+        description="Train large models on Slurm with heterogeneous pipeline replicas; "
+        "survive node failures without reloading a checkpoint.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"oobleck_slurm.commands.{name}")
+        module.add_parser(subparsers)
+        subparsers.choices[name].set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,53 @@
+"""What every command shares: the console, exit codes, and loading a recipe with a clear report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from oobleck_slurm.recipe import Recipe, RecipeError, load_recipe
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2  # bad recipe, bad arguments, missing files: fix the input and run again
+
+console = Console()
+# soft_wrap: an error line is copied into tickets and grepped; never break it at the terminal width.
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+def add_recipe_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "recipe", nargs="?", default=None, type=Path,
+        help="recipe YAML file (default: the embedded local recipe)",
+    )
+
+
+def load_recipe_or_report(path: Path | None) -> Recipe | None:
+    """The validated recipe, or None after printing every issue to stderr."""
+    try:
+        return load_recipe(path)
+    except RecipeError as err:
+        report_recipe_error(err)
+        return None
+
+
+def report_recipe_error(err: RecipeError) -> None:
+    count = len(err.issues)
+    err_console.print(f"[bold red]recipe has {count} problem{'s' if count != 1 else ''}:[/]")
+    for issue in err.issues:
+        err_console.print(f"  [red]•[/] {escape(str(issue))}", highlight=False)
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    """Print an error line to stderr and return the exit code, for `return fail(...)` in commands."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    return code
+
+
+def is_interactive() -> bool:
+    return sys.stdout.isatty()

@@ -1,0 +1,42 @@
+"""`validate RECIPE`: print the resolved recipe, or every problem with file, line and key (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.tree import Tree
+
+from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, load_recipe_or_report
+from oobleck_slurm.recipe import recipe_to_dict
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("validate", help="check a recipe and print it with every default filled in")
+    add_recipe_argument(parser)
+    parser.add_argument("--json", action="store_true", help="print the resolved recipe as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = load_recipe_or_report(args.recipe)
+    if recipe is None:
+        return EXIT_BAD_INPUT
+    values = recipe_to_dict(recipe)
+    if args.json:
+        print(json.dumps(values, indent=2))
+        return EXIT_OK
+    tree = Tree(f"[bold green]✓[/] [bold]{recipe.name}[/]  [dim]{recipe.source}[/]")
+    _add_branch(tree, {k: v for k, v in values.items() if k not in ("name", "source")})
+    model = recipe.model.resolve() if not recipe.model.factory else None
+    console.print(tree)
+    if model is not None:
+        console.print(f"model: GPT {model.n_layer} layers, d={model.d_model}, {model.num_params / 1e6:,.1f} M parameters")
+    return EXIT_OK
+
+
+def _add_branch(tree: Tree, values: dict) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            _add_branch(tree.add(f"[bold cyan]{key}[/]"), value)
+        else:
+            tree.add(f"[cyan]{key}[/]: {value!r}" if value not in (None, {}, []) else f"[cyan]{key}[/]: [dim]{value!r}[/]")

@@ -1,0 +1,192 @@
+"""The recipe schema: typed, immutable sections with defaults for everything optional.
+
+Each field may carry `metadata={"check": fn}`; `fn(value)` returns an error message or None. Checks
+that involve several fields live in `validate.cross_checks`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from oobleck_slurm.models.config import GPT_PRESETS, GPTConfig, gpt_config
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+_SLURM_TIME = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2})$")
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+# Options the submitter sets itself from other keys; setting them twice would silently conflict.
+RESERVED_SBATCH = {
+    "nodes": "cluster.nodes", "time": "cluster.time", "partition": "cluster.partition",
+    "account": "cluster.account", "qos": "cluster.qos", "constraint": "cluster.constraint",
+    "gpus-per-node": "cluster.gpus_per_node", "cpus-per-task": "cluster.cpus_per_node",
+    "no-kill": "(always set)", "ntasks-per-node": "(always 1: one agent per node)",
+}
+
+
+def positive(value: float) -> str | None:
+    return None if value > 0 else f"must be > 0, got {value}"
+
+
+def non_negative(value: float) -> str | None:
+    return None if value >= 0 else f"must be >= 0, got {value}"
+
+
+def factory_string(value: str | None) -> str | None:
+    if value is None or _FACTORY.match(value):
+        return None
+    return f"expected 'package.module:function', got {value!r}"
+
+
+def slurm_time(value: str) -> str | None:
+    if _SLURM_TIME.match(value):
+        return None
+    return f"expected a Slurm time limit such as '90', '04:00:00' or '1-12:00:00', got {value!r}"
+
+
+def sbatch_options(value: Mapping[str, str]) -> str | None:
+    for key in value:
+        if not _SBATCH_KEY.match(key):
+            return f"option {key!r} is not an sbatch long option name (e.g. 'mail-type', without '--')"
+        if key in RESERVED_SBATCH:
+            return f"option {key!r} is set by oobleck-slurm; use {RESERVED_SBATCH[key]} instead"
+    return None
+
+
+def known_size(value: str) -> str | None:
+    return None if value in GPT_PRESETS else f"unknown GPT size {value!r}; known: {', '.join(GPT_PRESETS)}"
+
+
+def optional(fn: Any) -> Any:
+    """A check that lets None through (None means 'use the default')."""
+    return lambda value: None if value is None else fn(value)
+
+
+def check(fn: Any) -> dict[str, Any]:
+    return {"check": fn}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the job runs: a real Slurm allocation or virtual nodes as local processes."""
+
+    backend: Literal["local", "slurm"] = "local"
+    nodes: int = field(default=4, metadata=check(positive))
+    gpus_per_node: int = field(default=0, metadata=check(non_negative))
+    cpus_per_node: int = field(default=1, metadata=check(positive))
+    spare_nodes: int = field(default=0, metadata=check(non_negative))
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time: str = field(default="01:00:00", metadata=check(slurm_time))
+    mem: str | None = None
+    sbatch: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), metadata=check(sbatch_options))
+    setup: tuple[str, ...] = ()  # shell lines run before the agents start (module load ..., conda activate ...)
+    job_root: str = "jobs"
+
+    @property
+    def devices_per_node(self) -> int:
+        """Workers per node: one per GPU, or one per CPU-only node."""
+        return self.gpus_per_node or 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A built-in family with its size (and optional shape overrides), or a user factory."""
+
+    family: Literal["gpt"] = "gpt"
+    size: str = field(default="tiny", metadata=check(known_size))
+    n_layer: int | None = field(default=None, metadata=check(optional(positive)))
+    d_model: int | None = field(default=None, metadata=check(optional(positive)))
+    n_head: int | None = field(default=None, metadata=check(optional(positive)))
+    seq_len: int | None = field(default=None, metadata=check(optional(positive)))
+    vocab_size: int | None = field(default=None, metadata=check(optional(positive)))
+    factory: str | None = field(default=None, metadata=check(factory_string))
+    kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def resolve(self) -> GPTConfig:
+        """The model's shape: the preset with this recipe's overrides applied."""
+        overrides = {
+            name: getattr(self, name)
+            for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size")
+            if getattr(self, name) is not None
+        }
+        return gpt_config(self.size, **overrides)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training tokens: a prepared token file, a text file prepared on first use, or the shipped text."""
+
+    path: str | None = None
+    text: str | None = None
+    tokenizer: str = "byte"
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["adamw", "came"] = "adamw"
+    lr: float = field(default=3e-4, metadata=check(positive))
+    weight_decay: float = field(default=0.0, metadata=check(non_negative))
+    betas: tuple[float, ...] | None = None  # adamw: 2 values, came: 3
+    eps: tuple[float, ...] | None = None  # adamw: 1 value, came: 2
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    warmup_steps: int = field(default=0, metadata=check(non_negative))
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr: float = field(default=0.0, metadata=check(non_negative))
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    global_batch_size: int = field(default=32, metadata=check(positive))
+    microbatch_size: int = field(default=4, metadata=check(positive))
+    steps: int = field(default=100, metadata=check(positive))
+    seed: int = 0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    grad_clip: float = field(default=1.0, metadata=check(non_negative))  # 0 disables clipping
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+
+    @property
+    def global_microbatches(self) -> int:
+        return self.global_batch_size // self.microbatch_size
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """How many failures to survive and how fast to notice them (seconds).
+
+    The timeouts must nest: collective < heartbeat lease < step < reconfiguration, so that a stuck
+    collective fails before its node is declared lost, and a recovery is never cut short by a step
+    timeout. The lease default is well under the ~10 s that Slurm takes to mark a node DOWN.
+    """
+
+    f: int = field(default=1, metadata=check(non_negative))
+    heartbeat_interval: float = field(default=0.5, metadata=check(positive))
+    heartbeat_lease: float = field(default=3.0, metadata=check(positive))
+    collective_timeout: float = field(default=2.0, metadata=check(positive))
+    step_timeout: float = field(default=60.0, metadata=check(positive))
+    reconfiguration_timeout: float = field(default=120.0, metadata=check(positive))
+    replacement: Literal["spare", "request", "none"] = "request"
+    checkpoint_interval: int = field(default=100, metadata=check(non_negative))  # steps; 0 = never
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A whole training job. Built only through `load_recipe`, which validates everything."""
+
+    name: str = "job"
+    description: str = ""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    source: str = field(default="", metadata={"internal": True})  # the file it was loaded from

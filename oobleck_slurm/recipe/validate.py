@@ -1,0 +1,245 @@
+"""Turn a merged recipe tree into typed, frozen config objects, collecting every issue."""
+
+from __future__ import annotations
+
+import difflib
+from collections import abc
+import typing
+from types import MappingProxyType
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from oobleck_slurm.recipe import schema
+from oobleck_slurm.recipe.errors import RecipeError, RecipeIssue
+from oobleck_slurm.recipe.source import KeyPath, Source
+
+_SECTIONS = {f.name: f.type for f in fields(schema.Recipe)}
+
+
+class _Invalid(Exception):
+    """A value does not fit its field; carries the message for the issue list."""
+
+
+def build_recipe(source: Source) -> schema.Recipe:
+    """Validate `source` and return the Recipe, or raise RecipeError listing every issue found."""
+    issues: list[RecipeIssue] = []
+    tree = dict(source.tree)
+    tree.setdefault("name", Path(source.root_file).stem or "job")
+    recipe = _build(schema.Recipe, tree, (), source, issues)
+    if not issues:
+        issues.extend(cross_checks(recipe, source))
+    if issues:
+        raise RecipeError(sorted(issues, key=lambda i: (i.file != source.root_file, i.file, i.line or 0)))
+    return _resolve_paths(recipe, source)
+
+
+def _build(cls: type, raw: Any, path: KeyPath, source: Source, issues: list[RecipeIssue]) -> Any:
+    if raw is None:  # an empty section (`training:`) means all defaults
+        raw = {}
+    if not isinstance(raw, dict):
+        issues.append(source.issue(path, f"expected a mapping of {cls.__name__} keys, got {_describe(raw)}"))
+        return cls()
+    hints = typing.get_type_hints(cls)
+    public = [f for f in fields(cls) if not f.metadata.get("internal")]
+    names = [f.name for f in public]
+    for key in raw:
+        if key not in names:
+            issues.append(source.issue((*path, key), _unknown_key_message(key, names, path)))
+    values: dict[str, Any] = {}
+    for f in public:
+        if f.name not in raw:
+            continue
+        key_path = (*path, f.name)
+        try:
+            value = _convert(hints[f.name], raw[f.name], key_path, source, issues)
+        except _Invalid as bad:
+            issues.append(source.issue(key_path, str(bad)))
+            continue
+        problem = f.metadata["check"](value) if "check" in f.metadata else None
+        if problem:
+            issues.append(source.issue(key_path, problem))
+            continue
+        values[f.name] = value
+    return cls(**values)
+
+
+def _convert(tp: Any, value: Any, path: KeyPath, source: Source, issues: list[RecipeIssue]) -> Any:
+    origin = get_origin(tp)
+    if is_dataclass(tp):
+        return _build(tp, value, path, source, issues)
+    if origin is Union:
+        options = [a for a in get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(options[0], value, path, source, issues)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+        raise _Invalid(f"expected one of {', '.join(map(repr, choices))}, got {value!r}{suggestion}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Invalid(f"expected true or false, got {_describe(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Invalid(f"expected an integer, got {_describe(value)}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _Invalid(f"expected a number, got {_describe(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        raise _Invalid(f"expected a string, got {_describe(value)}")
+    if origin is tuple:
+        item_type = get_args(tp)[0]
+        items = value if isinstance(value, list) else [value]
+        return tuple(_convert(item_type, item, path, source, issues) for item in items)
+    if origin in (dict, abc.Mapping):
+        if not isinstance(value, dict):
+            raise _Invalid(f"expected a mapping, got {_describe(value)}")
+        value_type = get_args(tp)[1]
+        if value_type is not Any:
+            value = {k: _convert(value_type, _scalar_text(v), (*path, k), source, issues) for k, v in value.items()}
+        return MappingProxyType(dict(value))  # read-only, like the frozen dataclass that holds it
+    if tp is Any:
+        return value
+    raise TypeError(f"recipe schema uses an unsupported type {tp!r} at {'.'.join(path)}")
+
+
+def _scalar_text(value: Any) -> Any:
+    # sbatch option values: `exclusive: true` or `gres: 4` mean the strings Slurm expects.
+    if isinstance(value, bool):
+        return "" if value else value
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _unknown_key_message(key: str, names: list[str], path: KeyPath) -> str:
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {'.'.join((*path, close[0]))!r}?"
+    # A key placed in the wrong section is a common slip: look in the other sections too.
+    for section, section_type in _SECTIONS.items():
+        if is_dataclass(section_type) and key in {f.name for f in fields(section_type)}:
+            return f"unknown key here; did you mean '{section}.{key}'?"
+    where = ".".join(path) or "the top level"
+    return f"unknown key; {where} accepts: {', '.join(names)}"
+
+
+def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
+    """Contradictions between fields, caught at load time rather than minutes into a job."""
+    issues: list[RecipeIssue] = []
+    add = lambda path, msg: issues.append(source.issue(path, msg))  # noqa: E731
+    c, m, t, ft = recipe.cluster, recipe.model, recipe.training, recipe.fault_tolerance
+
+    if t.global_batch_size % t.microbatch_size:
+        add(("training", "microbatch_size"),
+            f"global_batch_size {t.global_batch_size} is not divisible by microbatch_size {t.microbatch_size}")
+    elif t.global_microbatches < ft.f + 1:
+        add(("training", "global_batch_size"),
+            f"{t.global_microbatches} microbatches cannot feed f+1={ft.f + 1} pipelines (each needs at least one)")
+    if ft.f >= c.nodes:
+        add(("fault_tolerance", "f"),
+            f"f={ft.f} needs at least f+1={ft.f + 1} nodes (one pipeline each), but cluster.nodes is {c.nodes}")
+    if ft.replacement == "spare" and c.spare_nodes == 0:
+        add(("fault_tolerance", "replacement"), "'spare' needs cluster.spare_nodes >= 1")
+
+    order = [("collective_timeout", ft.collective_timeout), ("heartbeat_lease", ft.heartbeat_lease),
+             ("step_timeout", ft.step_timeout), ("reconfiguration_timeout", ft.reconfiguration_timeout)]
+    for (low_name, low), (high_name, high) in zip(order, order[1:]):
+        if not low < high:
+            add(("fault_tolerance", high_name),
+                f"timeouts must nest: {low_name} ({low:g} s) < {high_name} ({high:g} s) is required")
+    if not ft.heartbeat_interval < ft.heartbeat_lease:
+        add(("fault_tolerance", "heartbeat_lease"),
+            f"must exceed heartbeat_interval ({ft.heartbeat_interval:g} s), got {ft.heartbeat_lease:g} s")
+
+    opt = t.optimizer
+    want_betas, want_eps = {"adamw": (2, 1), "came": (3, 2)}[opt.name]
+    if opt.betas is not None:
+        if len(opt.betas) != want_betas:
+            add(("training", "optimizer", "betas"), f"{opt.name} takes {want_betas} betas, got {len(opt.betas)}")
+        elif not all(0 <= b < 1 for b in opt.betas):
+            add(("training", "optimizer", "betas"), f"each beta must be in [0, 1), got {list(opt.betas)}")
+    if opt.eps is not None:
+        if len(opt.eps) != want_eps:
+            add(("training", "optimizer", "eps"), f"{opt.name} takes {want_eps} eps value(s), got {len(opt.eps)}")
+        elif not all(e > 0 for e in opt.eps):
+            add(("training", "optimizer", "eps"), f"each eps must be > 0, got {list(opt.eps)}")
+    if t.lr_schedule.warmup_steps > t.steps:
+        add(("training", "lr_schedule", "warmup_steps"),
+            f"{t.lr_schedule.warmup_steps} warmup steps exceed training.steps ({t.steps})")
+    if t.lr_schedule.min_lr > opt.lr:
+        add(("training", "lr_schedule", "min_lr"), f"min_lr {t.lr_schedule.min_lr:g} exceeds optimizer.lr {opt.lr:g}")
+
+    shape_keys = [k for k in ("size", "n_layer", "d_model", "n_head", "seq_len", "vocab_size")
+                  if k in source.tree.get("model", {}) and source.tree["model"][k] is not None]
+    if m.factory and shape_keys:
+        add(("model", "factory"), f"a factory builds its own model; remove model.{shape_keys[0]} or the factory")
+    if m.kwargs and not m.factory:
+        add(("model", "kwargs"), "kwargs are passed to model.factory, which is not set")
+    if not m.factory:
+        cfg = m.resolve()
+        if cfg.d_model % cfg.n_head:
+            add(("model", "n_head"), f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}")
+
+    d = recipe.data
+    if d.path and d.text:
+        add(("data", "text"), "give data.path (a prepared token file) or data.text (a text file), not both")
+    for key in ("path", "text"):
+        value = getattr(d, key)
+        if value and not _data_file(source, key, value).is_file():
+            add(("data", key), f"file not found: {_data_file(source, key, value)}")
+    if d.tokenizer != "byte" and schema.factory_string(d.tokenizer):
+        add(("data", "tokenizer"), f"expected 'byte' or 'package.module:function', got {d.tokenizer!r}")
+    return issues
+
+
+def _data_file(source: Source, key: str, value: str) -> Path:
+    # Relative paths are relative to the recipe file that named them, not to the caller's cwd.
+    file, _ = source.where(("data", key))
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (Path(file).parent / path).resolve()
+
+
+def _resolve_paths(recipe: schema.Recipe, source: Source) -> schema.Recipe:
+    from dataclasses import replace
+
+    data = recipe.data
+    resolved = {key: str(_data_file(source, key, getattr(data, key))) for key in ("path", "text") if getattr(data, key)}
+    return replace(recipe, data=replace(data, **resolved), source=source.root_file)
+
+
+def recipe_to_dict(obj: Any) -> Any:
+    """Plain, JSON-ready values of a recipe (or any of its sections)."""
+    if is_dataclass(obj):
+        return {f.name: recipe_to_dict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (dict, MappingProxyType)):
+        return {k: recipe_to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return [recipe_to_dict(v) for v in obj]
+    return obj
