@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install everything from nothing and run the whole test suite, the local Slurm cluster included.
+# Usage: bash tests/run_all.sh [pytest args...]     (as root on Debian 12, Python >= 3.10)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# torch first: 2.13.0 is the CPU build; a bare `torch` requirement would pull GBs of CUDA wheels.
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
+  "$PY" -m pip install --quiet torch==2.13.0
+fi
+"$PY" -m pip install --quiet -e '.[test]'
+
+# The Slurm tests start the local cluster themselves (tests/slurm/start.sh installs Debian's Slurm,
+# munge and MariaDB if missing); starting it here first keeps its install time out of test timeouts.
+bash tests/slurm/start.sh
+
+exec "$PY" -m pytest -q -p no:cacheprovider "$@"
