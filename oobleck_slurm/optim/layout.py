@@ -1,0 +1,46 @@
+"""Optimizer state layouts: the names, shapes and dtypes of one parameter's state tensors.
+
+A layout is computed from the parameter's shape and dtype alone, so a process that is about to
+receive a layer's optimizer state can allocate the tensors before any step, and the planner can
+size memory without building the model. `tests/optim` checks each layout against the state a real
+optimizer step creates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One state tensor: its shape, dtype, and whether the optimizer keeps it on the CPU."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool = False  # step counters: torch's AdamW requires them on the CPU
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+StateLayout = dict[str, TensorLayout]
+
+
+def adamw_state_layout(
+    shape: tuple[int, ...], param_dtype: torch.dtype, amsgrad: bool = False
+) -> StateLayout:
+    """torch.optim.AdamW (foreach=False, not fused/capturable): step + two full moments."""
+    # torch keeps the step as a CPU scalar of its "scalar dtype": float64 under a float64 default.
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    layout: StateLayout = {
+        "step": TensorLayout((), step_dtype, on_cpu=True),
+        "exp_avg": TensorLayout(tuple(shape), param_dtype),
+        "exp_avg_sq": TensorLayout(tuple(shape), param_dtype),
+    }
+    if amsgrad:
+        layout["max_exp_avg_sq"] = TensorLayout(tuple(shape), param_dtype)
+    return layout
