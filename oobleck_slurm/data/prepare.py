@@ -72,7 +72,10 @@ def _encode_chunks(
             yield np.frombuffer(raw, dtype=np.uint8).astype(dtype)
         return
     for text in _text_chunks(raw_chunks, where):
-        ids = np.asarray(tok.encode(text), dtype=np.int64)
+        try:
+            ids = np.asarray(tok.encode(text), dtype=np.int64)
+        except Exception as e:  # a user's tokenizer: say where, not just what
+            raise ValueError(f"{where}: tokenizer.encode raised {type(e).__name__}: {e}") from e
         if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
             raise ValueError(
                 f"{where}: tokenizer produced id {int(ids.min() if ids.min() < 0 else ids.max())}"

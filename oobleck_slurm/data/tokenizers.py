@@ -55,7 +55,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise TokenizerError(
             f"tokenizer {spec!r}: module {module_name!r} has no callable {func_name!r}"
         )
-    tok = factory()
+    try:
+        tok = factory()
+    except Exception as e:  # a user's factory: report it as bad tokenizer input, not a traceback
+        raise TokenizerError(f"tokenizer {spec!r}: {func_name}() raised {type(e).__name__}: {e}")
     vocab = getattr(tok, "vocab_size", None)
     if not callable(getattr(tok, "encode", None)) or not isinstance(vocab, int) or vocab < 1:
         raise TokenizerError(

@@ -24,3 +24,7 @@ def out_of_range_tokenizer() -> WordTokenizer:
 
 def not_a_tokenizer() -> object:
     return object()
+
+
+def failing_factory() -> WordTokenizer:
+    raise FileNotFoundError("vocab.json not found")
