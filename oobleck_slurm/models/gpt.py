@@ -53,6 +53,15 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention.
+
+    The key bias is masked out (it stays a parameter, so shapes and counts are GPT-2's): adding the
+    same vector to every key shifts all of a query's scores by one constant, which softmax removes,
+    so its true gradient is zero and the computed one is pure rounding noise. Adam-type optimizers
+    normalise that noise into full-size updates, which would make the key bias differ between two
+    runs that sum the same gradients in a different order (e.g. different pipeline plans).
+    """
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.d_model % cfg.n_head:
@@ -60,10 +69,14 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        mask = torch.ones(3 * cfg.d_model)
+        mask[cfg.d_model : 2 * cfg.d_model] = 0.0
+        self.register_buffer("qkv_bias_mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias * self.qkv_bias_mask)
+        q, k, v = qkv.split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))

@@ -1,0 +1,77 @@
+"""One pipeline stage: forward and backward of its contiguous layers for one microbatch at a time.
+
+Each layer's input is detached at the layer boundary, and backward runs one layer at a time from
+the last to the first. The arithmetic is the same as one autograd pass over the stage, but the
+caller learns the moment a layer's gradient is complete (after the last microbatch's backward
+passes through it) and can start that layer's all-reduce while earlier layers are still in backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from oobleck_slurm.models.gpt import lm_loss
+
+
+class Stage:
+    def __init__(self, layers: list[nn.Module], first_layer: int, is_last: bool, device: torch.device,
+                 bf16: bool = False) -> None:
+        self.layers = layers
+        self.first_layer = first_layer
+        self.is_last = is_last
+        self.device = device
+        self.bf16 = bf16 and device.type == "cuda"  # autocast only on CUDA
+        # microbatch -> [(layer input, layer output)], the last output being the scaled loss on the
+        # last stage; freed by backward.
+        self._saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None,
+                loss_scale: float = 1.0) -> torch.Tensor:
+        """The stage's output for microbatch `mb` (detached), or on the last stage its scaled loss."""
+        saved = []
+        h = x
+        with self._autocast():
+            for layer in self.layers:
+                inp = h.detach().requires_grad_(h.is_floating_point())
+                h = layer(inp)
+                saved.append((inp, h))
+            if self.is_last:
+                if targets is None:
+                    raise ValueError("Stage.forward: the last stage needs the targets")
+                h = lm_loss(h, targets) * loss_scale
+                saved[-1] = (saved[-1][0], h)
+        self._saved[mb] = saved
+        return h.detach()
+
+    def backward(self, mb: int, grad_out: torch.Tensor | None,
+                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """Backward of microbatch `mb`; returns the gradient of the stage input (None for token ids).
+
+        `on_layer_done(layer_index)` is called as soon as each layer's backward is done, last
+        layer first.
+        """
+        saved = self._saved.pop(mb)
+        grad = grad_out
+        for i in range(len(saved) - 1, -1, -1):
+            inp, out = saved[i]
+            if grad is None:  # the loss
+                out.backward()
+            else:
+                out.backward(grad)
+            grad = inp.grad if inp.requires_grad else None
+            if on_layer_done is not None:
+                on_layer_done(self.first_layer + i)
+        return grad
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._saved)

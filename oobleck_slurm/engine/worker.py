@@ -1,0 +1,235 @@
+"""Worker: one process's part of training, as a small class with explicit state.
+
+State: `step` (the next step to run), `layers` and `optimizers` (by layer index; `keys` names them),
+the current `plan` and `gen` (Generation). `rebuild(plan, gen)` moves a live worker to a new plan:
+it copies the layers it now needs from their holders (parameters and optimizer state), drops the
+ones it no longer needs, and from then on uses the new generation's groups. `train_step()` runs
+one step: 1F1B over this rank's stage, layer-wise gradient all-reduce overlapped with the last
+microbatch's backward, global-norm clipping, optimizer step.
+
+Exactness: every microbatch's mean loss is scaled by 1 / (microbatches in the whole step), so the
+SUM all-reduce of a layer's gradient over the pipelines holding it is the gradient of the mean loss
+over the global batch, for any split of microbatches between pipelines.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from oobleck_slurm.engine.batches import StepBatches, open_dataset
+from oobleck_slurm.engine.comm import Generation
+from oobleck_slurm.engine.layer_optim import (
+    clip_coefficient,
+    layer_sq_norm,
+    make_layer_optimizer,
+    scale_grads,
+    set_lr,
+    zero_grads,
+)
+from oobleck_slurm.engine.layout import ExecPlan, Role, plan_transfers
+from oobleck_slurm.engine.lr import lr_at
+from oobleck_slurm.engine.schedule import one_f_one_b
+from oobleck_slurm.engine.spec import JobSpec
+from oobleck_slurm.engine.stage import Stage
+from oobleck_slurm.engine.transfer import run_transfers
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float  # mean loss over the global batch
+    grad_norm: float  # global norm before clipping
+    lr: float
+    seconds: float  # this rank's wall time for the step
+    pipeline_seconds: list[float] = field(default_factory=list)  # per pipeline: its first stage's schedule time
+    compute_seconds: list[float] = field(default_factory=list)  # per rank: forward/backward only
+
+
+class Worker:
+    def __init__(self, job: JobSpec, rank: int, device: torch.device | None = None) -> None:
+        self.job = job
+        self.rank = rank
+        self.device = device or torch.device("cpu")
+        self.keys = job.model.keys()
+        self.step = 0
+        self.layers: dict[int, nn.Module] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.plan: ExecPlan | None = None
+        self.gen: Generation | None = None
+        self.role: Role | None = None
+        self._build = job.model.builder()
+        t = job.train
+        dataset = open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size)
+        self.batches = StepBatches(dataset, t.global_batch_size, t.microbatch_size, t.seed)
+
+    # ---- plan changes -------------------------------------------------------------------------
+
+    def _new_layer(self, index: int) -> None:
+        layer = self._build(self.job.train.seed, index, index + 1)[0].to(self.device)
+        self.layers[index] = layer
+        self.optimizers[index] = make_layer_optimizer(layer, self.job.optim)
+
+    def rebuild(self, plan: ExecPlan, gen: Generation,
+                old_holders: dict[int, list[int]] | None = None) -> int:
+        """Adopt `plan` on generation `gen`; returns the bytes this rank received.
+
+        First build (no plan yet, step 0): every rank builds its layers from the seed. Later:
+        layers this rank lacks are copied from `old_holders[layer]` (ranks in `gen`'s numbering;
+        by default the holders under the previous plan, same ranks). Every rank of `gen` must call
+        this with the same arguments.
+        """
+        if plan.num_layers != len(self.keys):
+            raise ValueError(f"plan has {plan.num_layers} layers, the model has {len(self.keys)}")
+        if plan.num_microbatches != self.job.train.num_microbatches:
+            raise ValueError(
+                f"plan splits {plan.num_microbatches} microbatches, the job's step has "
+                f"{self.job.train.num_microbatches}"
+            )
+        role = plan.role(self.rank)
+        needed = set(role.layers) if role else set()
+        if role is not None and self.job.model.gpt.tie_embeddings and role.num_stages > 1:
+            raise NotImplementedError(
+                "tie_embeddings=True is not supported with multi-stage pipelines (the embedding and "
+                "the head would live on different workers); use tie_embeddings=False"
+            )
+        received = 0
+        if self.plan is None and old_holders is None:
+            for index in sorted(needed):
+                self._new_layer(index)
+        else:
+            if old_holders is None:
+                old_holders = {l: list(self.plan.holders(l)) for l in range(plan.num_layers)}
+            transfers = plan_transfers(old_holders, plan)
+            for layer, _, dst in transfers:
+                if dst == self.rank:
+                    self._new_layer(layer)
+            received = run_transfers(gen, transfers, self.layers, self.optimizers)
+            for index in list(self.layers):
+                if index not in needed:
+                    del self.layers[index], self.optimizers[index]
+        self.plan, self.gen, self.role = plan, gen, role
+        return received
+
+    def drop_generation(self) -> None:
+        """Forget the current groups (e.g. after a failure); layers and optimizer state stay."""
+        self.gen = None
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def _hidden_buffer(self) -> torch.Tensor:
+        g = self.job.model.gpt
+        return torch.empty(self.job.train.microbatch_size, g.seq_len, g.d_model, device=self.device)
+
+    def train_step(self) -> StepResult:
+        """Run step `self.step` on the current plan, then advance `self.step`."""
+        plan, gen, role = self.plan, self.gen, self.role
+        if plan is None or gen is None:
+            raise RuntimeError("Worker.train_step: no plan/generation; call rebuild() first")
+        t0 = time.perf_counter()
+        held = [self.layers[i] for i in sorted(self.layers)]
+        zero_grads(held)
+        pending: list[tuple[torch.distributed.Work, torch.Tensor]] = []  # sends: keep buffers alive
+        reductions: list[tuple[int, torch.distributed.Work | None, torch.Tensor]] = []
+        loss_sum, compute, schedule_s = 0.0, 0.0, 0.0
+
+        def reduce_layer(index: int) -> None:
+            layer = self.layers[index]
+            flat = torch.cat([p.grad.reshape(-1) for p in layer.parameters()])
+            group = gen.layer_group.get(index)
+            reductions.append((index, group.allreduce([flat]) if group is not None else None, flat))
+
+        if role is not None:
+            stage = Stage(held, role.layers.start, role.is_last, self.device,
+                          bf16=self.job.train.precision == "bf16")
+            scale = 1.0 / plan.num_microbatches
+            last_mb = role.mb_count - 1
+            for op, m in one_f_one_b(role.stage, role.num_stages, role.mb_count):
+                if op == "F":
+                    x = y = None
+                    if role.is_first or role.is_last:
+                        x, y = self.batches.microbatch(self.step, role.mb_start + m)
+                        x, y = x.to(self.device), y.to(self.device)
+                    if not role.is_first:
+                        x = self._hidden_buffer()
+                        gen.wait(gen.recv(x, role.prev_rank, 2 * m))
+                    c = time.perf_counter()
+                    out = stage.forward(m, x, y, scale)
+                    compute += time.perf_counter() - c
+                    if role.is_last:
+                        loss_sum += float(out)
+                    else:
+                        pending.append((gen.send(out, role.next_rank, 2 * m), out))
+                else:
+                    grad = None
+                    if not role.is_last:
+                        grad = self._hidden_buffer()
+                        gen.wait(gen.recv(grad, role.next_rank, 2 * m + 1))
+                    c = time.perf_counter()
+                    grad_in = stage.backward(m, grad, reduce_layer if m == last_mb else None)
+                    compute += time.perf_counter() - c
+                    if not role.is_first:
+                        pending.append((gen.send(grad_in, role.prev_rank, 2 * m + 1), grad_in))
+            if role.mb_count == 0:  # no microbatch: still take part in every layer's all-reduce
+                for index in reversed(role.layers):
+                    reduce_layer(index)
+            for work, _ in pending:
+                gen.wait(work)
+            schedule_s = time.perf_counter() - t0
+
+        # Gradients: wait for each layer's all-reduce, unpack; per-layer squared norms.
+        sq = torch.zeros(plan.num_layers, dtype=torch.float64)
+        for index, work, flat in reductions:
+            if work is not None:
+                gen.wait(work)
+            offset = 0
+            for p in self.layers[index].parameters():
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+            sq[index] = layer_sq_norm(self.layers[index])
+        if gen.pipeline is not None:
+            gen.wait(gen.pipeline.allreduce([sq]))
+        total_sq = sum(float(v) for v in sq)  # fixed order: every pipeline gets the same bits
+
+        # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time.
+        num_p = len(plan.pipelines)
+        metrics = torch.zeros(1 + num_p + gen.world_size, dtype=torch.float64)
+        if role is not None:
+            if role.is_last:
+                metrics[0] = loss_sum
+            if role.is_first:
+                metrics[1 + role.pipeline] = schedule_s
+        metrics[1 + num_p + self.rank] = compute
+        gen.wait(gen.world.allreduce([metrics]))
+
+        # Optimizer step.
+        t = self.job.train
+        lr = lr_at(self.step, lr=self.job.optim.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                   min_lr=t.min_lr, decay=t.decay)
+        if role is not None:
+            scale_grads(held, clip_coefficient(total_sq, t.grad_clip))
+            for index in sorted(self.optimizers):
+                set_lr(self.optimizers[index], lr)
+                self.optimizers[index].step()
+        result = StepResult(
+            step=self.step,
+            loss=float(metrics[0]),
+            grad_norm=total_sq**0.5,
+            lr=lr,
+            seconds=time.perf_counter() - t0,
+            pipeline_seconds=[float(v) for v in metrics[1 : 1 + num_p]],
+            compute_seconds=[float(v) for v in metrics[1 + num_p :]],
+        )
+        self.step += 1
+        return result
+
+    def layer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Parameters of the held layers, by layer key then parameter name (CPU copies)."""
+        return {
+            self.keys[i]: {n: p.detach().cpu().clone() for n, p in self.layers[i].named_parameters()}
+            for i in sorted(self.layers)
+        }
