@@ -112,7 +112,8 @@ def main() -> int:
 
     console = Console()
     t = Table(title="Optimizer state per parameter (B/p), fp32 parameters; ratio = CAME/AdamW")
-    for col in ("preset", "params", "AdamW B/p", "CAME B/p", "ratio", "CAME blk B/p", "AdamW GiB", "CAME GiB"):
+    columns = ("preset", "params", "AdamW B/p", "CAME B/p", "ratio", "CAME blk B/p", "AdamW GiB", "CAME GiB")
+    for col in columns:
         t.add_column(col, justify="right")
     for r in states:
         t.add_row(

@@ -37,7 +37,10 @@ def _device(spec: TensorLayout, p: torch.Tensor) -> torch.device:
     return torch.device("cpu") if spec.on_cpu else p.device
 
 
-def optimizer_state_spec(opt: torch.optim.Optimizer) -> dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]]:
+StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]]
+
+
+def optimizer_state_spec(opt: torch.optim.Optimizer) -> StateSpec:
     """name -> (shape, dtype, device) of every state tensor, from the parameters alone, in order."""
     return {
         f"{i}.{key}": (spec.shape, spec.dtype, _device(spec, p))
