@@ -4,8 +4,8 @@ Machines of one training job run the same work, so their metrics (CPU, memory, n
 utilisation, power, temperature, step compute time) move together; a faulty machine's metrics
 drift away from its peers' before the job halts. For each metric and sample, values are normalised
 across nodes and each node's median distance to its peers is taken; its median over the recent
-window, summed over metrics, is the node's score. A node whose score is the largest and stands out (by `threshold` times the median node's) is a suspect; a
-suspect for `continuity` consecutive observations is reported faulty. Continuity is what makes it
+window, summed over metrics, is the node's score. A node whose score is the largest and stands
+out (by `threshold` times the median node's) is a suspect; a suspect for `continuity` consecutive observations is reported faulty. Continuity is what makes it
 precise: one noisy sample makes no alarm.
 """
 
