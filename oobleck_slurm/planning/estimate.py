@@ -1,0 +1,119 @@
+"""Estimated profiles: a GPT's per-layer FLOPs and bytes on a named GPU's peak figures.
+
+Per microbatch of b sequences of s tokens (t = b * s), d = d_model, h = n_head, V = vocab, e =
+bytes per element of the dtype:
+
+    block:  forward FLOPs  = t * (24 d^2 + 4 s d)    (QKV/proj/MLP matmuls, attention scores and mix)
+            backward FLOPs = 2 * forward
+            held activations = t * d * (34 + 5 h s / d) * e / 2   (Korthikanti et al. 2022, no recompute)
+    head:   forward FLOPs  = 2 t d V; held: its input + fp32 logits (t * V * 4)
+    embed:  memory bound: t * d * e bytes written (forward), twice that in backward
+    time  = max(FLOPs / (peak * efficiency), bytes / HBM bandwidth)
+
+Parameter shapes follow `models.gpt` (tested against it); optimizer-state bytes come from the
+optimizer's own layout (`optim.memory`), so AdamW and CAME differ as they really do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from oobleck_slurm.models.config import GPTConfig
+from oobleck_slurm.planning.gpus import DEFAULT_EFFICIENCY, GPUSpec, gpu_spec
+from oobleck_slurm.planning.profile import LayerProfile, Link, Profile, profile_key
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def gpt_layer_shapes(cfg: GPTConfig) -> list[list[tuple[int, ...]]]:
+    """Parameter shapes of each layer of `models.gpt.build_layers(cfg)`, without building it."""
+    d, v = cfg.d_model, cfg.vocab_size
+    embed = [(v, d), (cfg.seq_len, d)]
+    block = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    head = [(d,), (d,), (v, d)]
+    return [embed] + [block] * cfg.n_layer + [head]
+
+
+def _numel(shapes: list[tuple[int, ...]]) -> int:
+    total = 0
+    for shape in shapes:
+        n = 1
+        for x in shape:
+            n *= x
+        total += n
+    return total
+
+
+def estimate_profile(
+    cfg: GPTConfig,
+    gpu: str | GPUSpec,
+    *,
+    microbatch_size: int,
+    dtype: str = "bf16",
+    optimizer: str = "adamw",
+    devices_per_node: int | None = None,
+    efficiency: float = DEFAULT_EFFICIENCY,
+) -> Profile:
+    """A profile of `cfg` on `gpu` derived from peak figures (see the module docstring)."""
+    import torch  # the optimizer layouts are expressed in torch dtypes
+
+    from oobleck_slurm.optim.memory import optimizer_state_bytes
+
+    spec = gpu_spec(gpu) if isinstance(gpu, str) else gpu
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    e = DTYPE_BYTES[dtype]
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    # fp32 runs on TF32/FP32 units at about half the bf16 tensor rate.
+    flops_per_s = spec.bf16_tflops * 1e12 * efficiency * (1.0 if dtype == "bf16" else 0.5)
+    hbm = spec.hbm_TBps * 1e12
+    b, s, d, h, v = microbatch_size, cfg.seq_len, cfg.d_model, cfg.n_head, cfg.vocab_size
+    t = b * s
+
+    def seconds(flops: float, nbytes: float) -> float:
+        return max(flops / flops_per_s, nbytes / hbm)
+
+    layers = []
+    shapes = gpt_layer_shapes(cfg)
+    names = ["embed"] + [f"block.{i}" for i in range(cfg.n_layer)] + ["head"]
+    for i, (name, layer_shapes) in enumerate(zip(names, shapes)):
+        params = _numel(layer_shapes)
+        pbytes = params * e
+        if i == 0:
+            out = t * d * e
+            fwd, bwd = seconds(0, out + t * 8), seconds(0, 2 * out + pbytes)
+            held = t * 8
+        elif i == len(shapes) - 1:
+            flops = 2 * t * d * v
+            fwd, bwd = seconds(flops, pbytes), seconds(2 * flops, 2 * pbytes)
+            out = t * v * e
+            held = t * d * e + t * v * 4
+        else:
+            flops = t * (24 * d * d + 4 * s * d)
+            fwd, bwd = seconds(flops, pbytes), seconds(2 * flops, 2 * pbytes)
+            out = t * d * e
+            held = int(t * d * (34 + 5 * h * s / d) * e / 2)
+        opt = optimizer_state_bytes(optimizer, layer_shapes, torch_dtype)
+        layers.append(LayerProfile(name, fwd, bwd, pbytes, pbytes, opt, out, held))
+    per_node = devices_per_node or spec.devices_per_node
+    nvlink = Link(spec.nvlink_latency_s, spec.nvlink_GBps * 1e9)
+    net = Link(spec.network_latency_s, spec.network_GBps * 1e9)
+    model = {"family": "gpt", **asdict(cfg)}
+    source = f"estimate:{spec.name}:eff={efficiency}"
+    key = profile_key(
+        model=model, microbatch_size=b, dtype=dtype, device_name=spec.name, torch_version="n/a",
+        optimizer=optimizer, source=source, devices_per_node=per_node,
+    )
+    return Profile(
+        layers=tuple(layers),
+        device_name=spec.name,
+        device_memory_bytes=int(spec.memory_gib * 2**30),
+        devices_per_node=per_node,
+        microbatch_size=b,
+        dtype=dtype,
+        optimizer=optimizer,
+        links={"intra_node": nvlink, "inter_node": net, "allreduce_intra": nvlink, "allreduce_inter": net},
+        source=source,
+        model=model,
+        key=key,
+    )
