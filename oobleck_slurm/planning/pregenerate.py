@@ -1,0 +1,138 @@
+"""From a recipe to a profile and templates, through templates_cache/ (what `submit` and `plan` call).
+
+Templates are optimised for N_b = ceil(B / (f + 1)) microbatches, B the global microbatches: the
+share of a pipeline in the smallest plan that survives f failures. The node range is 1 .. the
+allocation (nodes + spares); sizes that cannot hold the model are left out, so the smallest
+template is n0 and, whenever the allocation allows f >= 1, every size n0 .. 2 n0 - 1 that fits is
+generated (the coverage guarantee in `instantiate`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from oobleck_slurm.planning.cache import TemplateCache
+from oobleck_slurm.planning.estimate import estimate_profile
+from oobleck_slurm.planning.gpus import GPUS
+from oobleck_slurm.planning.profile import Profile, load_profile, profile_from_dict
+from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, generate_templates
+
+# Bump when the template algorithm or the cost model changes: older cache entries become stale.
+PLANNER_VERSION = 1
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What templates are made for, from a recipe (and command-line overrides)."""
+
+    max_nodes: int
+    failures: int
+    global_microbatches: int
+    microbatch_size: int
+    max_stage_devices: int = 1  # the engine runs one stage per device
+
+    @property
+    def num_microbatches(self) -> int:
+        return max(1, math.ceil(self.global_microbatches / (self.failures + 1)))
+
+
+def plan_request(recipe: Any, *, nodes: int | None = None, failures: int | None = None) -> PlanRequest:
+    training = recipe.training
+    return PlanRequest(
+        max_nodes=nodes if nodes is not None else recipe.cluster.nodes + recipe.cluster.spare_nodes,
+        failures=failures if failures is not None else recipe.fault_tolerance.f,
+        global_microbatches=training.global_microbatches,
+        microbatch_size=training.microbatch_size,
+    )
+
+
+def recipe_profile(
+    recipe: Any,
+    cache: TemplateCache,
+    *,
+    profile_file: str | Path | None = None,
+    estimate_gpu: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[Profile, str]:
+    """The profile to plan with, and where it came from ('file', 'estimate', 'cache hit', 'measured')."""
+    cfg = recipe.model.resolve()
+    training = recipe.training
+    per_node = recipe.cluster.devices_per_node
+    if profile_file is not None:
+        return load_profile(profile_file), "file"
+    if estimate_gpu is not None:
+        return estimate_profile(
+            cfg, estimate_gpu, microbatch_size=training.microbatch_size, dtype=training.precision,
+            optimizer=training.optimizer.name, devices_per_node=recipe.cluster.gpus_per_node or None,
+        ), "estimate"
+    import torch
+
+    if recipe.cluster.gpus_per_node > 0 and not torch.cuda.is_available():
+        raise PlanningError(
+            f"the recipe runs on GPUs ({recipe.cluster.gpus_per_node} per node) but this machine has none "
+            f"to profile on: pass --estimate GPU (known: {', '.join(GPUS)}) or --profile FILE made on a "
+            f"compute node with `python -m oobleck_slurm profile RECIPE --json > FILE`"
+        )
+    from oobleck_slurm.planning.measure import device_description, profile_model
+
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    inputs = {
+        "model": {"family": "gpt", **asdict(cfg)}, "microbatch_size": training.microbatch_size,
+        "dtype": training.precision, "optimizer": training.optimizer.name, "devices_per_node": per_node,
+        "device_name": device_description(device)[0], "torch_version": torch.__version__, "source": "measured",
+    }
+
+    def measure() -> dict[str, Any]:
+        report = (lambda done, total: progress("profiling layers", done, total)) if progress else None
+        return profile_model(
+            cfg, microbatch_size=training.microbatch_size, dtype=training.precision,
+            optimizer=training.optimizer.name, devices_per_node=per_node, progress=report,
+        ).to_dict()
+
+    data, status = cache.get_or_create("profile", inputs, measure)
+    return profile_from_dict(data, where=str(cache.path("profile", cache.key(inputs)))), (
+        "cache hit" if status == "hit" else "measured"
+    )
+
+
+def cached_templates(
+    profile: Profile, request: PlanRequest, cache: TemplateCache, progress: Progress | None = None
+) -> tuple[list[PipelineTemplate], str]:
+    """All feasible templates for 1 .. request.max_nodes, from the cache or generated and stored."""
+    inputs = {
+        "planner_version": PLANNER_VERSION, "profile_key": profile.key, "profile_content": profile.content_hash(),
+        "min_nodes": 1, "max_nodes": request.max_nodes, "num_microbatches": request.num_microbatches,
+        "max_stage_devices": request.max_stage_devices,
+    }
+
+    def create() -> dict[str, Any]:
+        report = (lambda done, total: progress("generating templates", done, total)) if progress else None
+        templates = generate_templates(
+            profile, request.max_nodes, 1, num_microbatches=request.num_microbatches,
+            max_stage_devices=request.max_stage_devices, progress=report,
+        )
+        return {"templates": [t.to_dict() for t in templates]}
+
+    data, status = cache.get_or_create("templates", inputs, create)
+    return [PipelineTemplate.from_dict(t) for t in data["templates"]], status
+
+
+def pregenerate(
+    recipe: Any,
+    cache_dir: str | Path = "templates_cache",
+    *,
+    profile_file: str | Path | None = None,
+    estimate_gpu: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[Profile, list[PipelineTemplate]]:
+    """Profile the recipe's model (or reuse the cached profile) and make its templates, before the job."""
+    cache = TemplateCache(cache_dir)
+    profile, _ = recipe_profile(recipe, cache, profile_file=profile_file, estimate_gpu=estimate_gpu, progress=progress)
+    templates, _ = cached_templates(profile, plan_request(recipe), cache, progress)
+    return profile, templates
