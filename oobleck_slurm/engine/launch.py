@@ -18,9 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from oobleck_slurm.engine.batches import open_dataset
 from oobleck_slurm.engine.comm import Timeouts
 from oobleck_slurm.engine.layout import ExecPlan
-from oobleck_slurm.engine.spec import JobSpec
+from oobleck_slurm.engine.spec import JobSpec, load_factory
 from oobleck_slurm.events import EventLog, events_path, read_events
 
 POLL_S = 0.05
@@ -62,6 +63,10 @@ def run_local(job: JobSpec, plans: ExecPlan | list[tuple[int, ExecPlan]], num_wo
         bad = [r for r in plan.ranks if r >= num_workers]
         if bad:
             raise ValueError(f"plan from step {from_step} uses rank(s) {bad}, but only {num_workers} workers run")
+    # Fail here, with a clear message, on what would otherwise fail in every worker.
+    if job.model.factory:
+        load_factory(job.model.factory)
+    open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=timeouts.store))
     (job_dir / "job.json").write_text(job.to_json())

@@ -9,6 +9,7 @@ and the worker is rebuilt in place between segments.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -50,6 +51,8 @@ def run(job_dir: Path, rank: int) -> None:
     worker = Worker(job, rank, device)
     log = EventLog(events_path(job_dir)) if rank == 0 else None
     segments = launch["segments"]
+    # Fault injection for tests and benchmarks: {"rank": r, "step": s} kills rank r before step s.
+    fault = job.extra.get("fault", {})
     gen = None
     for g, segment in enumerate(segments):
         end = segments[g + 1]["from_step"] if g + 1 < len(segments) else job.train.steps
@@ -59,6 +62,8 @@ def run(job_dir: Path, rank: int) -> None:
         if log is not None:
             log.emit("generation", generation=g, step=worker.step, received_bytes_rank0=received)
         while worker.step < end:
+            if fault.get("rank") == rank and fault.get("step") == worker.step:
+                os._exit(int(fault.get("code", 17)))  # injected crash, no cleanup: like a dead node
             result = worker.train_step()
             if log is not None:
                 log.emit("step", **step_event(result, g, job.train.global_batch_size))

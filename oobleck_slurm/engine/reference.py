@@ -26,7 +26,7 @@ def train_reference(job: JobSpec, steps: int | None = None
     parameters by layer key and parameter name."""
     t, g = job.train, job.model.gpt
     steps = t.steps if steps is None else steps
-    layers = job.model.builder()(t.seed, 0, job.model.num_layers)
+    layers = [layer.to(t.param_dtype) for layer in job.model.builder()(t.seed, 0, job.model.num_layers)]
     optimizers = [make_layer_optimizer(layer, job.optim) for layer in layers]
     batches = StepBatches(open_dataset(job.data, g.seq_len, g.vocab_size), t.global_batch_size,
                           t.microbatch_size, t.seed)

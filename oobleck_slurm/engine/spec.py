@@ -11,9 +11,13 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
+import torch
+
 from oobleck_slurm.models.config import GPTConfig
 
-PRECISIONS = ("fp32", "bf16")
+# fp64 is for exactness tests: there, summing the same gradients in another order moves Adam/CAME
+# parameters by ~1e-13 instead of ~1e-5 (fp32), so a 1e-5 tolerance separates bugs from rounding.
+PRECISIONS = ("fp32", "bf16", "fp64")
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ class TrainSpec:
     warmup_steps: int = 0
     decay: str = "cosine"
     min_lr: float = 0.0
-    precision: str = "fp32"  # bf16 autocast applies on CUDA only
+    precision: str = "fp32"  # bf16: autocast on CUDA only (fp32 on CPU); fp64: parameters in float64
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "num_microbatches"):
@@ -104,6 +108,10 @@ class TrainSpec:
                 raise ValueError(f"training: {name} must be >= 1, got {getattr(self, name)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"training: precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.float64 if self.precision == "fp64" else torch.float32
 
     @property
     def global_batch_size(self) -> int:

@@ -69,7 +69,7 @@ class Worker:
     # ---- plan changes -------------------------------------------------------------------------
 
     def _new_layer(self, index: int) -> None:
-        layer = self._build(self.job.train.seed, index, index + 1)[0].to(self.device)
+        layer = self._build(self.job.train.seed, index, index + 1)[0].to(self.device, self.job.train.param_dtype)
         self.layers[index] = layer
         self.optimizers[index] = make_layer_optimizer(layer, self.job.optim)
 
@@ -122,7 +122,8 @@ class Worker:
 
     def _hidden_buffer(self) -> torch.Tensor:
         g = self.job.model.gpt
-        return torch.empty(self.job.train.microbatch_size, g.seq_len, g.d_model, device=self.device)
+        return torch.empty(self.job.train.microbatch_size, g.seq_len, g.d_model, device=self.device,
+                           dtype=self.job.train.param_dtype)
 
     def train_step(self) -> StepResult:
         """Run step `self.step` on the current plan, then advance `self.step`."""

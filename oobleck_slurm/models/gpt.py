@@ -162,5 +162,7 @@ def build_layers(cfg: GPTConfig, seed: int, start: int = 0, stop: int | None = N
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all positions of a microbatch."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    """Mean next-token cross-entropy over all positions of a microbatch (in at least float32)."""
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # bf16/fp16 logits under autocast
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

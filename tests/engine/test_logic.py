@@ -1,0 +1,89 @@
+"""Pure engine logic: 1F1B schedule, plan validation and roles, layer groups, transfers, lr."""
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec, PlanError, layer_groups, make_plan, plan_transfers
+from oobleck_slurm.engine.lr import lr_at
+from oobleck_slurm.engine.schedule import one_f_one_b
+
+
+@given(st.integers(1, 6), st.integers(0, 12), st.data())
+def test_1f1b_runs_every_microbatch_once_in_order_with_bounded_memory(num_stages, num_mb, data):
+    stage = data.draw(st.integers(0, num_stages - 1))
+    actions = one_f_one_b(stage, num_stages, num_mb)
+    fwd = [m for op, m in actions if op == "F"]
+    bwd = [m for op, m in actions if op == "B"]
+    assert fwd == list(range(num_mb)) and bwd == list(range(num_mb))
+    in_flight = 0
+    for op, m in actions:
+        in_flight += 1 if op == "F" else -1
+        assert 0 <= in_flight <= num_stages - stage
+        if op == "B":
+            assert ("F", m) in actions[: actions.index(("B", m))]
+    if num_mb:
+        assert actions[-1] == ("B", num_mb - 1)
+
+
+def test_1f1b_warmup_shape():
+    assert [a.op for a in one_f_one_b(0, 3, 4)] == list("FFFBFBBB")
+    assert [a.op for a in one_f_one_b(2, 3, 4)] == list("FBFBFBFB")
+
+
+def test_roles_holders_and_groups():
+    plan = make_plan(6, [[0, 6], [0, 3, 6], [0, 2, 4, 6]], [2, 3, 3])
+    assert plan.ranks == [0, 1, 2, 3, 4, 5]
+    r = plan.role(4)
+    assert (r.pipeline, r.stage, r.layers, r.prev_rank, r.next_rank) == (2, 1, range(2, 4), 3, 5)
+    assert (r.mb_start, r.mb_count) == (5, 3)
+    assert plan.role(7) is None  # spare
+    assert plan.holders(2) == (0, 1, 4)
+    groups = layer_groups(plan)
+    assert groups[(0, 1, 3)] == [0, 1] and groups[(0, 2, 5)] == [4, 5]
+    assert sum(len(v) for v in groups.values()) == 6
+    assert ExecPlan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize(
+    "pipelines, match",
+    [
+        ([PipelineSpec((0,), (0, 6), 0, 4), PipelineSpec((0, 1), (0, 3, 6), 4, 4)], "already used"),
+        ([PipelineSpec((0,), (0, 5), 0, 8)], "must run from 0 to 6"),
+        ([PipelineSpec((0, 1), (0, 3, 3, 6), 0, 8)], "needs 3 layer bounds"),
+        ([PipelineSpec((0, 1), (0, 0, 6), 0, 8)], "strictly increasing"),
+        ([PipelineSpec((0,), (0, 6), 0, 3), PipelineSpec((1,), (0, 6), 4, 4)], "expected a slice starting at 3"),
+        ([PipelineSpec((0,), (0, 6), 0, 7)], "cover 7 microbatches, the step has 8"),
+    ],
+)
+def test_bad_plans_are_clear_errors(pipelines, match):
+    with pytest.raises(PlanError, match=match):
+        ExecPlan(6, 8, tuple(pipelines))
+
+
+def test_transfers_spread_over_holders_and_skip_held_layers():
+    old = make_plan(4, [[0, 4], [0, 4]], [2, 2])  # ranks 0 and 1 hold everything
+    new = make_plan(4, [[0, 2, 4], [0, 1, 4]], [2, 2], first_rank=2)  # ranks 2..5 hold nothing yet
+    holders = {l: list(old.holders(l)) for l in range(4)}
+    transfers = plan_transfers(holders, new)
+    assert sorted((l, d) for l, _, d in transfers) == sorted(
+        [(0, 2), (1, 2), (2, 3), (3, 3), (0, 4), (1, 5), (2, 5), (3, 5)]
+    )
+    by_layer0 = [s for l, s, _ in transfers if l == 0]
+    assert by_layer0 == [0, 1]  # two copies of layer 0 come from two different holders
+    same = make_plan(4, [[0, 4], [0, 4]], [2, 2])
+    assert plan_transfers(holders, same) == []
+    with pytest.raises(PlanError, match="layer 3 has no holder"):
+        plan_transfers({0: [0], 1: [0], 2: [0]}, same)
+
+
+def test_lr_warmup_then_cosine_to_min():
+    kw = dict(lr=1.0, warmup_steps=4, total_steps=14, min_lr=0.1)
+    assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(9, **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(14, **kw) == pytest.approx(0.1) and lr_at(100, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw, decay="constant") == 1.0
+    with pytest.raises(ValueError, match="decay must be one of"):
+        lr_at(0, lr=1.0, warmup_steps=0, total_steps=1, decay="step")
