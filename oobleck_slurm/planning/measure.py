@@ -95,14 +95,14 @@ def profile_layers(
     return out_profiles
 
 
-def _link_worker(rank: int, init_file: str, backend: str, result: object, sizes: tuple[int, int]) -> None:
+def _link_worker(rank: int, init_file: str, backend: str, large_n: int) -> tuple[float, float, float, float] | None:
+    """One of the two processes of `measure_links`; rank 0 returns the medians."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=2)
-    small_n, large_n = sizes
-    small = torch.zeros(small_n // 4, device=device)
+    small = torch.zeros(16, device=device)
     large = torch.zeros(large_n // 4, device=device)
 
     def pingpong(buf: torch.Tensor, reps: int) -> float:
@@ -131,38 +131,42 @@ def _link_worker(rank: int, init_file: str, backend: str, result: object, sizes:
         return statistics.median(times)
 
     pingpong(small, 3)
-    lat = pingpong(small, 30)
-    big = pingpong(large, 5)
-    ar_small = allreduce(small, 20)
-    ar_big = allreduce(large, 5)
-    if rank == 0:
-        result.put((lat, big, ar_small, ar_big))  # type: ignore[attr-defined]
+    result = (pingpong(small, 30), pingpong(large, 5), allreduce(small, 20), allreduce(large, 5))
     dist.barrier()
     dist.destroy_process_group()
+    return result if rank == 0 else None
 
 
 def measure_links(large_bytes: int = 8 << 20, timeout_s: float = 120.0) -> dict[str, Link]:
-    """Alpha-beta links fitted from real transfers between two fresh local processes."""
-    import multiprocessing as mp
+    """Alpha-beta links fitted from real transfers between two fresh local processes.
+
+    The processes are started as `python -m oobleck_slurm.planning.measure`, not with
+    multiprocessing's spawn, which would re-run the CLI's unguarded __main__ in each child.
+    """
+    import json
+    import subprocess
+    import sys
 
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
-    ctx = mp.get_context("spawn")
-    result = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
+        cmd = [sys.executable, "-m", "oobleck_slurm.planning.measure", init_file, backend, str(large_bytes)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [
-            ctx.Process(target=_link_worker, args=(r, init_file, backend, result, (64, large_bytes)), daemon=True)
-            for r in range(2)
+            subprocess.Popen([*cmd, str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for rank in range(2)
         ]
-        for p in procs:
-            p.start()
         try:
-            lat, big, ar_small, ar_big = result.get(timeout=timeout_s)
+            outs = [p.communicate(timeout=timeout_s) for p in procs]
         finally:
             for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
+                if p.poll() is None:
                     p.kill()
+                    p.wait()
+    if any(p.returncode for p in procs):
+        errors = "; ".join(err.strip().splitlines()[-1] for (_, err), p in zip(outs, procs) if p.returncode and err.strip())
+        raise RuntimeError(f"link measurement between two local processes failed: {errors or 'no message'}")
+    lat, big, ar_small, ar_big = json.loads(outs[0][0])
     p2p = Link(lat, large_bytes / max(big - lat, 1e-9))
     # Ring all-reduce of 2 ranks: 2 alpha + bytes / bw (see cost.allreduce_time).
     ar = Link(ar_small / 2, large_bytes / max(ar_big - ar_small, 1e-9))
@@ -223,3 +227,13 @@ def profile_model(
         devices_per_node=devices_per_node, microbatch_size=microbatch_size, dtype=dtype, optimizer=optimizer,
         links=links, source="measured", model=model, key=key,
     )
+
+
+if __name__ == "__main__":  # one process of measure_links: INIT_FILE BACKEND LARGE_BYTES RANK
+    import json
+    import sys
+
+    _init, _backend, _large, _rank = sys.argv[1:5]
+    _result = _link_worker(int(_rank), _init, _backend, int(_large))
+    if _result is not None:
+        print(json.dumps(_result))

@@ -1,0 +1,115 @@
+"""`plan RECIPE [--nodes N] [--failures F] [--profile FILE | --estimate GPU] [--json]`.
+
+Shows the pipeline templates (one per node count that fits) and the plan for N nodes that survives
+F failures: pipelines, microbatches each, predicted step time and samples/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, fail, load_recipe_or_report
+from oobleck_slurm.commands.profile import add_source_arguments, progress_bar, resolve_profile
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("plan", help="show the pipeline templates and the plan for N nodes and F failures")
+    add_recipe_argument(parser)
+    parser.add_argument("--nodes", type=int, metavar="N", help="nodes to plan for (default: the recipe's nodes + spares)")
+    parser.add_argument("--failures", type=int, metavar="F", help="failures to survive (default: fault_tolerance.f)")
+    add_source_arguments(parser)
+    parser.add_argument("--max-stage-devices", type=int, default=1, metavar="G",
+                        help="devices one stage may span inside a node (default 1: what the engine runs)")
+    parser.add_argument("--json", action="store_true", help="print templates and plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from oobleck_slurm.planning import PlanningError, ProfileError, explain_infeasible, instantiate
+    from oobleck_slurm.planning.cache import TemplateCache
+    from oobleck_slurm.planning.pregenerate import cached_templates, plan_request
+
+    recipe = load_recipe_or_report(args.recipe)
+    if recipe is None:
+        return EXIT_BAD_INPUT
+    for name in ("nodes", "failures"):
+        value = getattr(args, name)
+        if value is not None and value < (1 if name == "nodes" else 0):
+            return fail(f"--{name} must be >= {1 if name == 'nodes' else 0}, got {value}")
+    if args.max_stage_devices < 1:
+        return fail(f"--max-stage-devices must be >= 1, got {args.max_stage_devices}")
+    request = replace(plan_request(recipe, nodes=args.nodes, failures=args.failures),
+                      max_stage_devices=args.max_stage_devices)
+    bar = progress_bar(not args.json)
+    try:
+        if bar is not None:
+            bar.start()
+        profile, source = resolve_profile(args, recipe, bar)
+        cache = TemplateCache(args.cache)
+
+        def report(phase: str, done: int, total: int) -> None:
+            if bar is not None:
+                if not bar.tasks or bar.tasks[-1].description != phase:
+                    bar.add_task(phase, total=total)
+                bar.update(bar.tasks[-1].id, completed=done, total=total)
+
+        templates, status = cached_templates(profile, request, cache, report)
+    except (ProfileError, PlanningError) as err:
+        return fail(str(err))
+    except KeyError as err:
+        return fail(str(err.args[0]))
+    finally:
+        if bar is not None:
+            bar.stop()
+    if not templates:
+        return fail(f"the model fits on no node count up to {request.max_nodes}: "
+                    f"{explain_infeasible(profile, request.num_microbatches, request.max_stage_devices)}")
+    n0 = templates[0].num_nodes
+    try:
+        plan = instantiate(templates, request.max_nodes, request.failures, request.global_microbatches,
+                           microbatch_size=request.microbatch_size, profile=profile)
+    except PlanningError as err:
+        return fail(f"{err} (the smallest pipeline that fits has {n0} nodes)")
+    if args.json:
+        print(json.dumps({
+            "profile": {"source": source, "key": profile.key, "device_name": profile.device_name,
+                        "devices_per_node": profile.devices_per_node},
+            "request": {**request.__dict__, "num_microbatches": request.num_microbatches},
+            "smallest_pipeline_nodes": n0, "templates_cache": status,
+            "templates": [t.to_dict() for t in templates], "plan": plan.to_dict(),
+        }, indent=2))
+        return EXIT_OK
+    show(profile, source, request, templates, plan, status)
+    return EXIT_OK
+
+
+def show(profile, source, request, templates, plan, status) -> None:  # noqa: ANN001
+    from rich.table import Table
+
+    gib = 2**30
+    console.print(f"profile: {profile.device_name} ({source}), {profile.num_layers} layers, "
+                  f"{profile.devices_per_node} devices per node; templates cache: {status}")
+    table = Table(title=f"pipeline templates (optimised for {request.num_microbatches} microbatches)")
+    for col in ("nodes", "stages", "layers per stage", "devices per stage", "iteration s", "bottleneck ms",
+                "max memory GiB"):
+        table.add_column(col, justify="right")
+    for t in templates:
+        ranges = " ".join(f"{s.start}-{s.stop - 1}" if s.num_layers > 1 else str(s.start) for s in t.stages)
+        devices = " ".join(str(s.devices) for s in t.stages)
+        table.add_row(str(t.num_nodes), str(t.num_stages), ranges, devices, f"{t.iteration_time_s:.4f}",
+                      f"{t.bottleneck_s * 1e3:.2f}", f"{t.max_memory_bytes / gib:.2f}")
+    console.print(table)
+    ptable = Table(title=f"plan: {request.max_nodes} nodes, survives {request.failures} failures, "
+                         f"{request.global_microbatches} microbatches of {request.microbatch_size}")
+    for col in ("pipeline", "nodes", "template", "microbatches", "batch slice", "latency s"):
+        ptable.add_column(col, justify="right")
+    for i, p in enumerate(plan.pipelines):
+        nodes = f"{p.nodes[0]}-{p.nodes[-1]}" if len(p.nodes) > 1 else str(p.nodes[0])
+        ptable.add_row(str(i), nodes, f"{p.template.num_nodes} nodes", str(p.microbatches),
+                       f"[{p.first_microbatch}, {p.first_microbatch + p.microbatches})", f"{p.latency_s:.4f}")
+    console.print(ptable)
+    spares = f", spare nodes: {list(plan.spare_nodes)}" if plan.spare_nodes else ""
+    console.print(f"predicted step {plan.step_time_s:.4f} s (pipelines {plan.pipeline_time_s:.4f} s + gradient "
+                  f"all-reduce {plan.sync_time_s:.4f} s): [bold]{plan.samples_per_s:,.1f} samples/s[/]{spares}")

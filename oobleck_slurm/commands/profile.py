@@ -1,0 +1,109 @@
+"""`profile RECIPE [--estimate GPU | --profile FILE] [--json]`: the layer profile the planner uses.
+
+Measured on this machine (cached in templates_cache/), estimated from a GPU's peak figures, or read
+from a file. `--json` prints the profile file format, so `profile RECIPE --json > FILE` on a compute
+node makes a file that `plan --profile FILE` reads anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, fail, load_recipe_or_report
+
+
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the profile comes from; shared with `plan`."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--estimate", metavar="GPU", help="derive the profile from a GPU's peak figures (e.g. H100)")
+    source.add_argument("--profile", metavar="FILE", type=Path, help="read the profile from a JSON file")
+    parser.add_argument("--cache", metavar="DIR", type=Path, default=Path("templates_cache"),
+                        help="cache directory (default: templates_cache)")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("profile", help="measure (or estimate) the per-layer profile of a recipe's model")
+    add_recipe_argument(parser)
+    add_source_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON (the --profile file format)")
+
+
+def progress_bar(enabled: bool):  # noqa: ANN201 (rich Progress or None)
+    """A rich progress bar, or None when output is for a script."""
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=console, transient=True)
+
+
+def resolve_profile(args: argparse.Namespace, recipe, bar):  # noqa: ANN001, ANN201
+    """(Profile, source) for the command's arguments, or raise ProfileError / PlanningError / KeyError."""
+    from oobleck_slurm.planning.cache import TemplateCache
+    from oobleck_slurm.planning.pregenerate import recipe_profile
+
+    tasks: dict[str, int] = {}
+
+    def report(phase: str, done: int, total: int) -> None:
+        if bar is None:
+            return
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(phase, total=total)
+        bar.update(tasks[phase], completed=done, total=total)
+
+    cache = TemplateCache(args.cache)
+    result = recipe_profile(recipe, cache, profile_file=args.profile, estimate_gpu=args.estimate, progress=report)
+    for problem in cache.problems:
+        console.print(f"[yellow]warning:[/] {problem}", highlight=False)
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    from oobleck_slurm.planning import PlanningError, ProfileError
+
+    recipe = load_recipe_or_report(args.recipe)
+    if recipe is None:
+        return EXIT_BAD_INPUT
+    bar = progress_bar(not args.json)
+    try:
+        if bar is not None:
+            with bar:
+                profile, source = resolve_profile(args, recipe, bar)
+        else:
+            profile, source = resolve_profile(args, recipe, None)
+    except (ProfileError, PlanningError) as err:
+        return fail(str(err))
+    except KeyError as err:  # unknown GPU name
+        return fail(str(err.args[0]))
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=2))
+        return EXIT_OK
+    show_profile(profile, source)
+    return EXIT_OK
+
+
+def show_profile(profile, source: str) -> None:  # noqa: ANN001
+    from rich.table import Table
+
+    table = Table(title=f"profile: {profile.device_name}, {profile.devices_per_node} per node, "
+                        f"microbatch {profile.microbatch_size}, {profile.dtype}, {profile.optimizer} ({source})")
+    for col in ("layer", "fwd ms", "bwd ms", "params MiB", "optim MiB", "act MiB/mb", "out MiB/mb"):
+        table.add_column(col, justify="right" if col != "layer" else "left")
+    mib = 2**20
+    for layer in profile.layers:
+        table.add_row(
+            layer.name, f"{layer.forward_s * 1e3:.3f}", f"{layer.backward_s * 1e3:.3f}",
+            f"{layer.param_bytes / mib:.2f}", f"{layer.optimizer_bytes / mib:.2f}",
+            f"{layer.activation_bytes / mib:.2f}", f"{layer.output_bytes / mib:.3f}",
+        )
+    console.print(table)
+    links = Table(title="links (alpha-beta)")
+    for col in ("link", "latency us", "bandwidth GB/s"):
+        links.add_column(col)
+    for name, link in profile.links.items():
+        links.add_row(name, f"{link.latency_s * 1e6:.1f}", f"{link.bandwidth_Bps / 1e9:.2f}")
+    console.print(links)
+    console.print(f"device memory {profile.device_memory_bytes / 2**30:.1f} GiB; key {profile.key[:16]}")
