@@ -1,3 +1,5 @@
 from oobleck_slurm.cli import main
 
-raise SystemExit(main())
+# The guard matters: multiprocessing's spawn re-imports __main__ in every child process.
+if __name__ == "__main__":
+    raise SystemExit(main())
