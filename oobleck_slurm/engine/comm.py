@@ -27,7 +27,8 @@ class Timeouts:
     """Every timeout of the engine, in seconds. Ordered: collective < step < reconfiguration."""
 
     store: float = 60.0  # store connect / get
-    collective: float = 60.0  # any group operation: all-reduce, send/recv, group construction
+    connect: float = 120.0  # building a group: waits until every member has started (imports, builds)
+    collective: float = 60.0  # any group operation afterwards: all-reduce, send/recv, barrier
     step: float = 300.0  # one training step (the supervisor's watchdog, not enforced by workers)
     run: float = 3600.0  # whole local run (the launcher)
 
@@ -41,16 +42,22 @@ def connect_store(host: str, port: int, timeouts: Timeouts) -> dist.TCPStore:
 
 
 def make_group(store: dist.Store, prefix: str, rank: int, size: int, timeout: dt.timedelta,
-               backend: str) -> dist.ProcessGroup:
-    """A process group of `size` members on its own store prefix; only members call this."""
+               backend: str, connect_timeout: dt.timedelta) -> dist.ProcessGroup:
+    """A process group of `size` members on its own store prefix; only members call this.
+
+    Built under `connect_timeout` (members may still be starting), then every later operation
+    runs under `timeout`."""
     pstore = dist.PrefixStore(prefix, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(pstore, rank, size, timeout)
-    if backend == "nccl":
+        pg = dist.ProcessGroupGloo(pstore, rank, size, connect_timeout)
+    elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        opts._timeout = timeout  # NCCL connects lazily, on the first operation
         return dist.ProcessGroupNCCL(pstore, rank, size, opts)
-    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    else:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    pg.set_timeout(timeout)
+    return pg
 
 
 class Generation:
@@ -83,7 +90,8 @@ class Generation:
             members = wanted[name]
             if rank in members:
                 self.groups[name] = make_group(
-                    store, f"gen{number}/{name}", members.index(rank), len(members), timeout, backend
+                    store, f"gen{number}/{name}", members.index(rank), len(members), timeout, backend,
+                    timeouts.td("connect"),
                 )
         self.world = self.groups["world"]
         role = plan.role(rank)
