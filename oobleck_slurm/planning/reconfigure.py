@@ -1,0 +1,298 @@
+"""Reconfiguration: from the current plan and a membership change to a new plan and the state copies.
+
+Pure: no processes, no I/O. The coordinator calls `reconfigure` when nodes are lost or join; the
+workers execute the returned `transfers` (parameters and optimizer state of whole layers).
+
+Rules, applied in this order to the pipelines of the current plan (Oobleck §4.2, design brief §3.6):
+- unchanged: a pipeline that lost no node keeps its template and nodes;
+- simple:    a pipeline with k surviving nodes takes the template for k nodes, on its survivors;
+- borrow:    a pipeline whose survivors have no template (k < n0) first takes free nodes (spares,
+             joined nodes), else borrows nodes from the largest pipeline that can spare them (the
+             donor then runs the template of its smaller size);
+- merge:     undersized pipelines that could borrow nothing are merged (their survivors pooled);
+             nodes that still fit no template become spares (they keep their state and can send it);
+- join:      free nodes (joined, spares) form new pipelines or grow existing ones, one move at a
+             time, as long as a move lowers the predicted step time;
+- replan:    `instantiate` on all live nodes from scratch; taken instead of the local fix when its
+             predicted step time is lower by more than `reoptimize_margin`.
+The batch is then redistributed (`distribute_batch`) so that the samples of a step do not change.
+
+Transfers: for every (device, layer) of the new plan whose device does not already hold the layer,
+one surviving holder sends it. Holders are chosen greedily by the bytes they already send, so the
+copies spread over all surviving replicas in parallel instead of queueing behind one sender.
+
+Recovery is impossible, and `RecoveryImpossible` says why, when some layer has no surviving holder,
+or when no plan with at least f + 1 pipelines fits the live nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from oobleck_slurm.planning.instantiate import NodeId, PipelinePlan, Plan, distribute_batch, fluid_time, instantiate
+from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError
+
+Device = tuple[NodeId, int]  # (node, device index within the node): one worker, one stage
+
+
+class RecoveryImpossible(PlanningError):
+    """No plan can continue from the survivors' in-memory state; `kind` says which rule failed:
+    "no_replica" (`layers` lost every copy) or "too_few_pipelines"."""
+
+    def __init__(self, kind: str, message: str, layers: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.layers = tuple(layers)
+
+
+@dataclass(frozen=True)
+class LayerTransfer:
+    layer: int
+    src: Device
+    dst: Device
+    bytes: int  # parameters + optimizer state (1 per layer when no sizes were given)
+
+
+@dataclass(frozen=True)
+class Reconfiguration:
+    plan: Plan
+    transfers: tuple[LayerTransfer, ...]
+    rules: tuple[str, ...]  # which rules produced the plan, e.g. ("simple", "borrow") or ("replan",)
+    predicted_step_s: float  # slowest pipeline's latency for its share of the batch
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.transfers)
+
+    def senders(self) -> dict[Device, int]:
+        """Bytes each source sends: how the copy load is spread."""
+        out: dict[Device, int] = {}
+        for t in self.transfers:
+            out[t.src] = out.get(t.src, 0) + t.bytes
+        return out
+
+
+def stage_devices(pipeline: PipelinePlan) -> list[tuple[Device, range]]:
+    """Each stage's device and its layers, in stage order (stages of > 1 device: their first)."""
+    t = pipeline.template
+    return [((pipeline.nodes[s.first_device // t.devices_per_node], s.first_device % t.devices_per_node),
+             range(s.start, s.stop)) for s in t.stages]
+
+
+def plan_holders(plan: Plan) -> dict[Device, frozenset[int]]:
+    """Which layers each device of `plan` holds."""
+    return {dev: frozenset(layers) for p in plan.pipelines for dev, layers in stage_devices(p)}
+
+
+def _best_by_size(templates: Sequence[PipelineTemplate]) -> dict[int, PipelineTemplate]:
+    best: dict[int, PipelineTemplate] = {}
+    for t in templates:
+        if t.num_nodes not in best or t.iteration_time_s < best[t.num_nodes].iteration_time_s:
+            best[t.num_nodes] = t
+    return best
+
+
+def _predicted(templates: Sequence[PipelineTemplate], batch: int) -> float:
+    """The slowest pipeline's latency with the batch split as `distribute_batch` splits it."""
+    if not templates or len(templates) > batch:
+        return float("inf")
+    counts = distribute_batch(templates, batch)
+    return max(t.latency(c) for t, c in zip(templates, counts))
+
+
+def _local_fix(current: Plan, lost: set[NodeId], free: list[NodeId], by_size: dict[int, PipelineTemplate],
+               batch: int) -> tuple[list[tuple[PipelineTemplate, list[NodeId]]], list[NodeId], list[str]]:
+    """Apply unchanged/simple/borrow/merge/join to the current pipelines; returns (pipelines, spares, rules)."""
+    rules: list[str] = []
+    groups: list[list[NodeId]] = []
+    kept: list[PipelineTemplate | None] = []  # the current template when the pipeline lost nothing
+    for p in current.pipelines:
+        alive = [n for n in p.nodes if n not in lost]
+        if not alive:
+            continue
+        groups.append(alive)
+        kept.append(p.template if len(alive) == len(p.nodes) else None)
+        if len(alive) < len(p.nodes) and len(alive) in by_size:
+            rules.append("simple")
+    free = list(free)
+
+    def fits(i: int) -> bool:
+        return len(groups[i]) in by_size
+
+    # borrow: undersized pipelines take free nodes first, then nodes of the largest possible donor.
+    for i in range(len(groups)):
+        if fits(i):
+            continue
+        k = len(groups[i])
+        for size in sorted(s for s in by_size if s > k):
+            need = size - k
+            if need <= len(free):
+                groups[i] += free[:need]
+                free = free[need:]
+                kept[i] = None
+                rules.append("borrow")
+                break
+            donors = [j for j in range(len(groups)) if j != i and fits(j) and len(groups[j]) - need in by_size]
+            if donors:
+                j = max(donors, key=lambda j: (len(groups[j]), -j))
+                groups[i] += groups[j][-need:]
+                groups[j] = groups[j][:-need]
+                kept[i] = kept[j] = None
+                rules.append("borrow")
+                break
+    # merge: pool what is still undersized, cut it into the largest templates that fit.
+    small = [i for i in range(len(groups)) if not fits(i)]
+    if small:
+        pool = [n for i in small for n in groups[i]]
+        groups = [g for i, g in enumerate(groups) if i not in small]
+        kept = [t for i, t in enumerate(kept) if i not in small]
+        merged = 0
+        while pool:
+            size = max((s for s in by_size if s <= len(pool)), default=0)
+            if size == 0:
+                break
+            groups.append(pool[:size])
+            kept.append(None)
+            pool = pool[size:]
+            merged += 1
+        if merged:
+            rules.append("merge")
+        free = pool + free  # survivors first: they hold state and may serve as spares for later moves
+    pipelines = [(kept[i] or by_size[len(g)], g) for i, g in enumerate(groups)]
+
+    # join: spend free nodes on whichever move lowers the predicted step time most.
+    while free:
+        base = _predicted([t for t, _ in pipelines], batch)
+        best: tuple[float, int, int] | None = None  # (time, pipeline index or -1 for new, nodes)
+        for size in by_size:
+            if size <= len(free):
+                cand = [t for t, _ in pipelines] + [by_size[size]]
+                best = min(best or (float("inf"), 0, 0), (_predicted(cand, batch), -1, size))
+        for i, (t, nodes) in enumerate(pipelines):
+            for size in by_size:
+                extra = size - len(nodes)
+                if 0 < extra <= len(free):
+                    cand = [x[0] for x in pipelines[:i]] + [by_size[size]] + [x[0] for x in pipelines[i + 1:]]
+                    best = min(best or (float("inf"), 0, 0), (_predicted(cand, batch), i, extra))
+        if best is None or (pipelines and not best[0] < base * (1 - 1e-9)):
+            break  # no move makes the step faster: keep the rest as spares
+        _, i, k = best
+        if i < 0:
+            pipelines.append((by_size[k], free[:k]))
+        else:
+            nodes = pipelines[i][1] + free[:k]
+            pipelines[i] = (by_size[len(nodes)], nodes)
+        free = free[k:]
+        if "join" not in rules:
+            rules.append("join")
+    return pipelines, free, rules
+
+
+def _assemble(pipelines: list[tuple[PipelineTemplate, list[NodeId]]], spares: Iterable[NodeId],
+              current: Plan) -> Plan:
+    shares = distribute_batch([t for t, _ in pipelines], current.global_microbatches)
+    out, first = [], 0
+    for (t, nodes), nb in zip(pipelines, shares):
+        out.append(PipelinePlan(t, tuple(nodes), nb, first))
+        first += nb
+    return Plan(tuple(out), tuple(spares), current.global_microbatches, current.microbatch_size,
+                current.sync_time_s)
+
+
+def plan_copies(plan: Plan, holders: dict[Device, frozenset[int]],
+                layer_bytes: Sequence[int] | None = None) -> tuple[LayerTransfer, ...]:
+    """The copies that give every device of `plan` the layers of its stage, spread over the holders.
+
+    Largest layers are placed first, each on the holder that sends the fewest bytes so far (ties:
+    the first holder in device order), so no single replica carries the whole recovery.
+    """
+    by_layer: dict[int, list[Device]] = {}
+    for dev in sorted(holders, key=repr):
+        for layer in holders[dev]:
+            by_layer.setdefault(layer, []).append(dev)
+    needed = [(layer, dev) for p in plan.pipelines for dev, layers in stage_devices(p)
+              for layer in layers if layer not in holders.get(dev, ())]
+    size = (lambda layer: int(layer_bytes[layer])) if layer_bytes is not None else (lambda layer: 1)
+    load: dict[Device, int] = {}
+    out = []
+    for layer, dev in sorted(needed, key=lambda x: (-size(x[0]), x[0], repr(x[1]))):
+        sources = by_layer.get(layer)
+        if not sources:
+            raise RecoveryImpossible("no_replica", f"layer {layer} has no surviving holder to copy it from",
+                                     [layer])
+        src = min(sources, key=lambda s: load.get(s, 0))
+        load[src] = load.get(src, 0) + size(layer)
+        out.append(LayerTransfer(layer, src, dev, size(layer)))
+    return tuple(sorted(out, key=lambda t: (t.layer, repr(t.dst))))
+
+
+def reconfigure(
+    current: Plan,
+    lost: Iterable[NodeId],
+    joined: Iterable[NodeId],
+    templates: Sequence[PipelineTemplate],
+    f: int,
+    *,
+    holders: dict[Device, frozenset[int]] | None = None,
+    layer_bytes: Sequence[int] | None = None,
+    reoptimize_margin: float = 0.05,
+) -> Reconfiguration:
+    """The plan after losing `lost` and adding `joined`, and the layer copies that realise it.
+
+    `holders` (default: the current plan's stages) says which device holds a valid copy of which
+    layer, e.g. after a recovery that was itself interrupted. `layer_bytes[l]` (parameters +
+    optimizer state) balances the copies; without it every layer counts 1.
+    Raises RecoveryImpossible when the survivors cannot continue (the message says which layers or
+    how many pipelines), PlanningError on inconsistent input.
+    """
+    lost, joined = set(lost), list(dict.fromkeys(joined))
+    members = [n for p in current.pipelines for n in p.nodes] + list(current.spare_nodes)
+    unknown = lost - set(members)
+    if unknown:
+        raise PlanningError(f"lost node(s) {sorted(map(str, unknown))} are not in the current plan")
+    again = set(joined) & (set(members) - lost)
+    if again:
+        raise PlanningError(f"joining node(s) {sorted(map(str, again))} are already members")
+    if not templates:
+        raise PlanningError("no pipeline templates to reconfigure with")
+    if f < 0:
+        raise PlanningError(f"failures to tolerate must be >= 0, got {f}")
+    by_size = _best_by_size(templates)
+    num_layers = current.pipelines[0].template.stages[-1].stop
+    if holders is None:
+        holders = plan_holders(current)
+    holders = {d: frozenset(ls) for d, ls in holders.items() if d[0] not in lost}
+    held = set().union(*holders.values()) if holders else set()
+    missing = [layer for layer in range(num_layers) if layer not in held]
+    if missing:
+        raise RecoveryImpossible(
+            "no_replica",
+            f"layer(s) {missing} lost every replica (nodes lost: {sorted(map(str, lost))}); "
+            f"their parameters and optimizer state exist only in a checkpoint", missing)
+    batch = current.global_microbatches
+    free = [n for n in current.spare_nodes if n not in lost] + joined
+    live = [n for p in current.pipelines for n in p.nodes if n not in lost] + free
+    candidates: list[tuple[float, tuple[str, ...], list, list]] = []
+    pipelines, spares, rules = _local_fix(current, lost, free, by_size, batch)
+    if len(pipelines) >= f + 1:
+        candidates.append((_predicted([t for t, _ in pipelines], batch), tuple(rules) or ("unchanged",),
+                           pipelines, spares))
+    try:
+        fresh = instantiate(templates, live, f, batch, microbatch_size=current.microbatch_size)
+    except PlanningError:
+        fresh = None
+    if fresh is not None:
+        replan = [(p.template, list(p.nodes)) for p in fresh.pipelines]
+        t_replan = _predicted([t for t, _ in replan], batch)
+        if not candidates or t_replan < candidates[0][0] * (1 - reoptimize_margin):
+            candidates.insert(0, (t_replan, ("replan",), replan, list(fresh.spare_nodes)))
+    if not candidates:
+        n0 = min(by_size)
+        raise RecoveryImpossible(
+            "too_few_pipelines",
+            f"{len(live)} live node(s) cannot form the {f + 1} pipelines that f={f} requires "
+            f"(smallest template: {n0} node(s); at most {len(live) // n0} pipeline(s))")
+    predicted, rules_t, chosen, spare_nodes = candidates[0]
+    plan = _assemble(chosen, spare_nodes, current)
+    return Reconfiguration(plan, plan_copies(plan, holders, layer_bytes), rules_t, predicted)
