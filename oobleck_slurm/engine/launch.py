@@ -22,6 +22,7 @@ from oobleck_slurm.engine.batches import open_dataset
 from oobleck_slurm.engine.comm import Timeouts
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.spec import JobSpec, load_factory
+from oobleck_slurm.engine.worker import check_supported
 from oobleck_slurm.events import EventLog, events_path, read_events
 
 POLL_S = 0.05
@@ -64,6 +65,7 @@ def run_local(job: JobSpec, plans: ExecPlan | list[tuple[int, ExecPlan]], num_wo
         if bad:
             raise ValueError(f"plan from step {from_step} uses rank(s) {bad}, but only {num_workers} workers run")
     # Fail here, with a clear message, on what would otherwise fail in every worker.
+    check_supported(job)
     if job.model.factory:
         load_factory(job.model.factory)
     open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size)

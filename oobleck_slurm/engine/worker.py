@@ -49,8 +49,19 @@ class StepResult:
     compute_seconds: list[float] = field(default_factory=list)  # per rank: forward/backward only
 
 
+def check_supported(job: JobSpec) -> None:
+    """Refuse what the engine cannot train exactly, with the reason."""
+    if job.model.gpt.tie_embeddings:
+        raise NotImplementedError(
+            "tie_embeddings=True is not supported by the engine: layers are built and moved one at a "
+            "time and the embedding and the head may sit on different stages, so one shared weight "
+            "would need its own gradient all-reduce; use tie_embeddings=False (the default)"
+        )
+
+
 class Worker:
     def __init__(self, job: JobSpec, rank: int, device: torch.device | None = None) -> None:
+        check_supported(job)
         self.job = job
         self.rank = rank
         self.device = device or torch.device("cpu")
@@ -91,11 +102,6 @@ class Worker:
             )
         role = plan.role(self.rank)
         needed = set(role.layers) if role else set()
-        if role is not None and self.job.model.gpt.tie_embeddings and role.num_stages > 1:
-            raise NotImplementedError(
-                "tie_embeddings=True is not supported with multi-stage pipelines (the embedding and "
-                "the head would live on different workers); use tie_embeddings=False"
-            )
         received = 0
         if self.plan is None and old_holders is None:
             for index in sorted(needed):
@@ -182,7 +188,7 @@ class Worker:
             schedule_s = time.perf_counter() - t0
 
         # Gradients: wait for each layer's all-reduce, unpack; per-layer squared norms.
-        sq = torch.zeros(plan.num_layers, dtype=torch.float64)
+        sq = torch.zeros(plan.num_layers, dtype=torch.float64, device=self.device)  # nccl: on the GPU
         for index, work, flat in reductions:
             if work is not None:
                 gen.wait(work)
@@ -194,11 +200,11 @@ class Worker:
             sq[index] = layer_sq_norm(self.layers[index])
         if gen.pipeline is not None:
             gen.wait(gen.pipeline.allreduce([sq]))
-        total_sq = sum(float(v) for v in sq)  # fixed order: every pipeline gets the same bits
+        total_sq = sum(sq.tolist())  # fixed order: every pipeline gets the same bits
 
         # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time.
         num_p = len(plan.pipelines)
-        metrics = torch.zeros(1 + num_p + gen.world_size, dtype=torch.float64)
+        metrics = torch.zeros(1 + num_p + gen.world_size, dtype=torch.float64, device=self.device)
         if role is not None:
             if role.is_last:
                 metrics[0] = loss_sum
@@ -206,6 +212,7 @@ class Worker:
                 metrics[1 + role.pipeline] = schedule_s
         metrics[1 + num_p + self.rank] = compute
         gen.wait(gen.world.allreduce([metrics]))
+        metrics = metrics.cpu()
 
         # Optimizer step.
         t = self.job.train

@@ -107,3 +107,10 @@ def test_dead_worker_fails_the_run_fast_and_leaves_no_process(tmp_path):
     workers = [p for p in psutil.Process().children(recursive=True)
                if "oobleck_slurm.engine.process" in " ".join(p.cmdline())]
     assert workers == []
+
+
+def test_tied_embeddings_are_refused_before_any_worker_starts(tmp_path):
+    job = tiny_job("adamw", 1e-3)
+    tied = JobSpec(ModelSpec(gpt_config("tiny", tie_embeddings=True)), job.data, job.optim, job.train)
+    with pytest.raises(NotImplementedError, match="tie_embeddings=True is not supported by the engine"):
+        run_local(tied, HETERO, 6, tmp_path)

@@ -1,0 +1,188 @@
+"""An elastic worker process: `python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE`.
+
+One virtual node = one worker process (the local backend; a Slurm agent starts the same thing).
+It follows the coordinator through the store (hosted by the coordinator, never by a worker):
+
+    gen{g}/config           members (node ids in rank order), ExecPlan, transfers, resume step, source
+    gen{g}/failed           set by the coordinator: leave generation g now (abortable waits see it)
+    gen{g}/report/{node}    this worker's step and valid layers after aborting g (for the next plan)
+    gen{g}/rebuilt/{node}   group-build and state-copy seconds and bytes (recovery events)
+    gen{g}/progress         last completed step (rank 0); gen{g}/first_step: the first one's time
+    node/{node}/ready       the process is up (imports, model code) and can join
+
+Survivors never restart: they keep their process, their layers and optimizer state, and build the
+next generation's groups under a new store prefix. Fault injection (tests, benchmark): job.extra
+"faults" = [{"node": N, "step": S, "at": "start" | "wait:K" | "wait:last" | "optimizer"}] kills
+this process with SIGKILL at that point of step S (once per fault, even across restarts).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oobleck_slurm.engine.abort import GenerationAborted, build_generation, wait_abortable
+from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
+from oobleck_slurm.engine.comm import Timeouts, connect_store
+from oobleck_slurm.engine.layout import ExecPlan
+from oobleck_slurm.engine.process import step_event
+from oobleck_slurm.engine.recovery import StepUndo, adopt
+from oobleck_slurm.engine.spec import JobSpec
+from oobleck_slurm.engine.worker import Worker
+from oobleck_slurm.events import EventLog, events_path
+
+
+class ElasticWorker:
+    def __init__(self, job_dir: Path, node: str) -> None:
+        self.job_dir, self.node = job_dir, node
+        self.job = JobSpec.from_json((job_dir / "job.json").read_text())
+        launch = json.loads((job_dir / "elastic.json").read_text())
+        self.timeouts = Timeouts(**launch["timeouts"])
+        self.reconfiguration_s = float(launch["reconfiguration_timeout"])
+        self.checkpoint_interval = int(launch.get("checkpoint_interval", 0))
+        self.checkpoint_root = launch.get("checkpoint_dir") or str(job_dir / "checkpoints")
+        self.store = connect_store(launch["host"], int(launch["port"]), self.timeouts)
+        self.worker = Worker(self.job, 0)
+        self.undo = StepUndo(self.worker, self._before_update)
+        self.log = EventLog(events_path(job_dir))
+        self.faults = list(self.job.extra.get("faults", []))
+        self.waits = 0  # waits in the current step (fault injection)
+        self.last_waits = 0
+        self.updates = 0
+        self.writer: CheckpointWriter | None = None
+
+    # ---- fault injection: a real SIGKILL at a chosen point ---------------------------------------
+
+    def _maybe_die(self, point: str) -> None:
+        for i, f in enumerate(self.faults):
+            if str(f["node"]) != self.node or int(f["step"]) != self.worker.step:
+                continue
+            at = f.get("at", "start")
+            hit = at == point or (at == "wait:last" and point == f"wait:{self.last_waits}")
+            if hit and self.store.add(f"fault/{i}", 1) == 1:
+                self.store.set(f"fault/killed_at/{self.node}", repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _on_wait(self) -> None:
+        self.waits += 1
+        self._maybe_die(f"wait:{self.waits}")
+
+    def _before_update(self, index: int) -> None:
+        self.updates += 1
+        if self.updates == 2:  # one layer already updated: the optimizer step is half applied
+            self._maybe_die("optimizer")
+
+    # ---- the generation loop -----------------------------------------------------------------------
+
+    def _wait_key(self, key: str, seconds: float) -> bool:
+        try:
+            self.store.wait([key], dt.timedelta(seconds=seconds))
+            return True
+        except Exception:  # noqa: BLE001 - the store's timeout error type varies between versions
+            return False
+
+    def run(self) -> None:
+        self.store.set(f"node/{self.node}/ready", repr(time.time()))
+        g = int(self.store.get("current_gen"))
+        while True:
+            if not self._wait_key(f"gen{g}/config", self.timeouts.run):
+                raise TimeoutError(f"no configuration for generation {g} within {self.timeouts.run} s")
+            cfg = json.loads(self.store.get(f"gen{g}/config"))
+            if cfg.get("stop"):
+                return
+            if self.node not in cfg["members"]:
+                g += 1
+                continue
+            try:
+                self.run_generation(g, cfg)
+                return
+            except (GenerationAborted, RuntimeError) as e:
+                # A peer's death shows up as a gloo error before the coordinator's key: wait for it.
+                if not isinstance(e, GenerationAborted) and not self._wait_key(f"gen{g}/failed",
+                                                                               self.reconfiguration_s):
+                    raise
+                self.store.set(f"gen{g}/report/{self.node}", json.dumps(
+                    {"step": self.worker.step, "layers": sorted(self.worker.layers)}))
+                g += 1
+
+    def run_generation(self, g: int, cfg: dict[str, Any]) -> None:
+        w = self.worker
+        plan = ExecPlan.from_json(cfg["plan"])
+        w.rank = cfg["members"].index(self.node)
+        self.undo.rollback_to(int(cfg["resume_step"]))
+        t0 = time.perf_counter()
+        gen = build_generation(self.store, g, w.rank, len(cfg["members"]), plan, self.timeouts,
+                               self.job.backend, self._on_wait)
+        t1 = time.perf_counter()
+        ckpt = cfg.get("checkpoint")
+        received = adopt(w, plan, gen, cfg["source"], [tuple(t) for t in cfg.get("transfers", [])],
+                         (ckpt["root"], int(ckpt["step"])) if ckpt else None)
+        t2 = time.perf_counter()
+        self.undo.attach()
+        self.store.set(f"gen{g}/rebuilt/{self.node}", json.dumps(
+            {"groups_s": t1 - t0, "copy_s": t2 - t1, "bytes": received, "t": time.time()}))
+        first = True
+        while w.step < self.job.train.steps:
+            self._maybe_die("start")
+            self.waits, self.updates = 0, 0
+            result = w.train_step()
+            self.last_waits = self.waits
+            if w.rank == 0:
+                self.log.emit("step", **step_event(result, g, self.job.train.global_batch_size))
+                self.store.set(f"gen{g}/progress", str(result.step))
+                if first:
+                    self.store.set(f"gen{g}/first_step", json.dumps({"step": result.step, "t": time.time()}))
+            first = False
+            self._maybe_checkpoint()
+            if gen.watch.failed():  # a join (or a failure seen between steps): leave at the boundary
+                raise GenerationAborted(f"gen{g}/failed after step {result.step}")
+        gen.wait(gen.world.barrier())  # nobody leaves while a peer may still need a group
+        if self.writer is not None:
+            self.writer.flush()
+        if self.job.extra.get("save_params"):
+            out = self.job_dir / "params"
+            out.mkdir(exist_ok=True)
+            torch.save(w.layer_state(), out / f"node{self.node}.pt")
+        self.store.set(f"gen{g}/finished/{self.node}", "1")
+
+    def _maybe_checkpoint(self) -> None:
+        w = self.worker
+        if self.checkpoint_interval <= 0 or w.step % self.checkpoint_interval or w.step >= self.job.train.steps:
+            return
+        mine = [i for i in sorted(w.layers) if w.plan.holders(i)[0] == w.rank]
+        if not mine:
+            return
+        if self.writer is None:
+            self.writer = CheckpointWriter(self.checkpoint_root)
+        for i in mine:  # clone now (the next step changes the tensors), serialise in the background
+            self.writer.submit(w.step, w.keys[i], layer_payload(w.layers[i], w.optimizers[i], w.step))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    try:
+        ElasticWorker(Path(args[0]), args[1]).run()
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip destructors of aborted generations' groups (they could join stuck threads)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
