@@ -12,7 +12,7 @@ It follows the coordinator through the store (hosted by the coordinator, never b
 
 Survivors never restart: they keep their process, their layers and optimizer state, and build the
 next generation's groups under a new store prefix. Fault injection (tests, benchmark): job.extra
-"faults" = [{"node": N, "step": S, "at": "start" | "wait:K" | "wait:last" | "optimizer"}] kills
+"faults" = [{"node": N, "step": S, "at": "start" | "wait:K" | "wait:last" | "optimizer" | "adopt"}] kills
 this process with SIGKILL at that point of step S (once per fault, even across restarts).
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from oobleck_slurm.engine.abort import GenerationAborted, build_generation, wait_abortable
+from oobleck_slurm.engine.abort import GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import Timeouts, connect_store
 from oobleck_slurm.engine.layout import ExecPlan
@@ -123,6 +123,7 @@ class ElasticWorker:
         gen = build_generation(self.store, g, w.rank, len(cfg["members"]), plan, self.timeouts,
                                self.job.backend, self._on_wait)
         t1 = time.perf_counter()
+        self._maybe_die("adopt")  # a failure during recovery: groups built, copies not done
         ckpt = cfg.get("checkpoint")
         received = adopt(w, plan, gen, cfg["source"], [tuple(t) for t in cfg.get("transfers", [])],
                          (ckpt["root"], int(ckpt["step"])) if ckpt else None)

@@ -1,0 +1,314 @@
+"""Coordinator: membership, generations, and driving a reconfiguration. Independent of how worker
+processes are started: a `NodeBackend` (local processes here; Slurm agents later) starts them and
+reports their exits. Modelled on torchelastic's rendezvous and torchft's manager: the coordinator
+owns the store and the plan; workers only follow `gen{g}/...` keys (see engine/elastic_process.py).
+
+On a membership change in generation g (a node's processes died, a timeout, or a node joins):
+1. set `gen{g}/failed`: every survivor leaves g's collectives at once (abortable waits);
+2. collect the survivors' reports (step, valid layers); new deaths meanwhile join the lost set;
+3. `reconfigure` (pure) -> new plan + layer copies; resume at the smallest reported step (ranks one
+   step ahead roll back: the step is replayed, see engine/recovery.py);
+4. publish `gen{g+1}/config`; survivors build new groups and copy layers; training goes on.
+If recovery is impossible (a layer lost every replica, too few pipelines) or the mode is
+"checkpoint", every worker is stopped and restarted from the last complete checkpoint.
+Events (events.jsonl): failure, detection, replan, plan, group_rebuild, state_copy, replay,
+resumed, node_joined, checkpoint, checkpoint_fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
+from oobleck_slurm.engine.from_planner import exec_plan
+from oobleck_slurm.events import EventLog
+from oobleck_slurm.planning import Plan, PlanningError, instantiate
+from oobleck_slurm.planning.reconfigure import Reconfiguration, RecoveryImpossible, reconfigure, stage_devices
+from oobleck_slurm.planning.templates import PipelineTemplate
+
+POLL_S = 0.005  # the coordinator's loop: bounds detection latency on the local backend
+CHECKPOINT_LOOK_S = 0.5  # how often the checkpoint directory is scanned for completed checkpoints
+
+
+class NodeBackend(Protocol):
+    """How worker processes of virtual or real nodes are started and watched."""
+
+    def start(self, node: str) -> None: ...
+    def exited(self) -> dict[str, int]: ...  # node -> exit code, each exit reported once
+    def stop(self, nodes: Sequence[str]) -> None: ...  # kill -9 and reap (no exit reported)
+    def new_node(self) -> str | None: ...  # a replacement node id, or None if none can be had
+
+
+class CoordinatorError(RuntimeError):
+    """Training cannot go on (no recovery and no checkpoint, or a timeout); the message says why."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    f: int
+    reconfiguration_timeout: float = 60.0  # collecting reports after a failure
+    run_timeout: float = 3600.0
+    replacement: bool = False  # ask the backend for a new node after each loss
+    mode: str = "memory"  # "memory": checkpoint-free recovery; "checkpoint": always restart from one
+    checkpoint_dir: str = ""
+    devices_per_node: int = 1
+
+
+@dataclass
+class _Recovery:
+    generation: int
+    t_start: float  # kill time if known, else detection time
+    step: int
+    started: float = field(default_factory=time.time)
+    rebuilt: bool = False
+    rebuilt_at: float = 0.0
+    joined: tuple[str, ...] = ()
+
+
+def str_nodes(plan: Plan) -> Plan:
+    """The same plan with node ids as strings: the store, the events and argv all speak strings."""
+    return replace(plan, pipelines=tuple(replace(p, nodes=tuple(map(str, p.nodes))) for p in plan.pipelines),
+                   spare_nodes=tuple(map(str, plan.spare_nodes)))
+
+
+def plan_event(plan: Plan, generation: int, reason: str, members: list[str]) -> dict[str, Any]:
+    rank = {n: i for i, n in enumerate(members)}
+    return {
+        "generation": generation, "reason": reason,
+        "pipelines": [
+            {"id": i, "nodes": list(p.nodes), "microbatches": p.microbatches,
+             "stages": [{"layers": [ls.start, ls.stop], "node": dev[0], "rank": rank[dev[0]]}
+                        for dev, ls in stage_devices(p)]}
+            for i, p in enumerate(plan.pipelines)
+        ],
+        "spares": list(plan.spare_nodes),
+    }
+
+
+class Coordinator:
+    def __init__(self, store: dist.Store, backend: NodeBackend, templates: Sequence[PipelineTemplate],
+                 plan: Plan, layer_keys: list[str], log: EventLog, config: CoordinatorConfig,
+                 layer_bytes: Sequence[int] | None = None, total_steps: int | None = None) -> None:
+        self.store, self.backend, self.templates = store, backend, list(templates)
+        self.plan, self.keys, self.log, self.cfg = str_nodes(plan), layer_keys, log, config
+        self.layer_bytes, self.total_steps = layer_bytes, total_steps
+        self.gen = 0
+        self.members: list[str] = []
+        self.finished: set[str] = set()
+        self.recovery: _Recovery | None = None
+        self.pending_joins: dict[str, float] = {}
+        self.checkpoints_seen: set[int] = set()
+        self.fallbacks = 0
+        self._next_checkpoint_look = 0.0
+
+    # ---- publishing generations ------------------------------------------------------------------
+
+    def _members_of(self, plan: Plan) -> list[str]:
+        return [str(n) for p in plan.pipelines for n in p.nodes] + [str(n) for n in plan.spare_nodes]
+
+    def _publish(self, plan: Plan, source: str, resume_step: int, reason: str,
+                 change: Reconfiguration | None = None, checkpoint: dict | None = None) -> None:
+        plan = str_nodes(plan)
+        members = self._members_of(plan)
+        d = self.cfg.devices_per_node
+        index = {n: i for i, n in enumerate(members)}
+        transfers = [[t.layer, index[str(t.src[0])] * d + t.src[1], index[str(t.dst[0])] * d + t.dst[1]]
+                     for t in (change.transfers if change else ())]
+        cfg = {"generation": self.gen, "members": members,
+               "plan": exec_plan(plan, members, d).to_json(), "transfers": transfers,
+               "resume_step": resume_step, "source": source}
+        if checkpoint:
+            cfg["checkpoint"] = checkpoint
+        self.plan, self.members = plan, members
+        self.store.set(f"gen{self.gen}/config", json.dumps(cfg))
+        self.store.set("current_gen", str(self.gen))
+        self.log.emit("plan", **plan_event(plan, self.gen, reason, members))
+
+    def start(self) -> None:
+        self.store.set("current_gen", "0")
+        self._publish(self.plan, "seed", 0, "initial")
+        for node in self.members:
+            self.backend.start(node)
+
+    # ---- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Drive the job until every member finished; raises CoordinatorError if it cannot go on."""
+        t_end = time.time() + self.cfg.run_timeout
+        while True:
+            lost = self._exits()
+            live = [n for n in self.members if n not in self.finished]
+            if not live:
+                self.log.emit("done", generation=self.gen)
+                return
+            if lost:
+                if self.finished:  # someone completed the last step: the run is over
+                    self.log.emit("done", generation=self.gen, note=f"node(s) {lost} died after the end")
+                    return
+                self._change(lost, [], "process exit")
+            elif self.pending_joins and self._can_join():
+                ready = [n for n in self.pending_joins if self.store.check([f"node/{n}/ready"])]
+                if ready:
+                    self._change([], ready, "join")
+            self._watch_progress()
+            if time.time() > t_end:
+                raise CoordinatorError(f"run exceeded its timeout of {self.cfg.run_timeout} s")
+            time.sleep(POLL_S)
+
+    def _exits(self) -> list[str]:
+        lost = []
+        for node, code in self.backend.exited().items():
+            if code == 0:
+                self.finished.add(node)
+            elif node in self.pending_joins:
+                del self.pending_joins[node]
+                self.log.emit("failure", generation=self.gen, nodes=[node], cause=f"joining node exited {code}",
+                              step=self._progress())
+            elif node in self.members:
+                lost.append(node)
+        return lost
+
+    def _can_join(self) -> bool:
+        return self.recovery is None and self.store.check([f"gen{self.gen}/first_step"])
+
+    def _progress(self) -> int | None:
+        key = f"gen{self.gen}/progress"
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def _killed_at(self, nodes: Sequence[str]) -> float | None:
+        times = [float(self.store.get(f"fault/killed_at/{n}")) for n in nodes
+                 if self.store.check([f"fault/killed_at/{n}"])]
+        return min(times) if times else None
+
+    # ---- a membership change -----------------------------------------------------------------------
+
+    def _change(self, lost: list[str], joined: list[str], cause: str) -> None:
+        g = self.gen
+        t_detect = time.time()
+        self.store.set(f"gen{g}/failed", json.dumps({"lost": lost, "joined": joined, "cause": cause}))
+        progress = self._progress()
+        t_kill = self._killed_at(lost) if lost else None
+        if lost:
+            self.log.emit("failure", generation=g, nodes=lost, cause=cause,
+                          step=progress + 1 if progress is not None else 0)
+            self.log.emit("detection", generation=g, seconds=(t_detect - t_kill) if t_kill else 0.0,
+                          known_kill_time=t_kill is not None)
+        lost_set = set(lost)
+        reports = self._collect_reports(g, lost_set)
+        for n in joined:
+            self.pending_joins.pop(n, None)
+        t0 = time.perf_counter()
+        steps = {r["step"] for r in reports.values() if r["layers"]}
+        resume = min(steps) if steps else 0
+        self.gen = g + 1
+        if self.cfg.mode == "checkpoint" and lost:
+            return self._fallback(f"checkpoint-restart mode: node(s) {sorted(lost_set)} lost at step {resume}",
+                                  lost_set)
+        if steps and max(steps) - resume > 1:
+            return self._fallback(f"survivors report steps {sorted(steps)}: more than one step apart", lost_set)
+        holders = {(n, 0): frozenset(r["layers"]) for n, r in reports.items()}
+        try:
+            change = reconfigure(self.plan, sorted(lost_set), joined, self.templates, self.cfg.f,
+                                 holders=holders, layer_bytes=self.layer_bytes)
+        except RecoveryImpossible as e:
+            return self._fallback(f"failure of node(s) {sorted(lost_set)} in generation {g}: {e}", lost_set)
+        self.log.emit("replan", generation=self.gen, seconds=time.perf_counter() - t0, rules=list(change.rules),
+                      transfers=len(change.transfers))
+        self._publish(change.plan, "memory", resume, "failure" if lost else "join", change)
+        self.recovery = _Recovery(self.gen, t_kill or t_detect, resume, joined=tuple(joined))
+        if lost and self.cfg.replacement:
+            node = self.backend.new_node()
+            if node is not None:
+                self.pending_joins[node] = time.time()
+                self.backend.start(node)
+
+    def _collect_reports(self, g: int, lost: set[str]) -> dict[str, dict[str, Any]]:
+        """Each live member's {step, layers} after leaving generation g; deaths meanwhile are lost."""
+        reports: dict[str, dict[str, Any]] = {}
+        deadline = time.time() + self.cfg.reconfiguration_timeout
+        while True:
+            for n in self._exits():
+                if n not in lost:
+                    lost.add(n)
+                    self.log.emit("failure", generation=g, nodes=[n], cause="process exit during recovery",
+                                  step=None)
+            pending = [n for n in self.members if n not in lost and n not in reports and n not in self.finished]
+            for n in pending:
+                key = f"gen{g}/report/{n}"
+                if self.store.check([key]):
+                    reports[n] = json.loads(self.store.get(key))
+            if all(n in reports for n in pending):
+                return reports
+            if time.time() > deadline:
+                late = [n for n in pending if n not in reports]
+                self.backend.stop(late)
+                lost.update(late)
+                self.log.emit("failure", generation=g, nodes=late, cause="no report within the "
+                              f"reconfiguration timeout ({self.cfg.reconfiguration_timeout} s)", step=None)
+            time.sleep(POLL_S)
+
+    def _fallback(self, reason: str, lost: set[str]) -> None:
+        """Stop every worker and restart all live nodes from the last complete checkpoint."""
+        self.fallbacks += 1
+        self.log.emit("checkpoint_fallback", reason=reason, generation=self.gen)
+        t_kill = self._killed_at(sorted(lost)) or time.time()
+        live = [n for n in self.members if n not in lost] + list(self.pending_joins)
+        self.pending_joins.clear()
+        self.backend.stop(live)
+        self.backend.exited()  # forget what stop() reaped
+        root = self.cfg.checkpoint_dir
+        step = latest_complete(root, self.keys) if root else None
+        if step is None:
+            raise CoordinatorError(f"cannot continue: {reason}; and no complete checkpoint exists in "
+                                   f"{root or '(no checkpoint directory)'}")
+        plan = None
+        for f in range(self.cfg.f, -1, -1):
+            try:
+                plan = instantiate(self.templates, live, f, self.plan.global_microbatches,
+                                   microbatch_size=self.plan.microbatch_size)
+                break
+            except PlanningError:
+                continue
+        if plan is None:
+            raise CoordinatorError(f"cannot continue: {reason}; {len(live)} live node(s) cannot hold the model")
+        self._publish(plan, "checkpoint", step, "failure", checkpoint={"root": str(root), "step": step})
+        self.recovery = _Recovery(self.gen, t_kill, step)
+        for n in self.members:
+            self.backend.start(n)
+
+    # ---- events of a recovery in progress, checkpoints ---------------------------------------------
+
+    def _watch_progress(self) -> None:
+        r = self.recovery
+        g = self.gen
+        if r is not None and not r.rebuilt:
+            keys = [f"gen{g}/rebuilt/{n}" for n in self.members]
+            if all(self.store.check([k]) for k in keys):
+                info = [json.loads(self.store.get(k)) for k in keys]
+                self.log.emit("group_rebuild", generation=g, seconds=max(i["groups_s"] for i in info))
+                self.log.emit("state_copy", generation=g, seconds=max(i["copy_s"] for i in info),
+                              bytes=sum(i["bytes"] for i in info))
+                r.rebuilt = True
+                r.rebuilt_at = max(i["t"] for i in info)
+        if r is not None and r.rebuilt and self.store.check([f"gen{g}/first_step"]):
+            first = json.loads(self.store.get(f"gen{g}/first_step"))
+            self.log.emit("replay", generation=g, step=first["step"], seconds=first["t"] - r.rebuilt_at)
+            self.log.emit("resumed", generation=g, step=first["step"], total_seconds=first["t"] - r.t_start)
+            for n in r.joined:
+                self.log.emit("node_joined", node=n, generation=g, seconds=first["t"] - r.started)
+            self.recovery = None
+        if self.cfg.checkpoint_dir and time.time() >= self._next_checkpoint_look:
+            self._next_checkpoint_look = time.time() + CHECKPOINT_LOOK_S
+            step = latest_complete(self.cfg.checkpoint_dir, self.keys)
+            if step is not None and step not in self.checkpoints_seen:
+                self.checkpoints_seen.add(step)
+                d = step_dir(self.cfg.checkpoint_dir, step)
+                secs = [float(p.read_text()) for p in Path(d).glob(".*.seconds")]
+                self.log.emit("checkpoint", step=step, seconds=max(secs, default=0.0), path=str(d))
