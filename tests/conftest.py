@@ -1,0 +1,74 @@
+"""Shared pytest fixtures.
+
+Slurm: tests marked ``@pytest.mark.slurm`` (or asking for ``slurm_cluster``) run against the local
+multi-node Slurm lab of tests/slurm/. The lab is started once per session, only when such a test is
+collected and run, and stopped at the end only if this session started it. It never skips: a lab
+that cannot start fails those tests with the daemons' logs, because CI must run them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SLURM_DIR = Path(__file__).resolve().parent / "slurm"
+
+
+def _slurm_lab_module() -> ModuleType:
+    """tests/slurm/lab.py, imported by path: tests/ is not a package."""
+    name = "oobleck_slurm_tests_lab"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SLURM_DIR / "lab.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Any]:
+    """The running lab (a tests/slurm/lab.py ``SlurmLab``): ``folder``, ``conf``, ``nodes``,
+    ``spare_nodes``, ``kill_node``, ``start_node``, ``start_spare``, ``stop_spare``, ``set_down``,
+    ``resume``, ``node_state``, ``wait_node``, ``reset``. SLURM_CONF is set in os.environ."""
+    lab = _slurm_lab_module().SlurmLab()
+    with lab.exclusive():  # one test session at a time kills and resets the lab's nodes
+        done = subprocess.run(
+            ["bash", str(SLURM_DIR / "start.sh")], capture_output=True, text=True, timeout=900, check=False
+        )
+        if done.returncode != 0:
+            pytest.fail(
+                f"tests/slurm/start.sh failed (exit {done.returncode}):\n{done.stderr}", pytrace=False
+            )
+        started = "# started" in done.stdout
+        previous = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = str(lab.conf)
+        try:
+            yield lab
+        finally:
+            if previous is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = previous
+            if started:
+                subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], timeout=120, check=False)
+
+
+@pytest.fixture(autouse=True)
+def _slurm_reset_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For Slurm tests: start the lab if needed, and afterwards put it back as start.sh left it
+    (no jobs, node1..node4 idle, spares stopped), so that tests do not depend on each other."""
+    if request.node.get_closest_marker("slurm") is None and "slurm_cluster" not in request.fixturenames:
+        yield
+        return
+    lab = request.getfixturevalue("slurm_cluster")
+    yield
+    lab.reset()
