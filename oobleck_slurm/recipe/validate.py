@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections import abc
 import typing
-from types import MappingProxyType
+from types import MappingProxyType, UnionType
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -14,7 +14,7 @@ from oobleck_slurm.recipe import schema
 from oobleck_slurm.recipe.errors import RecipeError, RecipeIssue
 from oobleck_slurm.recipe.source import KeyPath, Source
 
-_SECTIONS = {f.name: f.type for f in fields(schema.Recipe)}
+_SECTIONS = typing.get_type_hints(schema.Recipe)
 
 
 class _Invalid(Exception):
@@ -68,7 +68,7 @@ def _convert(tp: Any, value: Any, path: KeyPath, source: Source, issues: list[Re
     origin = get_origin(tp)
     if is_dataclass(tp):
         return _build(tp, value, path, source, issues)
-    if origin is Union:
+    if origin in (Union, UnionType):
         options = [a for a in get_args(tp) if a is not type(None)]
         if value is None:
             return None
@@ -237,7 +237,7 @@ def _resolve_paths(recipe: schema.Recipe, source: Source) -> schema.Recipe:
 def recipe_to_dict(obj: Any) -> Any:
     """Plain, JSON-ready values of a recipe (or any of its sections)."""
     if is_dataclass(obj):
-        return {f.name: recipe_to_dict(getattr(obj, f.name)) for f in fields(obj)}
+        return {f.name: recipe_to_dict(getattr(obj, f.name)) for f in fields(obj) if not f.metadata.get("internal")}
     if isinstance(obj, (dict, MappingProxyType)):
         return {k: recipe_to_dict(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
