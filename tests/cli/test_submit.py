@@ -1,0 +1,56 @@
+"""`submit` on the local backend: a real job in its own processes, its folder, its exit codes."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from oobleck_slurm.events import read_events
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def submit(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "oobleck_slurm", "submit", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_submit_local_runs_the_job_to_completion(tmp_path: Path) -> None:
+    recipe = tmp_path / "short.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 6\n")
+    result = submit(tmp_path, str(recipe), "--no-dashboard")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (job_dir,) = (tmp_path / "jobs").iterdir()
+    assert f"folder: {job_dir}" in result.stdout.replace("\n", "")
+    assert stat.S_IMODE((job_dir / "secret").stat().st_mode) == 0o600
+    assert json.loads((job_dir / "meta.json").read_text())["backend"] == "local"
+    steps = read_events(job_dir / "events.jsonl", "step")
+    assert [e["step"] for e in steps] == list(range(6))
+    (finished,) = read_events(job_dir / "events.jsonl", "job_finished")
+    assert finished["status"] == "completed"
+    assert "step 5: loss" in result.stdout
+    assert any((tmp_path / "templates_cache").rglob("*.json")), "templates were not pregenerated"
+
+
+def test_submit_detach_returns_while_the_job_runs(tmp_path: Path) -> None:
+    recipe = tmp_path / "short.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 3\n")
+    result = submit(tmp_path, str(recipe), "--detach")
+    assert result.returncode == 0, result.stderr
+    (job_dir,) = (tmp_path / "jobs").iterdir()
+    pid = json.loads((job_dir / "meta.json").read_text())["pid"]
+    subprocess.run(["python3", "-c", f"import os,time\nwhile os.path.exists('/proc/{pid}') and "
+                    f"open('/proc/{pid}/stat').read().split()[2] != 'Z': time.sleep(0.2)"], timeout=300)
+    assert [e["status"] for e in read_events(job_dir / "events.jsonl", "job_finished")] == ["completed"]
+
+
+def test_submit_bad_recipe_exits_2_without_a_job(tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("training:\n  microbatch_size: 0\n")
+    result = submit(tmp_path, str(recipe))
+    assert result.returncode == 2
+    assert "training.microbatch_size: must be > 0" in result.stderr
+    assert not (tmp_path / "jobs").exists()
