@@ -52,6 +52,8 @@ def slurm_cluster() -> Iterator[Any]:
         previous = os.environ.get("SLURM_CONF")
         os.environ["SLURM_CONF"] = str(lab.conf)
         try:
+            if not started:
+                lab.reset()  # a reused lab may hold what an interrupted session left behind
             yield lab
         finally:
             if previous is None:

@@ -67,10 +67,17 @@ add_hosts() {
     return 0
 }
 
-# launch NAME CMD...: start a daemon detached from this script: its own session, stdio to
-# $LAB/log/NAME.out, and without our lock fd 9 (a daemon inheriting it would hold the lab lock for
-# its whole life). setsid -f returns at once, for daemons that stay in the foreground too.
+# launch NAME CMD...: start a daemon that forks itself into the background, detached from this
+# script: its own session, stdio to $LAB/log/NAME.out, and without our lock fd 9 (a daemon
+# inheriting it would hold the lab lock for its whole life). Fails when the daemon's start fails.
+# launch_fg NAME CMD...: the same for a daemon that stays in the foreground (setsid -f forks it).
 launch() {
+    local name=$1 rc=0
+    shift
+    setsid "$@" </dev/null >>"$LAB/log/$name.out" 2>&1 9>&- || rc=$?
+    ((rc == 0)) || fail "$name did not start (exit $rc)"
+}
+launch_fg() {
     local name=$1
     shift
     setsid -f "$@" </dev/null >>"$LAB/log/$name.out" 2>&1 9>&-
@@ -109,7 +116,7 @@ cold_start() {
 
     mariadb-install-db --defaults-file="$LAB/mariadb.cnf" --auth-root-authentication-method=socket \
         --skip-test-db >"$LAB/log/mariadb-install.log" 2>&1 || fail "mariadb-install-db failed"
-    launch mariadb mariadbd --defaults-file="$LAB/mariadb.cnf"
+    launch_fg mariadb mariadbd --defaults-file="$LAB/mariadb.cnf"
     wait_for MariaDB mariadb --defaults-file="$LAB/mariadb.cnf" -e "SELECT 1"
     mariadb --defaults-file="$LAB/mariadb.cnf" -e "
         CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';
@@ -150,11 +157,11 @@ resume_down_nodes() {
 main() {
     local t0=$EPOCHREALTIME mode
     [[ $(id -u) == 0 ]] || { log "ERROR: start.sh must run as root (it installs packages and runs the daemons as root)"; exit 1; }
+    mkdir -p "$(dirname "$LAB")"
+    exec 9>"$LAB.lock" # one start.sh/stop.sh at a time (apt-get included)
+    flock 9
     install_packages
     add_hosts
-    mkdir -p "$(dirname "$LAB")"
-    exec 9>"$LAB.lock" # one start.sh/stop.sh at a time
-    flock 9
     if core_running; then
         mode=reused
     else
