@@ -220,7 +220,8 @@ class Coordinator:
         except RecoveryImpossible as e:
             return self._fallback(f"failure of node(s) {sorted(lost_set)} in generation {g}: {e}", lost_set)
         self.log.emit("replan", generation=self.gen, seconds=time.perf_counter() - t0, rules=list(change.rules),
-                      transfers=len(change.transfers))
+                      transfers=len(change.transfers), resume_step=resume,
+                      survivor_steps={n: r["step"] for n, r in reports.items() if r["layers"]})
         self._publish(change.plan, "memory", resume, "failure" if lost else "join", change)
         self.recovery = _Recovery(self.gen, t_kill or t_detect, resume, joined=tuple(joined))
         if lost and self.cfg.replacement:
