@@ -43,7 +43,10 @@ stop_pidfile() {
         if running "$pid"; then
             log "$comm (pid $pid) ignored SIGTERM for ${wait_s}s; sending SIGKILL"
             kill -KILL "$pid" 2>/dev/null || true
-            while running "$pid"; do sleep 0.1; done
+            for ((i = 0; i < 50; i++)); do
+                running "$pid" || break
+                sleep 0.1
+            done
         fi
     fi
     rm -f "$file"
@@ -79,14 +82,16 @@ kill_job_processes() {
         [[ $comm == slurmstepd ]] || continue
         for f in "$p"/fd/*; do
             if [[ $(readlink "$f") == "$LAB"/log/slurmd-* ]]; then
-                kill -KILL "${p#/proc/}" 2>/dev/null
+                kill -KILL "${p#/proc/}" 2>/dev/null || true
                 break
             fi
         done
     done
     for f in $(grep -lzxF "SLURM_CONF=$CONF" /proc/[0-9]*/environ 2>/dev/null); do
         p=${f%/environ}
-        [[ ${p#/proc/} != "$$" ]] && grep -qz '^SLURM_JOB_ID=' "$f" 2>/dev/null && kill -KILL "${p#/proc/}" 2>/dev/null
+        if [[ ${p#/proc/} != "$$" ]] && grep -qz '^SLURM_JOB_ID=' "$f" 2>/dev/null; then
+            kill -KILL "${p#/proc/}" 2>/dev/null || true
+        fi
     done
     return 0
 }

@@ -9,8 +9,8 @@
 # (node5..node8 are spares, see slurm.conf.in and lab.py), then waits until node1..node4 are idle.
 # All state, pid and log files live under ${OOBLECK_SLURM_LAB:-/tmp/oobleck-slurm-lab}.
 #
-# Reuse: when all of munged, MariaDB, slurmdbd and slurmctld of this lab run, they are kept and
-# only missing node1..node4 slurmds are started. Otherwise whatever is left of an earlier run is
+# Reuse: when all of munged, MariaDB, slurmdbd and slurmctld of this lab run, with the config the
+# templates give now, they are kept, missing node1..node4 slurmds are started and DOWN ones resumed. Otherwise whatever is left of an earlier run is
 # stopped (by its pid files) and the lab folder is wiped: a cold start always begins from empty
 # Slurm and accounting state, so job ids restart at 1 (use a fresh output folder per run).
 #
@@ -87,6 +87,18 @@ render() { # render TEMPLATE OUTPUT: fill in @LAB@ and @DB_PORT@
     sed -e "s|@LAB@|$LAB|g" -e "s|@DB_PORT@|$DB_PORT|g" "$HERE/$1" >"$2"
 }
 
+# config_current: the lab's config files are what the templates give now (else a running lab
+# is restarted, so that an edited template always takes effect).
+config_current() {
+    local template out
+    for template in slurm.conf.in slurmdbd.conf.in mariadb.cnf.in; do
+        out=$LAB/${template%.in}
+        render "$template" "$out.new"
+        cmp -s "$out" "$out.new" || { rm -f "$out.new"; return 1; }
+        rm -f "$out.new"
+    done
+}
+
 core_running() {
     local file comm
     while read -r file comm; do
@@ -138,13 +150,14 @@ start_nodes() {
     done
 }
 
-# nodes_idle: true when node1..node4 are all idle. On reuse, nodes a test or an earlier run left
-# DOWN or DRAINED are resumed first (ReturnToService brings back only the non-responding ones).
+# nodes_idle: true when node1..node4 are all idle.
 nodes_idle() {
     local states
     states=$(sinfo -h -N -n "$(IFS=,; echo "${CLUSTER_NODES[*]}")" -o '%N %T' | sort -u)
     [[ $(grep -c ' idle$' <<<"$states") == "${#CLUSTER_NODES[@]}" ]]
 }
+# resume_down_nodes: on reuse, resume the nodes a test or an earlier run left DOWN or DRAINED
+# (ReturnToService brings back only those that were DOWN for not responding).
 resume_down_nodes() {
     local node state
     while read -r node state; do
@@ -162,10 +175,15 @@ main() {
     flock 9
     install_packages
     add_hosts
+    mode=started
     if core_running; then
-        mode=reused
-    else
-        mode=started
+        if config_current; then
+            mode=reused
+        else
+            log "the config templates changed since the lab started: restarting it"
+        fi
+    fi
+    if [[ $mode == started ]]; then
         stop_all
         cold_start
     fi
