@@ -1,0 +1,182 @@
+"""The rank supervisor: `python -m oobleck_slurm.supervisor.main JOB_DIR [--backend slurm|local]`.
+
+Under Slurm it runs in the batch step of the `--no-kill` allocation (submitted through submitit, see
+`SupervisorJob`); it hosts the job's TCPStore and control server, starts one agent per node, and runs
+the coordinator (membership, generations, reconfiguration) with `AgentNodes` as its backend. Losing
+the node that runs it ends the job (nothing else holds the store): the job then exits non-zero and
+`--time` bounds the allocation; a requeue resumes from the last checkpoint.
+
+Exit codes: 0 done; EXIT_UNRECOVERABLE (3) training cannot go on (do not requeue); 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_UNRECOVERABLE = 3  # the coordinator gave up (no replica, no checkpoint): a requeue would too
+REQUEUE_MARKER = "requeue"  # written on preemption / time limit: the next run resumes from a checkpoint
+
+
+def advertised_host() -> str:
+    """The address agents and workers use to reach this node: OOBLECK_SUPERVISOR_HOST, else the
+    node's name (the lab maps node names to 127.0.0.1 in /etc/hosts), else the hostname."""
+    return os.environ.get("OOBLECK_SUPERVISOR_HOST") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def allocation_nodes(backend: str, recipe: Any) -> list[str]:
+    if backend == "local":
+        return [f"node{i + 1}" for i in range(recipe.cluster.nodes + recipe.cluster.spare_nodes)]
+    from oobleck_slurm.supervisor.launchers import expand_nodelist
+
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise RuntimeError("SLURM_JOB_NODELIST is not set: the slurm backend runs inside an allocation")
+    nodes = expand_nodelist(nodelist)
+    batch = os.environ.get("SLURMD_NODENAME")
+    if batch in nodes:  # the batch node first: it is a member (never a spare) and rank 0's home
+        nodes.remove(batch)
+        nodes.insert(0, batch)
+    return nodes
+
+
+def run_supervisor(job_dir: Path, backend: str = "slurm") -> int:
+    from oobleck_slurm.cluster.jobdir import JobDir
+    from oobleck_slurm.events import EventLog, events_path
+
+    job = JobDir(job_dir.resolve(), job_dir.resolve().name)
+    log = EventLog(events_path(job.path))
+    started = time.time()
+    try:
+        code, status, error = _run(job, backend, log), "completed", None
+    except Exception as err:  # noqa: BLE001 - recorded for `status` and the user, then an exit code
+        from oobleck_slurm.supervisor.coordinator import CoordinatorError
+
+        (job.path / "logs" / "supervisor.err").write_text(traceback.format_exc())
+        unrecoverable = isinstance(err, CoordinatorError)
+        code = EXIT_UNRECOVERABLE if unrecoverable else EXIT_FAILED
+        status, error = "unrecoverable" if unrecoverable else "failed", f"{type(err).__name__}: {err}"
+        print(f"supervisor: {error}", file=sys.stderr)
+    log.emit("job_finished", status=status, exit_code=code, error=error, seconds=time.time() - started)
+    log.close()
+    job.update_meta(exit_code=code, status=status)
+    return code
+
+
+def _run(job: Any, backend: str, log: Any) -> int:
+    import torch.distributed as dist
+
+    from oobleck_slurm.engine.comm import Timeouts
+    from oobleck_slurm.engine.local import job_from_recipe, token_file_for
+    from oobleck_slurm.planning import instantiate
+    from oobleck_slurm.planning.pregenerate import pregenerate
+    from oobleck_slurm.supervisor.agent import SUPERVISOR_FILE
+    from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
+    from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
+    from oobleck_slurm.supervisor.launchers import LocalLauncher, SrunLauncher
+    from oobleck_slurm.supervisor.secret import load_secret
+
+    recipe = job.recipe()
+    meta = job.meta()
+    ft, cluster = recipe.fault_tolerance, recipe.cluster
+    nodes = allocation_nodes(backend, recipe)
+    if len(nodes) < cluster.nodes:
+        raise RuntimeError(f"the allocation has {len(nodes)} node(s) ({nodes}); the recipe needs {cluster.nodes}")
+    members, spares = nodes[:cluster.nodes], nodes[cluster.nodes:]
+    requeued = (job.path / REQUEUE_MARKER).exists()
+    log.emit("job_started", job_id=job.job_id, backend=backend, recipe=recipe.name, recipe_path=str(job.recipe_path),
+             nodes=members, spares=spares, f=ft.f, steps=recipe.training.steps, pid=os.getpid(),
+             slurm_job_id=os.environ.get("SLURM_JOB_ID"), supervisor_node=os.environ.get("SLURMD_NODENAME"),
+             requeued=requeued)
+
+    token_file = token_file_for(recipe, job.path / "data")
+    spec = job_from_recipe(recipe, token_file)
+    profile, templates = pregenerate(recipe, meta.get("templates_cache", "templates_cache"))
+    plan = instantiate(templates, members, ft.f, recipe.training.global_microbatches,
+                       microbatch_size=recipe.training.microbatch_size, profile=profile)
+    host = advertised_host()
+    # Workers keep to the recipe's collective timeout; `run` only bounds waits between generations.
+    run_s = 60.0 * 60 * 24 * 30
+    timeouts = Timeouts(collective=ft.collective_timeout, step=ft.step_timeout, run=run_s)
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store"))
+    ckpt_dir = str(job.path / "checkpoints") if ft.checkpoint_interval > 0 else ""
+    (job.path / "job.json").write_text(spec.to_json())
+    (job.path / "elastic.json").write_text(json.dumps({
+        "host": host, "port": store.port, "timeouts": asdict(timeouts),
+        "reconfiguration_timeout": ft.reconfiguration_timeout, "checkpoint_interval": ft.checkpoint_interval,
+        "checkpoint_dir": ckpt_dir}))
+
+    launcher = (SrunLauncher(job.path, cluster, recipe.name) if backend == "slurm" else LocalLauncher(job.path))
+    nodes_backend = AgentNodes(load_secret(job.path), launcher, log, BackendConfig(
+        heartbeat_interval=ft.heartbeat_interval, heartbeat_lease=ft.heartbeat_lease, step_timeout=ft.step_timeout,
+        replacement=ft.replacement, store_host=host, store_port=store.port), members, spares)
+    nodes_backend.server.start()
+    (job.path / SUPERVISOR_FILE).write_text(json.dumps({
+        "host": host, "port": nodes_backend.port, "heartbeat_interval": ft.heartbeat_interval,
+        "pid": os.getpid(), "store_port": store.port}))
+    job.update_meta(supervisor={"host": host, "port": nodes_backend.port, "pid": os.getpid()},
+                    slurm_job_id=os.environ.get("SLURM_JOB_ID") or meta.get("slurm_job_id"))
+    config = CoordinatorConfig(f=ft.f, reconfiguration_timeout=ft.reconfiguration_timeout, run_timeout=run_s,
+                               replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
+                               devices_per_node=cluster.devices_per_node)
+    coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config,
+                              total_steps=recipe.training.steps)
+    try:
+        t0 = time.time()
+        nodes_backend.launch_agents(timeout=ft.reconfiguration_timeout)
+        log.emit("agents_ready", nodes=members + spares, seconds=time.time() - t0)
+        coordinator.start()
+        coordinator.run()
+    finally:
+        nodes_backend.close()
+    return EXIT_OK
+
+
+class SupervisorJob:
+    """What submitit runs in the batch step. On preemption or the time limit (submitit's USR2),
+    `checkpoint` marks the job folder and asks submitit to requeue the same callable."""
+
+    def __init__(self, job_dir: str) -> None:
+        self.job_dir = job_dir
+
+    def __call__(self) -> int:
+        code = run_supervisor(Path(self.job_dir), "slurm")
+        if code != EXIT_OK:
+            raise SystemExit(code)  # submitit lets SystemExit through: Slurm records this exit code
+        return code
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        import submitit
+
+        path = Path(self.job_dir)
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("status") == "unrecoverable":
+            return None  # do not requeue what cannot go on
+        (path / REQUEUE_MARKER).write_text(dt.datetime.now().isoformat())
+        return submitit.helpers.DelayedSubmission(SupervisorJob(self.job_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="oobleck_slurm.supervisor.main", description=__doc__.split("\n\n")[0])
+    parser.add_argument("job_dir", type=Path)
+    parser.add_argument("--backend", choices=["slurm", "local"], default="slurm")
+    args = parser.parse_args(argv)
+    if not (args.job_dir / "meta.json").is_file():
+        print(f"supervisor: {args.job_dir} is not a job folder (no meta.json)", file=sys.stderr)
+        return EXIT_FAILED
+    return run_supervisor(args.job_dir, args.backend)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

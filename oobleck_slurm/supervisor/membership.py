@@ -1,0 +1,118 @@
+"""Which nodes the supervisor watches, and the decision that one is lost, with its cause. Pure logic.
+
+Every detection path feeds this one object, and the first path to fire wins: a node is reported lost
+once, with the cause and time of the first evidence, whichever it was:
+
+    agent_lost    the agent's control connection closed (its process or machine died: milliseconds)
+    srun_exit     the srun step that runs the node's agent ended (Slurm saw the task or node end)
+    heartbeat     no heartbeat within the lease (a frozen or partitioned machine: no FIN ever comes)
+    slurm_down    Slurm says the node is DOWN, DRAIN, FAIL or not responding (admin or slurmctld)
+    hung          training made no progress within the step timeout and this node's worker is stopped
+    process_exit  the node's worker exited non-zero (reported by its live agent)
+
+The caller supplies `now` and the observations (see detection/ for the same style).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from oobleck_slurm.detection import LeaseTable, ProgressWatch
+
+STOPPED_STATES = frozenset({"stopped", "tracing-stop"})  # psutil's names for SIGSTOP / ptrace stops
+JOB = "job"  # ProgressWatch key: the job's step (rank 0 reports it; every rank waits for the slowest)
+
+
+@dataclass(frozen=True)
+class Loss:
+    node: str
+    cause: str
+    detail: str
+    t: float
+
+
+class Membership:
+    """Watched nodes (workers running or joining) and their evidence of life."""
+
+    def __init__(self, lease_s: float, step_timeout_s: float) -> None:
+        self.leases = LeaseTable(lease_s)
+        self.progress = ProgressWatch(step_timeout_s)
+        self.watched: set[str] = set()
+        self.worker_state: dict[str, str] = {}
+        self._lost: set[str] = set()
+
+    # ---- what is watched -----------------------------------------------------------------------
+
+    def watch(self, node: str, now: float) -> None:
+        """Start watching `node` (its worker starts now); a node that was lost and came back is new."""
+        self.watched.add(node)
+        self._lost.discard(node)
+        self.leases.renew(node, now)
+
+    def unwatch(self, node: str) -> None:
+        self.watched.discard(node)
+        self.leases.forget(node)
+        self.worker_state.pop(node, None)
+
+    def is_lost(self, node: str) -> bool:
+        return node in self._lost
+
+    # ---- evidence -----------------------------------------------------------------------------------
+
+    def heartbeat(self, node: str, now: float, worker_state: str | None = None) -> None:
+        if node in self.watched and node not in self._lost:
+            self.leases.renew(node, now)
+            if worker_state is not None:
+                self.worker_state[node] = worker_state
+
+    def step(self, step: int, now: float) -> None:
+        """The job's latest completed step (or -1 before the first one of a generation)."""
+        self.progress.report(JOB, step, now)
+
+    def restart_progress(self, now: float) -> None:
+        """A new generation: recovering and starting up are not hangs; the step clock starts again."""
+        self.progress.restart(now)
+
+    def agent_lost(self, node: str, now: float, detail: str = "control connection closed") -> Loss | None:
+        return self._lose(node, "agent_lost", detail, now)
+
+    def srun_exited(self, node: str, code: int | None, now: float) -> Loss | None:
+        return self._lose(node, "srun_exit", f"srun step of the node's agent exited ({code})", now)
+
+    def slurm_state(self, node: str, state: str, usable: bool, now: float) -> Loss | None:
+        return None if usable else self._lose(node, "slurm_down", f"Slurm state {state}", now)
+
+    def worker_exited(self, node: str, code: int, now: float) -> Loss | None:
+        return None if code == 0 else self._lose(node, "process_exit", f"worker exited with code {code}", now)
+
+    def check(self, now: float) -> list[Loss]:
+        """Losses that only the passing of time reveals: expired leases, and hung workers."""
+        losses = []
+        for node in self.leases.expired(now):
+            age = self.leases.age(node, now)
+            loss = self._lose(str(node), "heartbeat", f"no heartbeat for {age:.2f} s "
+                              f"(lease {self.leases.lease_s:g} s)", now)
+            if loss:
+                losses.append(loss)
+        if self.progress.hung(now):
+            # Every rank waits for the slowest in the all-reduce, so a stall alone does not say who;
+            # a worker that its agent sees stopped (SIGSTOP, a debugger) does.
+            for node in sorted(self.watched - self._lost):
+                if self.worker_state.get(node) in STOPPED_STATES:
+                    loss = self._lose(node, "hung", f"no step progress for more than "
+                                      f"{self.progress.step_timeout_s:g} s and the worker is "
+                                      f"{self.worker_state[node]}", now)
+                    if loss:
+                        losses.append(loss)
+        return losses
+
+    def stalled(self, now: float) -> bool:
+        """Training made no progress within the step timeout (whoever is to blame)."""
+        return bool(self.progress.hung(now))
+
+    def _lose(self, node: str, cause: str, detail: str, now: float) -> Loss | None:
+        if node not in self.watched or node in self._lost:
+            return None
+        self._lost.add(node)
+        self.leases.forget(node)
+        return Loss(node, cause, detail, now)
