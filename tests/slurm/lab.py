@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import fcntl
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -38,7 +37,6 @@ from oobleck_slurm.cluster.slurm import parse_scontrol_records
 
 LAB_ENV = "OOBLECK_SLURM_LAB"
 DEFAULT_LAB = Path("/tmp/oobleck-slurm-lab")
-HERE = Path(__file__).resolve().parent
 CLUSTER_NODES = ("node1", "node2", "node3", "node4")
 SPARE_NODES = ("node5", "node6", "node7", "node8")
 SPARE_REASON = "spare"
@@ -234,15 +232,20 @@ class SlurmLab:
         die and reacts (a stepd reporting its task's exit to srun, say): Slurm and the job's other
         nodes only learn of the loss from silence. Returns how many processes were killed.
         """
-        procs = self.node_processes(node)
-        for sig in (signal.SIGSTOP, signal.SIGKILL):
-            for proc in procs:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    proc.send_signal(sig)
-        left = _wait_gone(procs, timeout)
-        if left:
-            raise LabError(f"{node}: processes {[p.pid for p in left]} survived SIGKILL for {timeout}s")
-        return len(procs)
+        killed = 0
+        # Again while something is found: a stepd may have forked a task during the first scan.
+        for _ in range(3):
+            procs = self.node_processes(node)
+            if not procs:
+                break
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                for proc in procs:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        proc.send_signal(sig)
+            if left := _wait_gone(procs, timeout):
+                raise LabError(f"{node}: processes {[p.pid for p in left]} survived SIGKILL for {timeout}s")
+            killed += len(procs)
+        return killed
 
     def start_node(self, node: str, timeout: float = 60) -> float:
         """Start the node's slurmd if it is not running, resume the node if Slurm holds it DOWN,
@@ -287,6 +290,9 @@ class SlurmLab:
         for node in self.spare_nodes:
             if self.slurmd_process(node) is not None or "DOWN" not in self.node_state(node):
                 self.stop_spare(node)
+        for node in self.nodes:  # a job on a dead node stays COMPLETING until the node is back
+            if self.slurmd_process(node) is None:
+                self._launch_slurmd(node, timeout)
         while self.job_ids():
             if time.monotonic() > deadline:
                 raise LabError(f"jobs {self.job_ids()} still in the queue {timeout}s after scancel")
@@ -301,18 +307,22 @@ class SlurmLab:
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         path = Path(f"{self.folder}.session-lock")
         with open(path, "a+") as lock:
-            deadline = time.monotonic() + timeout
+            deadline, waited = time.monotonic() + timeout, False
             while True:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    lock.seek(0)
+                    holder = lock.read().strip() or "unknown"
                     if time.monotonic() > deadline:
-                        lock.seek(0)
                         raise LabError(
                             f"the Slurm lab {self.folder} is held by another test session "
-                            f"({lock.read().strip() or 'unknown'}) for more than {timeout}s"
+                            f"({holder}) for more than {timeout}s"
                         ) from None
+                    if not waited:
+                        print(f"waiting for the Slurm lab, held by {holder}", file=sys.stderr)
+                        waited = True
                     time.sleep(1)
             lock.truncate(0)
             lock.write(f"pid {os.getpid()}: {' '.join(sys.argv)}\n")
