@@ -6,6 +6,8 @@ to the supervisor over the authenticated control plane, beats every `heartbeat_i
 
     start {node_id}     start this node's elastic worker (engine/elastic_process.py) as `node_id`
     stop                SIGKILL the worker (no exit is reported for it)
+    drill {how}         fault injection: "agent" (kill -9 this agent), "worker" (kill -9 the worker),
+                        "hang" (SIGSTOP the worker)
     health {...}        run a short collective with the supervisor (engine and network work here)
     shutdown            stop the worker and exit 0
 
@@ -36,6 +38,14 @@ SUPERVISOR_FILE = "supervisor.json"  # host, port, heartbeat_interval: written b
 ADDRESS_WAIT_S = 120.0  # a replacement job may start before the supervisor wrote its address
 CONNECT_TIMEOUT_S = 10.0
 WATCH_S = 0.02  # how often the worker's exit is polled: bounds process-exit detection
+
+
+def _die_with_parent() -> None:
+    """In the worker, before exec: SIGKILL it when the agent dies, so that no orphan worker of a
+    lost node goes on in a job that has moved on without it (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def node_name(explicit: str | None = None) -> str:
@@ -81,7 +91,8 @@ class Agent:
         log = open(self.job_dir / "logs" / f"node{node_id}.log", "ab")  # noqa: SIM115 - the child owns it
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "oobleck_slurm.engine.elastic_process", str(self.job_dir), node_id],
-            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+            preexec_fn=_die_with_parent)
         log.close()
         self.worker_id = node_id
 
@@ -112,11 +123,20 @@ class Agent:
                     self.stop_worker()
                 elif kind == "health":
                     threading.Thread(target=self._health, args=(message,), daemon=True).start()
+                elif kind == "drill":
+                    self._drill(str(message.get("how")))
                 elif kind == "shutdown":
                     break
         except (EOFError, OSError, ProtocolError):
             pass  # the supervisor is gone (or dropped us): the job is over for this node
         self._done.set()
+
+    def _drill(self, how: str) -> None:
+        if how == "agent":
+            os.kill(os.getpid(), signal.SIGKILL)  # the worker follows (PR_SET_PDEATHSIG)
+        w = self.worker
+        if w is not None and how in ("worker", "hang"):
+            w.send_signal(signal.SIGKILL if how == "worker" else signal.SIGSTOP)
 
     def _health(self, message: dict[str, Any]) -> None:
         t0 = time.time()

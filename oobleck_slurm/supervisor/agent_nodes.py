@@ -36,6 +36,7 @@ WATCH_S = 0.02  # the watcher's period: bounds the detection latency of srun exi
 SLURM_POLL_S = 1.0  # scontrol is asked at most this often (slurmctld is shared with other users)
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
 HEALTH_TIMEOUT_S = 60.0  # a joining node's collective with the supervisor (includes its torch import)
+RELAYED_DRILLS = ("agent", "worker", "hang")  # faults that the node's agent injects (see agent.py)
 LOST_CODE = -9  # the exit code reported to the coordinator for a node lost by other evidence
 
 
@@ -228,7 +229,15 @@ class AgentNodes:
             if agent is not None:
                 agent.health.put(message)
         elif kind == "fault":
-            self.note_fault(str(message["node"]), float(message["t"]), str(message.get("how", "")))
+            how = str(message.get("how", ""))
+            self.note_fault(str(message["node"]), float(message["t"]), how)
+            if how in RELAYED_DRILLS:
+                with self._lock:
+                    agent = self.agents.get(self.node_of.get(str(message["node"]), str(message["node"])))
+                if agent is None:
+                    return {"type": "fault_result", "ok": False, "detail": f"no agent on {message['node']}"}
+                agent.send({"type": "drill", "how": how})
+            return {"type": "fault_result", "ok": True}
         elif kind == "status":
             return self.status()  # type: ignore[return-value]
         return None

@@ -1,0 +1,85 @@
+"""`kill-node JOB NODE [--how ...]`: fault injection for drills. The supervisor is told first (so that
+detection times are measured from the injection), then:
+
+    agent    the node's agent is killed with SIGKILL (its worker dies with it)
+    worker   the node's worker is killed with SIGKILL
+    hang     the node's worker is SIGSTOPped (a hung worker: only the step timeout finds it)
+    down     `scontrol update nodename=NODE state=down` (an admin, or slurmctld, takes it out)
+    freeze   every process of this job on the node is SIGSTOPped (a frozen machine: heartbeats stop)
+    node     every process of this job on the node is SIGKILLed (a crashed machine)
+
+`freeze` and `node` act on the processes they can see: run them on the node itself (or on a lab
+where every virtual node runs on this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+from oobleck_slurm.commands.common import EXIT_FAILED, EXIT_OK, console, fail
+
+HOWS = ("agent", "worker", "hang", "down", "freeze", "node")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("kill-node", aliases=["kill_node"], help="fault injection: kill, hang or down one node of a job")
+    parser.add_argument("job", help="job folder, or a job id under --job-root")
+    parser.add_argument("node", help="node name (Slurm's, or the job's id of a replacement such as r1)")
+    parser.add_argument("--how", choices=HOWS, default="agent", help="what to do to the node (default: agent)")
+    parser.add_argument("--job-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
+
+
+def job_processes(node: str, slurm_job_ids: set[str]) -> list:
+    """Processes on this machine that Slurm started for these jobs on `node` (by their environment)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except psutil.Error:
+            continue
+        if env.get("SLURMD_NODENAME") == node and env.get("SLURM_JOB_ID") in slurm_job_ids:
+            found.append(proc)
+    return found
+
+
+def run(args: argparse.Namespace) -> int:
+    from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
+    from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
+    from oobleck_slurm.commands.cancel import slurm_job_ids
+    from oobleck_slurm.events import events_path, read_events
+    from oobleck_slurm.supervisor.client import SupervisorUnreachable, notify_fault, live_status
+
+    try:
+        job = find_job(args.job, args.job_root)
+    except JobNotFound as err:
+        return fail(str(err))
+    try:
+        live = live_status(job.path)
+        slurm_node = live["node_of"].get(args.node, args.node)
+        reply = notify_fault(job.path, args.node, args.how)
+    except SupervisorUnreachable as err:
+        return fail(f"{job.job_id}: {err}", EXIT_FAILED)
+    if not reply.get("ok", False):
+        return fail(f"{job.job_id}: {reply.get('detail', 'the supervisor refused the drill')}", EXIT_FAILED)
+    if args.how == "down":
+        try:
+            run_slurm(["scontrol", "update", f"nodename={slurm_node}", "state=down", "reason=oobleck-drill"])
+        except SlurmError as err:
+            return fail(str(err), EXIT_FAILED)
+    elif args.how in ("freeze", "node"):
+        ids = set(slurm_job_ids(job.meta(), read_events(events_path(job.path), "replacement_requested")))
+        procs = job_processes(slurm_node, ids)
+        if not procs:
+            return fail(f"no process of job(s) {sorted(ids)} on {slurm_node} is visible from here", EXIT_FAILED)
+        for sig in ((signal.SIGSTOP,) if args.how == "freeze" else (signal.SIGSTOP, signal.SIGKILL)):
+            for proc in procs:
+                try:
+                    proc.send_signal(sig)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+    console.print(f"{args.how}: {args.node} ({slurm_node}) of {job.job_id}", highlight=False)
+    return EXIT_OK
