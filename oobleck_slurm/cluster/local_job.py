@@ -10,17 +10,35 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from oobleck_slurm.cluster.jobdir import JobDir, find_job
 from oobleck_slurm.events import EventLog, events_path
+from oobleck_slurm.recipe import Recipe
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 
 
-def run(job: JobDir) -> int:
-    from oobleck_slurm.engine.local import train_local
+def train_recipe(recipe: Recipe, job_dir: Path, cache_dir: str | os.PathLike[str]) -> None:
+    """Train on `recipe.cluster.nodes` local virtual nodes with checkpoint-free recovery."""
+    from oobleck_slurm.engine.local import job_from_recipe, timeouts_from_recipe, token_file_for
+    from oobleck_slurm.planning import instantiate
+    from oobleck_slurm.planning.pregenerate import pregenerate
+    from oobleck_slurm.supervisor.local import run_elastic_local
 
+    profile, templates = pregenerate(recipe, cache_dir)  # a cache hit: `submit` made them already
+    t, ft = recipe.training, recipe.fault_tolerance
+    plan = instantiate(templates, recipe.cluster.nodes, ft.f, t.global_microbatches,
+                       microbatch_size=t.microbatch_size, profile=profile)
+    spec = job_from_recipe(recipe, token_file_for(recipe, job_dir / "data"))
+    # Virtual nodes cost nothing to add, so 'spare' and 'request' both mean: start a new one.
+    run_elastic_local(spec, plan, templates, job_dir, f=ft.f, timeouts=timeouts_from_recipe(recipe),
+                      reconfiguration_timeout=ft.reconfiguration_timeout, replacement=ft.replacement != "none",
+                      checkpoint_interval=ft.checkpoint_interval)
+
+
+def run(job: JobDir) -> int:
     recipe = job.recipe()
     log = EventLog(events_path(job.path))
     log.emit("job_started", job_id=job.job_id, backend="local", recipe=recipe.name,
@@ -28,7 +46,7 @@ def run(job: JobDir) -> int:
              f=recipe.fault_tolerance.f, steps=recipe.training.steps, pid=os.getpid())
     started = time.time()
     try:
-        train_local(recipe, job.path, cache_dir=job.meta().get("templates_cache", "templates_cache"))
+        train_recipe(recipe, job.path, job.meta().get("templates_cache", "templates_cache"))
     except Exception as err:  # noqa: BLE001 - recorded for the user, then a non-zero exit
         (job.path / "logs" / "local_job.err").write_text(traceback.format_exc())
         log.emit("job_finished", status="failed", exit_code=EXIT_FAILED, error=f"{type(err).__name__}: {err}",
