@@ -17,6 +17,9 @@ from oobleck_slurm.recipe.source import KeyPath, Source
 _SECTIONS = typing.get_type_hints(schema.Recipe)
 
 
+UNKNOWN_KEY = "unknown key"
+
+
 class _Invalid(Exception):
     """A value does not fit its field; carries the message for the issue list."""
 
@@ -27,7 +30,9 @@ def build_recipe(source: Source) -> schema.Recipe:
     tree = dict(source.tree)
     tree.setdefault("name", Path(source.root_file).stem or "job")
     recipe = _build(schema.Recipe, tree, (), source, issues)
-    if not issues:
+    # Contradictions are judged on valid values only: a bad value was replaced by its default, and a
+    # message about that default would mislead. Unknown keys change no value.
+    if all(issue.message.startswith(UNKNOWN_KEY) for issue in issues):
         issues.extend(cross_checks(recipe, source))
     if issues:
         raise RecipeError(sorted(issues, key=lambda i: (i.file != source.root_file, i.file, i.line or 0)))
@@ -141,13 +146,13 @@ def _describe(value: Any) -> str:
 def _unknown_key_message(key: str, names: list[str], path: KeyPath) -> str:
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
     if close:
-        return f"unknown key; did you mean {'.'.join((*path, close[0]))!r}?"
+        return f"{UNKNOWN_KEY}; did you mean {'.'.join((*path, close[0]))!r}?"
     # A key placed in the wrong section is a common slip: look in the other sections too.
     for section, section_type in _SECTIONS.items():
         if is_dataclass(section_type) and key in {f.name for f in fields(section_type)}:
-            return f"unknown key here; did you mean '{section}.{key}'?"
+            return f"{UNKNOWN_KEY} here; did you mean '{section}.{key}'?"
     where = ".".join(path) or "the top level"
-    return f"unknown key; {where} accepts: {', '.join(names)}"
+    return f"{UNKNOWN_KEY}; {where} accepts: {', '.join(names)}"
 
 
 def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:

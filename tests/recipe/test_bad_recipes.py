@@ -124,3 +124,15 @@ def test_binary_or_empty_file(tmp_path: Path, content: bytes) -> None:
 def test_missing_recipe_file(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match="recipe file not found"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+def test_contradictions_are_reported_beside_unknown_keys_but_not_beside_bad_values(tmp_path: Path) -> None:
+    path = write(tmp_path, "cluster:\n  nodes: 4\n  partiton: gpu\ntraining:\n  global_batch_size: 30\n")
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(path)
+    assert [i.key for i in caught.value.issues] == ["cluster.partiton", "training.microbatch_size"]
+    # microbatch_size is invalid: no divisibility message about its default may appear
+    path = write(tmp_path, "training:\n  global_batch_size: 30\n  microbatch_size: x\n")
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(path)
+    assert [i.message for i in caught.value.issues] == ["expected an integer, got str 'x'"]
