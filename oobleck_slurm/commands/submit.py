@@ -41,10 +41,6 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe_or_report(args.recipe)
     if recipe is None:
         return EXIT_BAD_INPUT
-    if recipe.cluster.backend != "local":
-        return fail(f"{recipe.source}: cluster.backend: the {recipe.cluster.backend!r} backend cannot be submitted "
-                    "yet; use 'local' (virtual nodes on this machine)")
-
     from oobleck_slurm.planning import PlanningError, ProfileError
     from oobleck_slurm.planning.pregenerate import pregenerate
 
@@ -61,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.jobdir import create_job_dir
 
     job = create_job_dir(recipe, args.job_root)
+    if recipe.cluster.backend == "slurm":
+        return _submit_slurm(job, recipe, args)
     log_file = open(job.path / "logs" / "local_job.log", "wb")  # noqa: SIM115 - owned by the child
     job.update_meta(templates_cache=str(Path(args.cache).resolve()))
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -114,3 +112,68 @@ def _print_event(event: dict) -> None:
     elif kind in ("job_started", "job_finished", "failure", "resumed", "checkpoint_fallback"):
         fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("t", "kind"))
         console.print(f"[bold]{kind}[/] {fields}", highlight=False)
+
+
+def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001 - JobDir, Recipe
+    """Submit the allocation through submitit: `--no-kill`, a time limit, the supervisor in the batch
+    step (it starts one agent per node with srun). Returns once submitted (--detach) or finished."""
+    import submitit
+
+    from oobleck_slurm.cluster.slurm import allocation_parameters
+    from oobleck_slurm.supervisor.main import SupervisorJob
+
+    job.update_meta(templates_cache=str(Path(args.cache).resolve()))
+    executor = submitit.AutoExecutor(folder=job.path / "submitit", cluster="slurm")
+    executor.update_parameters(**allocation_parameters(recipe.cluster, recipe.name))
+    try:
+        slurm_job = executor.submit(SupervisorJob(str(job.path)))
+    except Exception as err:  # noqa: BLE001 - sbatch's refusal (bad partition, account...) is the user's to fix
+        return fail(f"sbatch refused the job: {str(err).strip()}", EXIT_FAILED)
+    job.update_meta(slurm_job_id=slurm_job.job_id)
+    console.print(f"job [bold]{job.job_id}[/] submitted (Slurm job {slurm_job.job_id})")
+    console.print(f"folder: {job.path}")
+    if args.detach:
+        return EXIT_OK
+    try:
+        code = _follow_slurm(job.path, slurm_job.job_id, dashboard=console.is_terminal and not args.no_dashboard)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]stopped following; the job goes on (cancel it with: cancel {job.job_id})[/]")
+        return 130
+    if code != 0:
+        console.print(f"[red]job failed (exit {code}); see {job.path / 'logs'}[/]")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
+    """Follow until the supervisor records job_finished, or Slurm says the job is gone without it."""
+    from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
+    from oobleck_slurm.events import EventTail, events_path, read_events
+
+    if dashboard:
+        from oobleck_slurm.dashboard.live import run_dashboard
+
+        run_dashboard(job_dir, live=True, console=console, exit_when_done=True)
+    else:
+        tail = EventTail(events_path(job_dir))
+        while True:
+            events = tail.poll()
+            for event in events:
+                _print_event(event)
+                if event["kind"] == "job_finished":
+                    return int(event.get("exit_code") or 0)
+            try:
+                queued = run_slurm(["squeue", "-h", "-j", slurm_job_id, "-o", "%T"]).strip()
+            except SlurmError:
+                queued = ""
+            if not queued:
+                for event in tail.poll():
+                    _print_event(event)
+                break
+            time.sleep(FOLLOW_POLL_S)
+    finished = read_events(events_path(job_dir), "job_finished")
+    if finished:
+        return int(finished[-1].get("exit_code") or 0)
+    console.print(f"[red]Slurm job {slurm_job_id} ended without a supervisor record (lost batch node, "
+                  "cancelled, or it never started); see the submitit/ folder[/]")
+    return EXIT_FAILED
