@@ -79,6 +79,7 @@ class AgentNodes:
         self.sruns: dict[str, subprocess.Popen] = {}  # Slurm node -> its agent's step
         self.starting: set[str] = set()  # ids to start once their agent is up and healthy
         self.requests: dict[str, str] = {}  # token -> Slurm job id
+        self.causes: dict[str, str] = {}  # id -> cause of its loss
         self.fault_at: dict[str, float] = {}  # id -> time a drill injected a fault (for detection times)
         self._exits: queue.Queue[tuple[str, int]] = queue.Queue()
         self._lock = threading.RLock()
@@ -186,6 +187,10 @@ class AgentNodes:
             self.requests[token] = handle
             self.members.append(token)
             return token
+
+    def loss_cause(self, node: str) -> str | None:
+        """Why `node` was reported lost (the coordinator's `failure` event carries it)."""
+        return self.causes.get(node)
 
     # ---- fault drills ------------------------------------------------------------------------------
 
@@ -322,6 +327,7 @@ class AgentNodes:
     def _lost(self, loss: Loss) -> None:
         """Report a loss once: to the coordinator as an exit, to the log with cause and timing."""
         fault = self.fault_at.get(loss.node)
+        self.causes[loss.node] = loss.cause
         slurm = self.node_of.get(loss.node, loss.node)
         self.log.emit("node_lost", node=loss.node, slurm_node=slurm, cause=loss.cause, detail=loss.detail,
                       detection_seconds=(loss.t - fault) if fault else None, t=loss.t)

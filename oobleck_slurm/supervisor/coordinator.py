@@ -44,6 +44,7 @@ class NodeBackend(Protocol):
     def exited(self) -> dict[str, int]: ...  # node -> exit code, each exit reported once
     def stop(self, nodes: Sequence[str]) -> None: ...  # kill -9 and reap (no exit reported)
     def new_node(self) -> str | None: ...  # a replacement node id, or None if none can be had
+    # Optional: `loss_cause(node) -> str | None`, why a node reported by exited() was lost (see _cause).
 
 
 class CoordinatorError(RuntimeError):
@@ -152,7 +153,7 @@ class Coordinator:
                 if self.finished:  # someone completed the last step: the run is over
                     self.log.emit("done", generation=self.gen, note=f"node(s) {lost} died after the end")
                     return
-                self._change(lost, [], "process exit")
+                self._change(lost, [], self._cause(lost))
             elif self.pending_joins and self._can_join():
                 ready = [n for n in self.pending_joins if self.store.check([f"node/{n}/ready"])]
                 if ready:
@@ -174,6 +175,13 @@ class Coordinator:
             elif node in self.members:
                 lost.append(node)
         return lost
+
+    def _cause(self, lost: list[str]) -> str:
+        """Why the nodes were lost: backends that detect more than process exits (heartbeat lease,
+        Slurm state, hung worker, agent connection) say so through an optional `loss_cause(node)`."""
+        ask = getattr(self.backend, "loss_cause", None)
+        causes = sorted({c for c in (ask(n) for n in lost) if c}) if ask is not None else []
+        return ",".join(causes) or "process exit"
 
     def _can_join(self) -> bool:
         return self.recovery is None and self.store.check([f"gen{self.gen}/first_step"])

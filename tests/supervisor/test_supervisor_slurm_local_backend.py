@@ -1,0 +1,68 @@
+"""The same supervisor and agents as under Slurm, on the local backend (virtual nodes as processes):
+real agents, real workers, real SIGKILL/SIGSTOP through `kill-node`, a replacement that is
+health-checked and joins, and an unauthenticated peer that changes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from oobleck_slurm.cluster.jobdir import create_job_dir
+from oobleck_slurm.events import read_events
+from oobleck_slurm.recipe import load_recipe
+from oobleck_slurm.supervisor.client import live_status
+from oobleck_slurm.supervisor.server import connect
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_for(job: Path, what: str, check, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (found := check(read_events(job / "events.jsonl"))):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not seen within {timeout}s: {read_events(job / 'events.jsonl')[-10:]}")
+        time.sleep(0.1)
+    return found
+
+
+def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 100000\n"
+                      "fault_tolerance:\n  checkpoint_interval: 0\n  step_timeout: 5\n  reconfiguration_timeout: 60\n")
+    job = create_job_dir(load_recipe(recipe), tmp_path / "jobs").path
+    sup = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job), "--backend", "local"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
+        port = live_status(job)  # authenticated status works
+        assert port["members"] == ["node1", "node2", "node3", "node4"]
+        supervisor = (job / "supervisor.json").read_text()
+        address = __import__("json").loads(supervisor)
+        with pytest.raises(Exception):
+            ch = connect(address["host"], address["port"], b"\0" * 32, {"role": "intruder"})
+            ch.send({"type": "fault", "node": "node2", "how": "agent", "t": 0})
+            ch.recv()
+        wait_for(job, "refused", lambda ev: [e for e in ev if e["kind"] == "refused"], 10)
+        for i, (node, how, cause) in enumerate([("node2", "worker", "process_exit"), ("node3", "agent", "agent_lost"),
+                                                ("node4", "hang", "hung")]):
+            done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "kill-node", str(job), node, "--how", how],
+                                  capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            assert done.returncode == 0, done.stdout + done.stderr
+            lost = wait_for(job, f"{node} lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"
+                                                               and e["node"] == node])[0]
+            assert lost["cause"] == cause
+            assert lost["detection_seconds"] < (6.0 if how == "hang" else 1.0)
+            joins = i + 1
+            wait_for(job, f"join {joins}", lambda ev: len([e for e in ev if e["kind"] == "node_joined"]) >= joins, 90)
+        final = read_events(job / "events.jsonl", "plan")[-1]
+        assert sorted(n for p in final["pipelines"] for n in p["nodes"]) == ["node1", "r1", "r2", "r3"]
+        assert all(e["ok"] for e in read_events(job / "events.jsonl", "health_check"))
+    finally:
+        sup.terminate()
+        sup.wait(30)
+    time.sleep(1.0)  # agents see the supervisor gone, kill their workers and exit
