@@ -132,9 +132,16 @@ class Coordinator:
         self.store.set("current_gen", str(self.gen))
         self.log.emit("plan", **plan_event(plan, self.gen, reason, members))
 
-    def start(self) -> None:
+    def start(self, from_checkpoint: bool = False) -> None:
+        """Publish generation 0 and start every member: from the seed, or (a requeued job) from the
+        last complete checkpoint in `checkpoint_dir` when there is one."""
         self.store.set("current_gen", "0")
-        self._publish(self.plan, "seed", 0, "initial")
+        step = latest_complete(self.cfg.checkpoint_dir, self.keys) if from_checkpoint and self.cfg.checkpoint_dir else None
+        if step is None:
+            self._publish(self.plan, "seed", 0, "initial")
+        else:
+            self._publish(self.plan, "checkpoint", step, "requeue",
+                          checkpoint={"root": str(self.cfg.checkpoint_dir), "step": step})
         for node in self.members:
             self.backend.start(node)
 

@@ -4,7 +4,7 @@ Under Slurm it runs in the batch step of the `--no-kill` allocation (submitted t
 `SupervisorJob`); it hosts the job's TCPStore and control server, starts one agent per node, and runs
 the coordinator (membership, generations, reconfiguration) with `AgentNodes` as its backend. Losing
 the node that runs it ends the job (nothing else holds the store): the job then exits non-zero and
-`--time` bounds the allocation; a requeue resumes from the last checkpoint.
+`--time` bounds the allocation; a requeue resumes from the last complete checkpoint.
 
 Exit codes: 0 done; EXIT_UNRECOVERABLE (3) training cannot go on (do not requeue); 1 anything else.
 """
@@ -136,7 +136,7 @@ def _run(job: Any, backend: str, log: Any) -> int:
         t0 = time.time()
         nodes_backend.launch_agents(timeout=ft.reconfiguration_timeout)
         log.emit("agents_ready", nodes=members + spares, seconds=time.time() - t0)
-        coordinator.start()
+        coordinator.start(from_checkpoint=requeued)
         coordinator.run()
     finally:
         nodes_backend.close()
