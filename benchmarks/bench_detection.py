@@ -135,8 +135,8 @@ def main() -> int:
         lab.reset()
         for kind in args.kinds.split(","):
             for _ in range(args.repeats):
-                with tempfile.TemporaryDirectory(prefix="bench-detection-") as work:
-                    row = one_run(lab, kind, Path(work))
+                work = Path(tempfile.mkdtemp(prefix="bench-detection-"))  # kept: its job folder explains a failure
+                row = one_run(lab, kind, work)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     print(f"\n{'kind':<8} {'cause':<12} {'detect s':>9} {'Slurm DOWN s':>13} {'resumed s':>10} {'joined s':>9}  (medians, n={args.repeats})")

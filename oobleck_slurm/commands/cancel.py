@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
         ids = slurm_job_ids(meta, read_events(events_path(job.path), "replacement_requested"))
         if not ids:
             return fail(f"{job.job_id}: no Slurm job id recorded in {job.path / 'meta.json'}")
+        from oobleck_slurm.supervisor.main import CANCEL_MARKER
+
+        (job.path / CANCEL_MARKER).write_text("cancelled by the user\n")
         try:
             run_slurm(["scancel", *ids])
         except SlurmError as err:

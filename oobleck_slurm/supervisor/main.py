@@ -26,6 +26,7 @@ from typing import Any
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_UNRECOVERABLE = 3  # the coordinator gave up (no replica, no checkpoint): a requeue would too
+CANCEL_MARKER = "cancelled"  # written by `cancel` before scancel
 REQUEUE_MARKER = "requeue"  # written on preemption / time limit: the next run resumes from a checkpoint
 
 
@@ -64,9 +65,11 @@ def run_supervisor(job_dir: Path, backend: str = "slurm") -> int:
         from oobleck_slurm.supervisor.coordinator import CoordinatorError
 
         (job.path / "logs" / "supervisor.err").write_text(traceback.format_exc())
-        unrecoverable = isinstance(err, CoordinatorError)
+        # `cancel` leaves a marker first: the losses that scancel causes are not a failure of training.
+        unrecoverable = isinstance(err, CoordinatorError) and not (job.path / CANCEL_MARKER).exists()
         code = EXIT_UNRECOVERABLE if unrecoverable else EXIT_FAILED
-        status, error = "unrecoverable" if unrecoverable else "failed", f"{type(err).__name__}: {err}"
+        status = "unrecoverable" if unrecoverable else "cancelled" if (job.path / CANCEL_MARKER).exists() else "failed"
+        error = f"{type(err).__name__}: {err}"
         print(f"supervisor: {error}", file=sys.stderr)
     log.emit("job_finished", status=status, exit_code=code, error=error, seconds=time.time() - started)
     log.close()
