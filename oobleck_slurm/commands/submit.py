@@ -1,7 +1,8 @@
 """`submit [RECIPE]`: validate, pregenerate pipeline templates, start the job, follow it.
 
-The job runs in its own process session (local backend), so it outlives this command: `--detach`
-returns at once, and Ctrl-C while following stops the job.
+The local backend runs the supervisor (and through it the agents and workers) in its own process
+session, so the job outlives this command: `--detach` returns at once, and Ctrl-C while following
+stops the job. The Slurm backend submits the supervisor as the batch step of an allocation.
 """
 
 from __future__ import annotations
@@ -59,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
     job = create_job_dir(recipe, args.job_root)
     if recipe.cluster.backend == "slurm":
         return _submit_slurm(job, recipe, args)
-    log_file = open(job.path / "logs" / "local_job.log", "wb")  # noqa: SIM115 - owned by the child
+    # The local backend runs the same supervisor and agents as Slurm, as processes on this machine.
     job.update_meta(templates_cache=str(Path(args.cache).resolve()))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    process = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.cluster.local_job", str(job.path)],
-                               stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                               cwd=os.getcwd())
+    log_file = open(job.path / "logs" / "supervisor.log", "wb")  # noqa: SIM115 - owned by the child
+    process = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job.path), "--backend", "local"],
+                               stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                               start_new_session=True)
     log_file.close()
     job.update_meta(pid=process.pid)
     console.print(f"job [bold]{job.job_id}[/] submitted (local backend, pid {process.pid})")
