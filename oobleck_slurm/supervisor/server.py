@@ -73,6 +73,10 @@ class ControlServer:
                     channel.send(reply)
         except EOFError:
             pass  # a clean close by the peer
+        except (ConnectionResetError, BrokenPipeError) as err:
+            if channel is None:  # vanished before proving it knows the secret
+                self._on_refused(peer, f"{type(err).__name__}: {err}")
+            # else: an authenticated peer went away (a `status` call, a killed node): not a refusal
         except (ProtocolError, OSError, ValueError) as err:
             self._on_refused(peer, f"{type(err).__name__}: {err}")
         except Exception as err:  # noqa: BLE001 - a handler bug must not take the server down

@@ -170,3 +170,15 @@ def test_secret_file_is_private_and_checked(tmp_path: Path) -> None:
         load_secret(tmp_path)
     with pytest.raises(SecretError, match="not found"):
         load_secret(tmp_path / "other")
+
+
+def test_authenticated_peer_that_resets_is_not_a_refusal(served) -> None:
+    secret, server, recorder = served
+    channel = connect("127.0.0.1", server.port, secret, {"node": "status-cli"})
+    channel.send({"type": "ping"})
+    channel.recv()
+    channel.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+    channel.close()
+    time.sleep(0.3)
+    assert recorder.refused == []
+    assert_still_serving(server, secret)
