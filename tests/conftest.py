@@ -41,8 +41,11 @@ def slurm_cluster() -> Iterator[Any]:
     ``resume``, ``node_state``, ``wait_node``, ``reset``. SLURM_CONF is set in os.environ."""
     lab = _slurm_lab_module().SlurmLab()
     with lab.exclusive():  # one test session at a time kills and resets the lab's nodes
+        # Tells the scripts that the lab's session lock is ours, so they do not wait for it.
+        script_env = {**os.environ, "OOBLECK_SLURM_SESSION_HELD": "1"}
         done = subprocess.run(
-            ["bash", str(SLURM_DIR / "start.sh")], capture_output=True, text=True, timeout=900, check=False
+            ["bash", str(SLURM_DIR / "start.sh")],
+            env=script_env, capture_output=True, text=True, timeout=900, check=False,
         )
         if done.returncode != 0:
             pytest.fail(
@@ -61,7 +64,7 @@ def slurm_cluster() -> Iterator[Any]:
             else:
                 os.environ["SLURM_CONF"] = previous
             if started:
-                subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], timeout=120, check=False)
+                subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], env=script_env, timeout=120, check=False)
 
 
 @pytest.fixture(autouse=True)

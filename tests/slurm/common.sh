@@ -52,6 +52,17 @@ stop_pidfile() {
     rm -f "$file"
 }
 
+# wait_for_sessions: before stopping a lab, wait until no test session holds it (the lock of
+# tests/slurm/lab.py SlurmLab.exclusive), unless we run for that session
+# (OOBLECK_SLURM_SESSION_HELD=1). Holds the lock on fd 8 until this script exits.
+wait_for_sessions() {
+    [[ ${OOBLECK_SLURM_SESSION_HELD:-} == 1 ]] && return 0
+    exec 8>>"$LAB.session-lock"
+    flock -n 8 && return 0
+    log "waiting for the test session that holds the lab: $(cat "$LAB.session-lock")"
+    flock -w 600 8 || { log "ERROR: the lab is still held after 600s"; exit 1; }
+}
+
 # The daemons in start order, as "PIDFILE COMM" (slurmd lines come from node names).
 core_daemons() {
     echo "$LAB/munge/munged.pid munged"
@@ -96,7 +107,34 @@ kill_job_processes() {
     return 0
 }
 
-# stop_all: stop every process of the lab, slurmds and jobs first, daemons by their pid files.
+# stop_orphans: SIGKILL daemons of this lab that no pid file names any more (the lab folder was
+# wiped under them, or a start failed half-way and a later one rewrote the pid files): a lab
+# daemon's command line names the lab folder, or (slurmdbd, which takes no arguments) its
+# environment has SLURM_CONF=$CONF. Command names only narrow the search to daemons.
+stop_orphans() {
+    local p pid comm i killed=()
+    for p in /proc/[0-9]*; do
+        pid=${p#/proc/}
+        read -r comm 2>/dev/null <"$p/comm" || continue
+        case $comm in munged | mariadbd | slurmdbd | slurmctld | slurmd) ;; *) continue ;; esac
+        if tr '\0' ' ' 2>/dev/null <"$p/cmdline" | grep -qF -- "$LAB/" ||
+            grep -qzxF "SLURM_CONF=$CONF" "$p/environ" 2>/dev/null; then
+            log "stopping $comm (pid $pid): a daemon of this lab without a pid file"
+            kill -KILL "$pid" 2>/dev/null || true
+            killed+=("$pid")
+        fi
+    done
+    for pid in "${killed[@]}"; do
+        for ((i = 0; i < 50; i++)); do
+            running "$pid" || break
+            sleep 0.1
+        done
+    done
+    return 0
+}
+
+# stop_all: stop every process of the lab, slurmds and jobs first, daemons by their pid files,
+# then whatever daemon of the lab no pid file names.
 stop_all() {
     local f file comm
     for f in "$LAB"/run/slurmd-*.pid; do
@@ -106,4 +144,5 @@ stop_all() {
     while read -r file comm; do
         stop_pidfile "$file" "$comm"
     done < <(core_daemons | tac)
+    stop_orphans
 }

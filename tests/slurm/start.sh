@@ -68,19 +68,19 @@ add_hosts() {
 }
 
 # launch NAME CMD...: start a daemon that forks itself into the background, detached from this
-# script: its own session, stdio to $LAB/log/NAME.out, and without our lock fd 9 (a daemon
-# inheriting it would hold the lab lock for its whole life). Fails when the daemon's start fails.
+# script: its own session, stdio to $LAB/log/NAME.out, and without our lock fds 8 and 9 (a daemon
+# inheriting one would hold that lock for its whole life). Fails when the daemon's start fails.
 # launch_fg NAME CMD...: the same for a daemon that stays in the foreground (setsid -f forks it).
 launch() {
     local name=$1 rc=0
     shift
-    setsid "$@" </dev/null >>"$LAB/log/$name.out" 2>&1 9>&- || rc=$?
+    setsid "$@" </dev/null >>"$LAB/log/$name.out" 2>&1 8>&- 9>&- || rc=$?
     ((rc == 0)) || fail "$name did not start (exit $rc)"
 }
 launch_fg() {
     local name=$1
     shift
-    setsid -f "$@" </dev/null >>"$LAB/log/$name.out" 2>&1 9>&-
+    setsid -f "$@" </dev/null >>"$LAB/log/$name.out" 2>&1 8>&- 9>&-
 }
 
 render() { # render TEMPLATE OUTPUT: fill in @LAB@ and @DB_PORT@
@@ -106,8 +106,21 @@ core_running() {
     done < <(core_daemons)
 }
 
+# check_ports: the lab's fixed ports are free (one lab per machine; else say who holds them).
+check_ports() {
+    local port
+    for port in 6817 6819 $(seq 17001 17008) "$DB_PORT"; do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+            log "ERROR: port $port on 127.0.0.1 is in use (another Slurm lab or daemon?); the lab" \
+                "needs 6817 (slurmctld), 6819 (slurmdbd), 17001-17008 (slurmd), $DB_PORT (MariaDB)"
+            exit 1
+        fi
+    done
+}
+
 cold_start() {
     [[ -n $LAB && $LAB != / ]] || fail "refusing to wipe lab folder '$LAB'"
+    check_ports
     rm -rf "$LAB"
     install -d -m 0755 "$LAB" "$LAB/run" "$LAB/log" "$LAB/state" "$LAB/spool"
     install -d -m 0700 "$LAB/state/ctld"
@@ -181,6 +194,7 @@ main() {
             mode=reused
         else
             log "the config templates changed since the lab started: restarting it"
+            wait_for_sessions
         fi
     fi
     if [[ $mode == started ]]; then
