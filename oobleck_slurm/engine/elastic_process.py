@@ -8,7 +8,12 @@ It follows the coordinator through the store (hosted by the coordinator, never b
     gen{g}/report/{node}    this worker's step and valid layers after aborting g (for the next plan)
     gen{g}/rebuilt/{node}   group-build and state-copy seconds and bytes (recovery events)
     gen{g}/progress         last completed step (rank 0); gen{g}/first_step: the first one's time
+    node/{node}/step        this worker's last completed step (names a rank that stops advancing)
     node/{node}/ready       the process is up (imports, model code) and can join
+
+A config with `stop` ends the worker; with `save` {root, step} it first writes its layers (those it
+holds first in its plan) as the checkpoint of `step`, rolling back one step if it is ahead (an
+on-demand checkpoint at preemption: the requeued job resumes from it).
 
 Survivors never restart: they keep their process, their layers and optimizer state, and build the
 next generation's groups under a new store prefix. Fault injection (tests, benchmark): job.extra
@@ -98,6 +103,8 @@ class ElasticWorker:
                 raise TimeoutError(f"no configuration for generation {g} within {self.timeouts.run} s")
             cfg = json.loads(self.store.get(f"gen{g}/config"))
             if cfg.get("stop"):
+                if cfg.get("save"):
+                    self.save_checkpoint(cfg["save"]["root"], int(cfg["save"]["step"]))
                 return
             if self.node not in cfg["members"]:
                 g += 1
@@ -154,6 +161,18 @@ class ElasticWorker:
             out.mkdir(exist_ok=True)
             torch.save(w.layer_state(), out / f"node{self.node}.pt")
         self.store.set(f"gen{g}/finished/{self.node}", "1")
+
+    def save_checkpoint(self, root: str, step: int) -> None:
+        """Write this worker's share of the checkpoint of `step` (layers it holds first) and wait for it."""
+        w = self.worker
+        self.undo.rollback_to(step)
+        if w.plan is None or not w.layers:
+            return
+        writer = CheckpointWriter(root) if self.writer is None or str(self.writer.root) != root else self.writer
+        for i in sorted(w.layers):
+            if w.plan.holders(i)[0] == w.rank:
+                writer.submit(w.step, w.keys[i], layer_payload(w.layers[i], w.optimizers[i], w.step))
+        writer.flush()
 
     def _maybe_checkpoint(self) -> None:
         w = self.worker

@@ -11,7 +11,9 @@ to the supervisor over the authenticated control plane, beats every `heartbeat_i
     health {...}        run a short collective with the supervisor (engine and network work here)
     shutdown            stop the worker and exit 0
 
-and reports `worker_exit {code}`. If the supervisor goes away, the job is over: the agent kills its
+and reports `worker_exit {code}`, and `preempt` when Slurm sends SIGUSR2 to the job's steps (submitit's
+`--signal=USR2@90` before the time limit, or a preemption): the supervisor runs in the batch step,
+which that signal does not reach. The worker ignores SIGUSR2 (it would end it). If the supervisor goes away, the job is over: the agent kills its
 worker and exits, so that nothing outlives the job on the node.
 """
 
@@ -46,6 +48,7 @@ def _die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm signals every process of the step; the agent relays it
 
 
 def node_name(explicit: str | None = None) -> str:
@@ -74,6 +77,7 @@ class Agent:
         self.worker_id: str | None = None
         self._lock = threading.Lock()  # the channel is written by the beat loop and the command reader
         self._done = threading.Event()
+        self._preempt = threading.Event()  # Slurm's SIGUSR2 arrived: relay it once
         self.channel: Channel = connect(self.address["host"], int(self.address["port"]), load_secret(job_dir),
                                         {"role": "agent", "node": node}, timeout=CONNECT_TIMEOUT_S)
         self.send({"type": "register", "node": node, "replacement": replacement, "pid": os.getpid(),
@@ -152,6 +156,8 @@ class Agent:
 
     def run(self) -> int:
         threading.Thread(target=self._read_commands, name="agent-commands", daemon=True).start()
+        signal.signal(signal.SIGUSR2, lambda signum, frame: self._preempt.set())
+        relayed = False
         next_beat = 0.0
         try:
             while not self._done.is_set():
@@ -160,6 +166,9 @@ class Agent:
                 if w is not None and (code := w.poll()) is not None:
                     self.worker = None
                     self.send({"type": "worker_exit", "node": self.node, "node_id": self.worker_id, "code": code})
+                if self._preempt.is_set() and not relayed:
+                    relayed = True
+                    self.send({"type": "preempt", "node": self.node, "signal": "SIGUSR2", "t": now})
                 if now >= next_beat:
                     self.send({"type": "heartbeat", "node": self.node, "worker": self.worker_state(),
                                "cpu": psutil.cpu_percent(interval=None), "t": now})

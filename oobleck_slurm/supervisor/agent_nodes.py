@@ -69,8 +69,9 @@ class BackendConfig:
 
 class AgentNodes:
     def __init__(self, secret: bytes, launcher: AgentLauncher, log: EventLog, config: BackendConfig,
-                 members: Sequence[str], spares: Sequence[str] = ()) -> None:
+                 members: Sequence[str], spares: Sequence[str] = (), on_preempt: Any = None) -> None:
         self.launcher, self.log, self.cfg = launcher, log, config
+        self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
         self.members, self.spares = list(members), list(spares)
         self.membership = Membership(config.heartbeat_lease, config.step_timeout)
         self.agents: dict[str, AgentConn] = {}  # Slurm node -> live connection
@@ -243,6 +244,11 @@ class AgentNodes:
                     return {"type": "fault_result", "ok": False, "detail": f"no agent on {message['node']}"}
                 agent.send({"type": "drill", "how": how})
             return {"type": "fault_result", "ok": True}
+        elif kind == "preempt":
+            self.log.emit("preempt_notice", node=self.id_of.get(str(message.get("node")), message.get("node")),
+                          signal=message.get("signal"))
+            if self.on_preempt is not None:
+                self.on_preempt()
         elif kind == "status":
             return self.status()  # type: ignore[return-value]
         return None

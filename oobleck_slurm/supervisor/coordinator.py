@@ -11,8 +11,11 @@ On a membership change in generation g (a node's processes died, a timeout, or a
 4. publish `gen{g+1}/config`; survivors build new groups and copy layers; training goes on.
 If recovery is impossible (a layer lost every replica, too few pipelines) or the mode is
 "checkpoint", every worker is stopped and restarted from the last complete checkpoint.
+On a preemption notice (see preemption.py) the same abort collects every worker's step; the next
+generation's config says `stop` with `save`: each worker rolls back to the smallest step, writes its
+layers as an on-demand checkpoint of that step, and exits 0; a requeued job resumes from it.
 Events (events.jsonl): failure, detection, replan, plan, group_rebuild, state_copy, replay,
-resumed, node_joined, checkpoint, checkpoint_fallback.
+resumed, node_joined, checkpoint, checkpoint_fallback, checkpoint_requested.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from oobleck_slurm.events import EventLog
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
 from oobleck_slurm.planning.reconfigure import Reconfiguration, RecoveryImpossible, reconfigure, stage_devices
 from oobleck_slurm.planning.templates import PipelineTemplate
+from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S, Preemption
 
 POLL_S = 0.005  # the coordinator's loop: bounds detection latency on the local backend
 CHECKPOINT_LOOK_S = 0.5  # how often the checkpoint directory is scanned for completed checkpoints
@@ -60,6 +64,7 @@ class CoordinatorConfig:
     mode: str = "memory"  # "memory": checkpoint-free recovery; "checkpoint": always restart from one
     checkpoint_dir: str = ""
     devices_per_node: int = 1
+    checkpoint_timeout: float = CHECKPOINT_TIMEOUT_S  # an on-demand checkpoint, from request to complete
 
 
 @dataclass
@@ -108,6 +113,7 @@ class Coordinator:
         self.checkpoints_seen: set[int] = set()
         self.fallbacks = 0
         self._next_checkpoint_look = 0.0
+        self.preemption = Preemption()  # replaced by the supervisor's, which its signal handler sets
 
     # ---- publishing generations ------------------------------------------------------------------
 
@@ -156,6 +162,8 @@ class Coordinator:
             if not live:
                 self.log.emit("done", generation=self.gen)
                 return
+            if self.preemption.requested.is_set() and not lost and self.recovery is None:
+                return self._checkpoint_and_stop()
             if lost:
                 if self.finished:  # someone completed the last step: the run is over
                     self.log.emit("done", generation=self.gen, note=f"node(s) {lost} died after the end")
@@ -298,6 +306,45 @@ class Coordinator:
         self.recovery = _Recovery(self.gen, t_kill, step)
         for n in self.members:
             self.backend.start(n)
+
+    # ---- preemption: an on-demand checkpoint, then every worker stops ----------------------------
+
+    def _checkpoint_and_stop(self) -> None:
+        """Abort generation g (every worker reports its step), then publish a `stop` generation whose
+        workers write the smallest reported step as a checkpoint; wait until it is complete."""
+        g, t0 = self.gen, time.time()
+        root = self.cfg.checkpoint_dir
+        self.log.emit("checkpoint_requested", generation=g, reason="preemption or time limit")
+        if not root:
+            self.log.emit("checkpoint", step=None, ok=False, on_demand=True, detail="no checkpoint directory")
+            self.preemption.finished.set()
+            return
+        self.store.set(f"gen{g}/failed", json.dumps({"lost": [], "joined": [], "cause": "checkpoint"}))
+        reports = self._collect_reports(g, set())
+        steps = [r["step"] for r in reports.values() if r["layers"]]
+        self.gen = g + 1
+        if not steps:  # the notice came before any worker held layers: nothing to save
+            self.store.set(f"gen{self.gen}/config", json.dumps({"generation": self.gen, "stop": True}))
+            self.log.emit("checkpoint", step=None, ok=False, on_demand=True, detail="no worker holds layers yet")
+            self.preemption.finished.set()
+            return
+        step = min(steps)
+        self.store.set(f"gen{self.gen}/config", json.dumps(
+            {"generation": self.gen, "stop": True, "save": {"root": root, "step": step}}))
+        self.store.set("current_gen", str(self.gen))
+        deadline = time.time() + self.cfg.checkpoint_timeout
+        while not all((step_dir(root, step) / f"{k}.pt").exists() for k in self.keys):
+            if time.time() > deadline:
+                self.log.emit("checkpoint", step=step, ok=False, on_demand=True,
+                              detail=f"not complete within {self.cfg.checkpoint_timeout:g} s")
+                self.preemption.finished.set()
+                return
+            time.sleep(POLL_S)
+        self.checkpoints_seen.add(step)
+        self.log.emit("checkpoint", step=step, ok=True, on_demand=True, seconds=time.time() - t0,
+                      path=str(step_dir(root, step)))
+        self.preemption.step = step
+        self.preemption.finished.set()
 
     # ---- events of a recovery in progress, checkpoints ---------------------------------------------
 

@@ -6,6 +6,10 @@ the coordinator (membership, generations, reconfiguration) with `AgentNodes` as 
 the node that runs it ends the job (nothing else holds the store): the job then exits non-zero and
 `--time` bounds the allocation; a requeue resumes from the last complete checkpoint.
 
+Preemption / time limit (see preemption.py): the notice reaches the agents, which relay it; the
+supervisor signals itself, submitit's handler calls `SupervisorJob.checkpoint`, which waits for an
+on-demand checkpoint of the current step, marks the folder (`requeue`) and lets submitit requeue.
+
 Exit codes: 0 done; EXIT_UNRECOVERABLE (3) training cannot go on (do not requeue); 1 anything else.
 """
 
@@ -15,8 +19,10 @@ import argparse
 import datetime as dt
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -28,6 +34,8 @@ EXIT_FAILED = 1
 EXIT_UNRECOVERABLE = 3  # the coordinator gave up (no replica, no checkpoint): a requeue would too
 CANCEL_MARKER = "cancelled"  # written by `cancel` before scancel
 REQUEUE_MARKER = "requeue"  # written on preemption / time limit: the next run resumes from a checkpoint
+JOIN_POLL_S = 0.2  # the main thread's wait on the supervisor thread: signals are handled between waits
+TEARDOWN_S = 30.0  # after the on-demand checkpoint: agents stopped, events closed, before the requeue
 
 
 def advertised_host() -> str:
@@ -52,15 +60,22 @@ def allocation_nodes(backend: str, recipe: Any) -> list[str]:
     return nodes
 
 
-def run_supervisor(job_dir: Path, backend: str = "slurm") -> int:
+def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None,
+                   on_preempt: Any = None) -> int:
+    """Run the job to its end; `preemption` (a Preemption) is set by whoever receives the notice,
+    `on_preempt` is called when an agent relays one (default: set `preemption.requested`)."""
     from oobleck_slurm.cluster.jobdir import JobDir
     from oobleck_slurm.events import EventLog, events_path
+    from oobleck_slurm.supervisor.preemption import Preemption
 
     job = JobDir(job_dir.resolve(), job_dir.resolve().name)
     log = EventLog(events_path(job.path))
+    preemption = preemption or Preemption()
     started = time.time()
     try:
-        code, status, error = _run(job, backend, log), "completed", None
+        _run(job, backend, log, preemption, on_preempt or preemption.requested.set)
+        checkpointed = preemption.finished.is_set() and preemption.step is not None
+        code, status, error = EXIT_OK, "preempted" if checkpointed else "completed", None
     except Exception as err:  # noqa: BLE001 - recorded for `status` and the user, then an exit code
         from oobleck_slurm.supervisor.coordinator import CoordinatorError
 
@@ -71,13 +86,14 @@ def run_supervisor(job_dir: Path, backend: str = "slurm") -> int:
         status = "unrecoverable" if unrecoverable else "cancelled" if (job.path / CANCEL_MARKER).exists() else "failed"
         error = f"{type(err).__name__}: {err}"
         print(f"supervisor: {error}", file=sys.stderr)
-    log.emit("job_finished", status=status, exit_code=code, error=error, seconds=time.time() - started)
+    log.emit("job_finished", status=status, exit_code=code, error=error, seconds=time.time() - started,
+             checkpoint_step=preemption.step)
     log.close()
     job.update_meta(exit_code=code, status=status)
     return code
 
 
-def _run(job: Any, backend: str, log: Any) -> int:
+def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> None:
     import torch.distributed as dist
 
     from oobleck_slurm.engine.comm import Timeouts
@@ -113,7 +129,7 @@ def _run(job: Any, backend: str, log: Any) -> int:
     run_s = 60.0 * 60 * 24 * 30
     timeouts = Timeouts(collective=ft.collective_timeout, step=ft.step_timeout, run=run_s)
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store"))
-    ckpt_dir = str(job.path / "checkpoints") if ft.checkpoint_interval > 0 else ""
+    ckpt_dir = str(job.path / "checkpoints")  # periodic ones only if checkpoint_interval > 0; on-demand always
     (job.path / "job.json").write_text(spec.to_json())
     (job.path / "elastic.json").write_text(json.dumps({
         "host": host, "port": store.port, "timeouts": asdict(timeouts),
@@ -123,7 +139,8 @@ def _run(job: Any, backend: str, log: Any) -> int:
     launcher = (SrunLauncher(job.path, cluster, recipe.name) if backend == "slurm" else LocalLauncher(job.path))
     nodes_backend = AgentNodes(load_secret(job.path), launcher, log, BackendConfig(
         heartbeat_interval=ft.heartbeat_interval, heartbeat_lease=ft.heartbeat_lease, step_timeout=ft.step_timeout,
-        replacement=ft.replacement, store_host=host, store_port=store.port), members, spares)
+        replacement=ft.replacement, store_host=host, store_port=store.port), members, spares,
+        on_preempt=on_preempt)
     nodes_backend.server.start()
     (job.path / SUPERVISOR_FILE).write_text(json.dumps({
         "host": host, "port": nodes_backend.port, "heartbeat_interval": ft.heartbeat_interval,
@@ -135,6 +152,7 @@ def _run(job: Any, backend: str, log: Any) -> int:
                                devices_per_node=cluster.devices_per_node)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config,
                               total_steps=recipe.training.steps)
+    coordinator.preemption = preemption
     try:
         t0 = time.time()
         nodes_backend.launch_agents(timeout=ft.reconfiguration_timeout)
@@ -143,31 +161,59 @@ def _run(job: Any, backend: str, log: Any) -> int:
         coordinator.run()
     finally:
         nodes_backend.close()
-    return EXIT_OK
 
 
 class SupervisorJob:
-    """What submitit runs in the batch step. On preemption or the time limit (submitit's USR2),
-    `checkpoint` marks the job folder and asks submitit to requeue the same callable."""
+    """What submitit runs in the batch step. The supervisor runs in a thread so that the main thread,
+    which receives signals, stays free: on preemption or the time limit (submitit's USR2 handler)
+    `checkpoint` asks the coordinator for an on-demand checkpoint, waits for the supervisor to end,
+    marks the job folder and returns the same callable for submitit to requeue."""
 
     def __init__(self, job_dir: str) -> None:
         self.job_dir = job_dir
 
     def __call__(self) -> int:
-        code = run_supervisor(Path(self.job_dir), "slurm")
+        from oobleck_slurm.supervisor.preemption import Preemption
+
+        self._preemption = Preemption()
+        self._relayed = threading.Event()
+        codes: list[int] = []
+        self._thread = threading.Thread(target=lambda: codes.append(run_supervisor(
+            Path(self.job_dir), "slurm", self._preemption, self._signal_self)), name="supervisor")
+        self._thread.start()
+        while self._thread.is_alive():
+            self._thread.join(JOIN_POLL_S)
+        code = codes[0] if codes else EXIT_FAILED
         if code != EXIT_OK:
             raise SystemExit(code)  # submitit lets SystemExit through: Slurm records this exit code
         return code
 
+    def _signal_self(self) -> None:
+        """An agent relayed Slurm's USR2: hand it to submitit's handler in this process, once."""
+        if not self._relayed.is_set():
+            self._relayed.set()
+            os.kill(os.getpid(), signal.SIGUSR2)
+
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         import submitit
 
+        from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S
+
         path = Path(self.job_dir)
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            self._relayed.set()  # the notice came straight to this process: no relay needed
+            self._preemption.requested.set()
+            self._preemption.finished.wait(CHECKPOINT_TIMEOUT_S + TEARDOWN_S)
+            thread.join(TEARDOWN_S)
         meta = json.loads((path / "meta.json").read_text())
-        if meta.get("status") == "unrecoverable":
-            return None  # do not requeue what cannot go on
+        if meta.get("status") in ("unrecoverable", "completed", "cancelled") or (path / CANCEL_MARKER).exists():
+            return None  # do not requeue what cannot go on, nor what is over
         (path / REQUEUE_MARKER).write_text(dt.datetime.now().isoformat())
         return submitit.helpers.DelayedSubmission(SupervisorJob(self.job_dir))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"job_dir": self.job_dir}  # submitit pickles it again for the requeue: no threads
 
 
 def main(argv: list[str] | None = None) -> int:
