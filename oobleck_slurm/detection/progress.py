@@ -31,3 +31,17 @@ class ProgressWatch:
 
     def hung(self, now: float) -> list[Hashable]:
         return [w for w, since in self._since.items() if now - since > self.step_timeout_s]
+
+    def step_of(self, worker: Hashable) -> int | None:
+        return self._step.get(worker)
+
+    def top(self) -> int | None:
+        """The most advanced step any worker reported."""
+        return max(self._step.values(), default=None)
+
+    def behind(self, now: float) -> list[Hashable]:
+        """Hung workers whose step is behind a peer's: when every rank waits for the slowest (an
+        all-reduce), a stall alone names nobody, but the rank that never reached the step its peers
+        reached is the one they wait for."""
+        top = self.top()
+        return [w for w in self.hung(now) if self._step[w] != top]

@@ -8,7 +8,7 @@ It follows the coordinator through the store (hosted by the coordinator, never b
     gen{g}/report/{node}    this worker's step and valid layers after aborting g (for the next plan)
     gen{g}/rebuilt/{node}   group-build and state-copy seconds and bytes (recovery events)
     gen{g}/progress         last completed step (rank 0); gen{g}/first_step: the first one's time
-    node/{node}/step        this worker's last completed step (names a rank that stops advancing)
+    node/{node}/step        the last step in which this worker reached a collective (names a hung rank)
     node/{node}/ready       the process is up (imports, model code) and can join
 
 A config with `stop` ends the worker; with `save` {root, step} it first writes its layers (those it
@@ -17,8 +17,9 @@ on-demand checkpoint at preemption: the requeued job resumes from it).
 
 Survivors never restart: they keep their process, their layers and optimizer state, and build the
 next generation's groups under a new store prefix. Fault injection (tests, benchmark): job.extra
-"faults" = [{"node": N, "step": S, "at": "start" | "wait:K" | "wait:last" | "optimizer" | "adopt"}] kills
-this process with SIGKILL at that point of step S (once per fault, even across restarts).
+"faults" = [{"node": N, "step": S, "at": "start" | "wait:K" | "wait:last" | "optimizer" | "adopt",
+"do": "kill" | "hang"}] kills this process with SIGKILL (or, "hang", sleeps forever: a deadlocked worker
+that stays runnable) at that point of step S (once per fault, even across restarts).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from oobleck_slurm.engine.recovery import StepUndo, adopt
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.events import EventLog, events_path
+
+HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 
 
 class ElasticWorker:
@@ -75,11 +78,22 @@ class ElasticWorker:
             hit = at == point or (at == "wait:last" and point == f"wait:{self.last_waits}")
             if hit and self.store.add(f"fault/{i}", 1) == 1:
                 self.store.set(f"fault/killed_at/{self.node}", repr(time.time()))
+                if f.get("do", "kill") == "hang":
+                    while True:  # not stopped: its agent sees a live, sleeping process
+                        time.sleep(HANG_SLEEP_S)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def _on_wait(self) -> None:
         self.waits += 1
         self._maybe_die(f"wait:{self.waits}")
+        if self.waits == 1:
+            self._report_step()
+
+    def _report_step(self) -> None:
+        """Per-rank progress for the supervisor: this worker reached a collective of step s (it did its
+        compute up to there). A rank hung before its first collective of s stays at s-1 while every
+        peer waits for it in a collective of s: that names it. Once per step: one store write."""
+        self.store.set(f"node/{self.node}/step", str(self.worker.step))
 
     def _before_update(self, index: int) -> None:
         self.updates += 1

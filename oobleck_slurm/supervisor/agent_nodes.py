@@ -34,6 +34,7 @@ from oobleck_slurm.supervisor.server import ControlServer
 
 WATCH_S = 0.02  # the watcher's period: bounds the detection latency of srun exits and leases
 SLURM_POLL_S = 1.0  # scontrol is asked at most this often (slurmctld is shared with other users)
+RANK_STEP_POLL_S = 0.25  # per-rank steps (`node/{id}/step`) are read this often: a hang takes step_timeout anyway
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
 HEALTH_TIMEOUT_S = 60.0  # a joining node's collective with the supervisor (includes its torch import)
 RELAYED_DRILLS = ("agent", "worker", "hang")  # faults that the node's agent injects (see agent.py)
@@ -348,7 +349,7 @@ class AgentNodes:
                                     timeout=dt.timedelta(seconds=30))
         for ident, t in self.fault_at.items():
             self._store.set(f"fault/killed_at/{ident}", repr(t))
-        next_slurm = next_nodes = 0.0
+        next_slurm = next_nodes = next_ranks = 0.0
         gen = -1
         while not self._stop.wait(WATCH_S):
             now = time.time()
@@ -363,6 +364,9 @@ class AgentNodes:
                 for loss in self.membership.check(now):
                     self._lost(loss)
             gen = self._read_progress(gen, now)
+            if now >= next_ranks:
+                next_ranks = now + RANK_STEP_POLL_S
+                self._read_rank_steps(now)
             if now >= next_slurm:
                 next_slurm = now + SLURM_POLL_S
                 self._poll_slurm(now)
@@ -383,6 +387,23 @@ class AgentNodes:
                 self.membership.restart_progress(now)
             self.membership.step(step, now)
         return current
+
+    def _read_rank_steps(self, now: float) -> None:
+        """Each watched worker's `node/{id}/step` (the last step it reached a collective in): names a hung rank."""
+        assert self._store is not None
+        with self._lock:
+            watched = sorted(self.membership.watched)
+        steps = {}
+        for ident in watched:
+            key = f"node/{ident}/step"
+            try:
+                if self._store.check([key]):
+                    steps[ident] = int(self._store.get(key))
+            except Exception:  # noqa: BLE001 - retried at the next poll
+                return
+        with self._lock:
+            for ident, step in steps.items():
+                self.membership.node_step(ident, step, now)
 
     def _poll_slurm(self, now: float) -> None:
         with self._lock:

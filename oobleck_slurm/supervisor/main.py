@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ EXIT_FAILED = 1
 EXIT_UNRECOVERABLE = 3  # the coordinator gave up (no replica, no checkpoint): a requeue would too
 CANCEL_MARKER = "cancelled"  # written by `cancel` before scancel
 REQUEUE_MARKER = "requeue"  # written on preemption / time limit: the next run resumes from a checkpoint
+FAULTS_FILE = "faults.json"  # optional, for drills and tests: [{"node", "step", "at", "do"}] given to the workers
 JOIN_POLL_S = 0.2  # the main thread's wait on the supervisor thread: signals are handled between waits
 TEARDOWN_S = 30.0  # after the on-demand checkpoint: agents stopped, events closed, before the requeue
 
@@ -121,6 +122,8 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
 
     token_file = token_file_for(recipe, job.path / "data")
     spec = job_from_recipe(recipe, token_file)
+    if (job.path / FAULTS_FILE).is_file():  # drills: worker faults (engine/elastic_process.py)
+        spec = replace(spec, extra={**spec.extra, "faults": json.loads((job.path / FAULTS_FILE).read_text())})
     profile, templates = pregenerate(recipe, meta.get("templates_cache", "templates_cache"))
     plan = instantiate(templates, members, ft.f, recipe.training.global_microbatches,
                        microbatch_size=recipe.training.microbatch_size, profile=profile)

@@ -7,7 +7,8 @@ once, with the cause and time of the first evidence, whichever it was:
     srun_exit     the srun step that runs the node's agent ended (Slurm saw the task or node end)
     heartbeat     no heartbeat within the lease (a frozen or partitioned machine: no FIN ever comes)
     slurm_down    Slurm says the node is DOWN, DRAIN, FAIL or not responding (admin or slurmctld)
-    hung          training made no progress within the step timeout and this node's worker is stopped
+    hung          training made no progress within the step timeout and this node's worker is stopped,
+                  or its step is behind its peers' (it never reached the all-reduce they wait in)
     process_exit  the node's worker exited non-zero (reported by its live agent)
 
 The caller supplies `now` and the observations (see detection/ for the same style).
@@ -37,6 +38,7 @@ class Membership:
     def __init__(self, lease_s: float, step_timeout_s: float) -> None:
         self.leases = LeaseTable(lease_s)
         self.progress = ProgressWatch(step_timeout_s)
+        self.rank_steps = ProgressWatch(step_timeout_s)  # per node: the last step it reached a collective in
         self.watched: set[str] = set()
         self.worker_state: dict[str, str] = {}
         self._lost: set[str] = set()
@@ -52,6 +54,7 @@ class Membership:
     def unwatch(self, node: str) -> None:
         self.watched.discard(node)
         self.leases.forget(node)
+        self.rank_steps.forget(node)
         self.worker_state.pop(node, None)
 
     def is_lost(self, node: str) -> bool:
@@ -69,9 +72,15 @@ class Membership:
         """The job's latest completed step (or -1 before the first one of a generation)."""
         self.progress.report(JOB, step, now)
 
+    def node_step(self, node: str, step: int, now: float) -> None:
+        """`node`'s worker reached a collective of `step` (it did its share of the step's compute)."""
+        if node in self.watched and node not in self._lost:
+            self.rank_steps.report(node, step, now)
+
     def restart_progress(self, now: float) -> None:
         """A new generation: recovering and starting up are not hangs; the step clock starts again."""
         self.progress.restart(now)
+        self.rank_steps.restart(now)
 
     def agent_lost(self, node: str, now: float, detail: str = "control connection closed") -> Loss | None:
         return self._lose(node, "agent_lost", detail, now)
@@ -96,14 +105,21 @@ class Membership:
                 losses.append(loss)
         if self.progress.hung(now):
             # Every rank waits for the slowest in the all-reduce, so a stall alone does not say who;
-            # a worker that its agent sees stopped (SIGSTOP, a debugger) does.
+            # a worker that its agent sees stopped (SIGSTOP, a debugger) does, and so does a running
+            # one (deadlocked, spinning) that never reached the step its peers reached.
+            behind = set(self.rank_steps.behind(now))
             for node in sorted(self.watched - self._lost):
                 if self.worker_state.get(node) in STOPPED_STATES:
-                    loss = self._lose(node, "hung", f"no step progress for more than "
-                                      f"{self.progress.step_timeout_s:g} s and the worker is "
-                                      f"{self.worker_state[node]}", now)
-                    if loss:
-                        losses.append(loss)
+                    why = f"the worker is {self.worker_state[node]}"
+                elif node in behind:
+                    why = (f"it reached a collective of step {self.rank_steps.step_of(node)}, its peers "
+                           f"of step {self.rank_steps.top()}")
+                else:
+                    continue
+                loss = self._lose(node, "hung", f"no step progress for more than "
+                                  f"{self.progress.step_timeout_s:g} s and {why}", now)
+                if loss:
+                    losses.append(loss)
         return losses
 
     def stalled(self, now: float) -> bool:
@@ -115,4 +131,5 @@ class Membership:
             return None
         self._lost.add(node)
         self.leases.forget(node)
+        self.rank_steps.forget(node)
         return Loss(node, cause, detail, now)
