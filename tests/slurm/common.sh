@@ -63,6 +63,16 @@ wait_for_sessions() {
     flock -w 600 8 || { log "ERROR: the lab is still held after 600s"; exit 1; }
 }
 
+# session_busy: another test session holds the lab now (we do not, and do not wait).
+session_busy() {
+    [[ ${OOBLECK_SLURM_SESSION_HELD:-} == 1 ]] && return 1
+    local free=0
+    exec 7>>"$LAB.session-lock"
+    flock -n 7 && free=1
+    exec 7>&- # closing the fd releases the lock if we got it
+    ((free == 0))
+}
+
 # The daemons in start order, as "PIDFILE COMM" (slurmd lines come from node names).
 core_daemons() {
     echo "$LAB/munge/munged.pid munged"

@@ -200,6 +200,13 @@ main() {
     if [[ $mode == started ]]; then
         stop_all
         cold_start
+    elif session_busy; then
+        # Its tests down and kill nodes on purpose: repairing them now would break those tests.
+        # The session resets the lab when it ends.
+        log "reused: a test session holds the lab ($(cat "$LAB.session-lock")); nodes left as they are"
+        echo "export SLURM_CONF=$CONF"
+        echo "# reused"
+        return 0
     fi
     start_nodes
     [[ $mode == reused ]] && resume_down_nodes
