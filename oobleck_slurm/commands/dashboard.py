@@ -1,0 +1,33 @@
+"""`dashboard JOB`: watch a job live in the terminal (or replay a finished or copied job folder)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from oobleck_slurm.commands.common import EXIT_OK, console, fail, is_interactive
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("dashboard", help="live terminal dashboard of a job (q quits, p pauses, arrows scroll)")
+    parser.add_argument("job", help="job folder, or a job id under --jobs-root")
+    parser.add_argument("--jobs-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
+    parser.add_argument("--once", action="store_true", help="print one frame and exit (default when stdout is not a terminal)")
+    parser.add_argument("--refresh", type=float, default=0.5, metavar="S", help="seconds between redraws (default 0.5)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from oobleck_slurm.dashboard import JobNotFound, resolve_job_dir, run_dashboard
+    from oobleck_slurm.dashboard.live import job_summary
+
+    try:
+        job_dir = resolve_job_dir(args.job, args.jobs_root)
+    except JobNotFound as err:
+        return fail(str(err))
+    if args.refresh <= 0:
+        return fail(f"--refresh must be positive, got {args.refresh}")
+    live = not args.once and is_interactive()
+    state = run_dashboard(job_dir, live=live, console=console, refresh_s=args.refresh)
+    if live:
+        console.print(job_summary(state, job_dir), highlight=False)
+    return EXIT_OK

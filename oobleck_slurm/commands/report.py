@@ -1,0 +1,31 @@
+"""`report JOB [--out DIR]`: a static HTML report with plots of a job's run, from its event log."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from oobleck_slurm.commands.common import EXIT_OK, console, fail
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("report", help="write an HTML report with plots (loss, throughput, recoveries)")
+    parser.add_argument("job", help="job folder, or a job id under --jobs-root")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: JOB/report)")
+    parser.add_argument("--jobs-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from oobleck_slurm.dashboard import JobNotFound, resolve_job_dir
+    from oobleck_slurm.dashboard.plots import MissingMatplotlib
+    from oobleck_slurm.dashboard.report import NoEvents, write_report
+
+    try:
+        job_dir = resolve_job_dir(args.job, args.jobs_root)
+        index = write_report(job_dir, args.out)
+    except (JobNotFound, NoEvents, MissingMatplotlib) as err:
+        return fail(str(err))
+    except OSError as err:
+        return fail(f"cannot write the report: {err}")
+    console.print(f"[green]✓[/] report written: {index}", highlight=False)
+    return EXIT_OK
