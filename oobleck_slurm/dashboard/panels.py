@@ -44,7 +44,7 @@ class View:
 
 
 def duration(seconds: float | None) -> str:
-    """`3.20s`, `2m05s`, `1h02m`: short enough for a header cell."""
+    """`3.20s`, `2m05s`, `1h02m`, `3d04h`: short enough for a header cell."""
     if seconds is None:
         return "-"
     if seconds < 60:
@@ -53,7 +53,9 @@ def duration(seconds: float | None) -> str:
     if minutes < 60:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    return f"{hours // 24}d{hours % 24:02d}h"
 
 
 def _num(value: float | None, fmt: str) -> str:

@@ -26,7 +26,11 @@ class Dashboard:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         width = options.max_width
         height = options.height or console.height
-        yield layout(self.state, self.view, width, height)
+        # Rendered here at our height: a yielded child would get the console's height back, not ours.
+        lines = console.render_lines(layout(self.state, self.view, width, height),
+                                     options.update_dimensions(width, height), new_lines=True)
+        for line in lines:
+            yield from line
 
 
 def layout(state: DashboardState, view: View, width: int, height: int) -> Layout:

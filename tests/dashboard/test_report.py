@@ -1,0 +1,71 @@
+"""The static report: HTML and PNGs from a recorded run; clear errors for bad input."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from oobleck_slurm.commands import dashboard as dashboard_command
+from oobleck_slurm.commands import report as report_command
+from oobleck_slurm.events import events_path
+
+mpimg = pytest.importorskip("matplotlib.image")
+
+
+def run_command(module, argv: list[str]) -> int:
+    """A command module through argparse, as cli.main wires it."""
+    parser = argparse.ArgumentParser()
+    module.add_parser(parser.add_subparsers())
+    return module.run(parser.parse_args(argv))
+
+
+def assert_real_png(path, min_bytes: int = 8000) -> None:
+    assert path.stat().st_size > min_bytes, path
+    pixels = mpimg.imread(path)
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 500
+    # A plot, not a blank canvas: many distinct colours and real spread.
+    assert pixels[..., :3].std() > 0.05
+    assert len({tuple(p) for p in pixels[::7, ::7, :3].reshape(-1, 3).round(2).tolist()}) > 20
+
+
+def test_report_of_a_failure_run(job_dir, tmp_path, capsys):
+    job = job_dir("failure")
+    out = tmp_path / "out"
+    assert run_command(report_command, ["report", str(job), "--out", str(out)]) == 0
+    assert "report written" in capsys.readouterr().out
+    html = (out / "index.html").read_text()
+    for png in ("training.png", "recoveries.png", "time_split.png"):
+        assert f'src="{png}"' in html
+        assert_real_png(out / png)
+    assert "node-2 (heartbeat) step 25" in html and "<b>6.43s</b>" in html  # the recovery row
+    assert "<th>failures</th><td>1</td>" in html and "<th>steps</th><td>50 / 50</td>" in html
+    assert "3.00s" in html and "1.40s" in html  # detection and state copy
+
+
+def test_report_of_a_healthy_run_by_job_id(job_dir, tmp_path, monkeypatch):
+    job = job_dir("healthy")
+    monkeypatch.chdir(tmp_path)
+    assert run_command(report_command, ["report", "healthy", "--jobs-root", str(job.parent)]) == 0
+    html = (job / "report" / "index.html").read_text()
+    assert "No failures or reconfigurations." in html and "<th>failures</th><td>0</td>" in html
+    assert_real_png(job / "report" / "training.png")
+    assert (job / "report" / "recoveries.png").stat().st_size > 2000
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    assert run_command(report_command, ["report", str(tmp_path / "nope")]) == 2
+    assert "no job folder" in capsys.readouterr().err
+    assert run_command(report_command, ["report", str(tmp_path)]) == 2
+    assert "no event log at" in capsys.readouterr().err
+    events_path(tmp_path).write_text('garbled\n{"t": 1, "kind": "ste')
+    assert run_command(report_command, ["report", str(tmp_path)]) == 2
+    assert "no readable events" in capsys.readouterr().err
+    assert run_command(dashboard_command, ["dashboard", str(tmp_path / "nope")]) == 2
+    assert "no job folder" in capsys.readouterr().err
+
+
+def test_dashboard_command_prints_a_frame_when_not_a_terminal(job_dir, capsys):
+    assert run_command(dashboard_command, ["dashboard", str(job_dir("join"))]) == 0
+    out = capsys.readouterr().out
+    assert "resumed          1.70s" in out and "gen 2 (join)" in out and "node-4 L7-9" in out
