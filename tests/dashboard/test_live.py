@@ -14,7 +14,7 @@ from oobleck_slurm.dashboard.live import handle_keys, load_state, run_dashboard
 from oobleck_slurm.dashboard.panels import View
 from oobleck_slurm.events import events_path
 
-from conftest import LOGS
+from dash_helpers import LOGS
 
 
 def _console() -> Console:

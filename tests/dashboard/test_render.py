@@ -7,7 +7,7 @@ import pytest
 from oobleck_slurm.dashboard.panels import View
 from oobleck_slurm.dashboard.state import DashboardState
 
-from conftest import RUNS, recorded, render, state_of
+from dash_helpers import RUNS, recorded, render, state_of
 
 SIZES = [(100, 30), (160, 48)]
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from oobleck_slurm.dashboard.costs import time_split, useful_fraction
 from oobleck_slurm.dashboard.state import DashboardState
 
-from conftest import recorded, render, state_of
+from dash_helpers import recorded, render, state_of
 
 
 def test_healthy_run():

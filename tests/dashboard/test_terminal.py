@@ -14,7 +14,7 @@ import pytest
 from oobleck_slurm import cli
 from oobleck_slurm.events import events_path
 
-from conftest import LOGS
+from dash_helpers import LOGS
 
 REPO = Path(__file__).resolve().parents[2]
 # Until `dashboard` is in cli.COMMANDS, run the command module through the same argparse wiring.
