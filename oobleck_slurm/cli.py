@@ -9,7 +9,8 @@ import sys
 from oobleck_slurm import __version__
 
 # Order shown in --help. Modules import heavy dependencies (torch) inside run(), so --help is fast.
-COMMANDS = ("validate", "prepare", "profile", "plan", "submit", "status", "events", "cancel", "kill_node")
+COMMANDS = ("validate", "prepare", "profile", "plan", "submit", "dashboard", "report", "status", "events", "cancel",
+            "kill_node")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,11 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.
 fi
 "$PY" -m pip install --quiet -e '.[test]'
 
+# tmux: the dashboard's terminal test drives the real command in it.
+if ! command -v tmux >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tmux) >/dev/null
+fi
+
 # The Slurm tests start the local cluster themselves (tests/slurm/start.sh installs Debian's Slurm,
 # munge and MariaDB if missing); starting it here first keeps its install time out of test timeouts.
 bash tests/slurm/start.sh
