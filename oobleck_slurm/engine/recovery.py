@@ -15,12 +15,18 @@ first generation), from a checkpoint (the fallback), or from surviving holders i
 coordinator's transfer list (the engine's `run_transfers`: parameters and optimizer state, all
 copies posted at once so several senders work in parallel). If the copy is interrupted, the layers
 being received are dropped again and only the layers that were valid before are reported.
+The copy waits under the step timeout, not the collective one: it moves whole layers with their
+optimizer state to a newcomer that may still be warming up, and the collective timeout (seconds, for
+a step's all-reduce) made joins fail on a loaded machine; every rank then errored out of the
+generation with nobody lost, waited for a `failed` key that never came, and the job died.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -110,7 +116,8 @@ def adopt(worker: Worker, plan: ExecPlan, gen: Generation, source: str,
         for index in incoming:
             worker._new_layer(index)
         try:
-            received = run_transfers(gen, list(transfers), worker.layers, worker.optimizers)
+            with copy_timeouts(gen):
+                received = run_transfers(gen, list(transfers), worker.layers, worker.optimizers)
         except BaseException:
             for index in incoming:  # half-received: not a valid copy, never report it as held
                 del worker.layers[index], worker.optimizers[index]
@@ -125,6 +132,17 @@ def adopt(worker: Worker, plan: ExecPlan, gen: Generation, source: str,
         raise RuntimeError(f"rank {worker.rank} lacks layer(s) {sorted(missing)} after adopting the plan")
     worker.plan, worker.gen, worker.role = plan, gen, role
     return received
+
+
+@contextlib.contextmanager
+def copy_timeouts(gen: Generation) -> Iterator[None]:
+    """Waits of `gen` under the step timeout (if longer than the collective one) for a state copy."""
+    saved = gen.timeouts
+    gen.timeouts = dataclasses.replace(saved, collective=max(saved.collective, saved.step))
+    try:
+        yield
+    finally:
+        gen.timeouts = saved
 
 
 def timed(fn: Callable[[], object]) -> tuple[object, float]:
