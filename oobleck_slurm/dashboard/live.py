@@ -119,5 +119,5 @@ def _poll_slurm(state: DashboardState, now: float) -> None:
 def job_summary(state: DashboardState, job_dir: Path) -> str:
     """One line for the terminal after the live screen closes."""
     failures = sum(1 for r in state.recoveries if r.trigger == "failure")
-    step = f"step {state.step}/{state.total_steps}" if state.step is not None else "no steps yet"
+    step = f"step {state.steps_done}/{state.total_steps}" if state.step is not None else "no steps yet"
     return f"job {state.job_id or job_dir.name}: {state.status}, {step}, {failures} failure(s); events in {events_path(job_dir)}"

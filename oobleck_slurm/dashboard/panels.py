@@ -22,12 +22,14 @@ NODE_STYLE = {"healthy": "green", "suspect": "yellow", "lost": "red", "joining":
 NODE_ICON = {"healthy": "●", "suspect": "▲", "lost": "✗", "joining": "◐", "spare": "○"}
 STATUS_STYLE = {"running": "bold green", "recovering": "bold yellow", "waiting": "dim",
                 "completed": "bold blue", "finished": "bold blue", "failed": "bold red", "cancelled": "bold red"}
-KIND_STYLE = {"failure": "bold red", "checkpoint_fallback": "bold red", "resumed": "bold green",
+KIND_STYLE = {"failure": "bold red", "node_lost": "red", "fault_injected": "red", "refused": "yellow", "checkpoint_fallback": "bold red", "resumed": "bold green",
               "node_joined": "cyan", "replacement_requested": "cyan", "health_check": "cyan",
               "plan": "magenta", "job_started": "blue", "job_finished": "blue", "checkpoint": "blue",
               "node": "yellow"}
 # Short labels keep the events panel's kind column narrow at 100 columns.
-KIND_LABEL = {"job_started": "job started", "job_finished": "job finished", "replacement_requested": "replace req",
+KIND_LABEL = {"job_started": "job started", "node_lost": "node lost", "agents_ready": "agents ready",
+              "fault_injected": "drill", "checkpoint_requested": "ckpt request", "preempt_notice": "preemption",
+              "slurm_unreachable": "slurm down?", "done": "done", "job_finished": "job finished", "replacement_requested": "replace req",
               "node_joined": "node joined", "health_check": "health check", "group_rebuild": "group rebuild",
               "state_copy": "state copy", "checkpoint_fallback": "ckpt fallback", "slurm_job": "slurm job"}
 WAITING = "waiting for events"
@@ -64,26 +66,29 @@ def _num(value: float | None, fmt: str) -> str:
 
 def header(state: DashboardState, view: View) -> Panel:
     status = state.status.upper() + (" (PAUSED)" if view.paused else "")
+    # Status first: long job ids must not push it off a 100-column screen.
     top = Text(no_wrap=True, overflow="ellipsis")
-    top.append("job ", "dim").append(state.job_id or "-", "bold")
+    top.append(status, STATUS_STYLE.get(state.status, "bold"))
+    top.append("  job ", "dim").append(state.job_id or "-", "bold")
     top.append("  backend ", "dim").append(state.backend or "-")
     top.append("  recipe ", "dim").append(state.recipe or "-")
     top.append("  gen ", "dim").append(_num(state.generation, "d"))
     top.append("  slurm ", "dim").append(_slurm(state))
-    top.append("  ").append(status, STATUS_STYLE.get(state.status, "bold"))
 
     bottom = Text(no_wrap=True, overflow="ellipsis")
     total = state.total_steps
-    bottom.append("step ", "dim").append(f"{_num(state.step, 'd')}/{_num(total, 'd')}", "bold")
-    if state.step is not None and total:
-        filled = min(10, round(10 * state.step / total))
+    done = state.steps_done
+    bottom.append("step ", "dim").append(f"{_num(done, 'd')}/{_num(total, 'd')}", "bold")
+    if done is not None and total:
+        filled = min(10, round(10 * done / total))
         bottom.append(" ").append("━" * filled, "green").append("━" * (10 - filled), "bright_black")
     bottom.append("  loss ", "dim").append(_num(state.loss, ".4f"), "bold")
     bottom.append("  samples/s ", "dim").append(_num(state.samples_per_s, ".1f"), "bold")
     bottom.append("  elapsed ", "dim").append(duration(state.elapsed))
     failures = [r for r in state.recoveries if r.trigger == "failure"]
     if failures:
-        lost = sum(r.seconds or 0.0 for r in failures)
+        # An open recovery counts up to the newest event.
+        lost = sum(r.seconds if r.done else (state.t_last or r.t_start) - r.t_start for r in failures)
         bottom.append("  failures ", "dim").append(f"{len(failures)}", "bold red")
         bottom.append(" recovering ", "dim").append(duration(lost), "yellow")
     if view.now is not None and state.t_last is not None and state.t_end is None and view.now - state.t_last > 10:
@@ -132,10 +137,15 @@ def _node_cell(node: NodeView) -> Text:
     style = NODE_STYLE.get(node.state, "white")
     cell = Text(no_wrap=True, overflow="ellipsis")
     cell.append(f"{NODE_ICON.get(node.state, '?')} ", style).append(node.name, "bold").append(f" {node.state}", style)
+    if node.slurm_state and node.slurm_state not in ("ALLOCATED", "MIXED"):
+        cell.append(f" {node.slurm_state}", "yellow")
     gpu = f" gpu {node.gpu:.0f}%" if node.gpu is not None else ""
     cpu = f" cpu {node.cpu:.0f}%" if node.cpu is not None else ""
     age = f"hb {_age(node.heartbeat_age)}"
-    cell.append(f"\n  {age}{cpu}{gpu}", "dim" if node.state in ("lost", "spare") else "")
+    if node.state == "lost" and node.cause:
+        cell.append(f"\n  {node.cause}", "red")
+    else:
+        cell.append(f"\n  {age}{cpu}{gpu}", "dim" if node.state == "spare" else "")
     return cell
 
 
@@ -166,7 +176,7 @@ def pipelines_panel(state: DashboardState) -> Panel:
 def _pipeline_lines(p: PipelineView) -> Text:
     text = Text(overflow="fold")
     text.append(f"P{p.id}", "bold magenta")
-    text.append(f" {len(p.stages)} stages", "bold").append(f" on {len(p.nodes)} nodes")
+    text.append(f" {_plural(len(p.stages), 'stage')}", "bold").append(f" on {_plural(len(p.nodes), 'node')}")
     text.append(f"  mb {_num(p.microbatches, 'd')}")
     if p.time is not None:
         text.append(f"  {duration(p.time)}/step", "dim")
@@ -177,6 +187,10 @@ def _pipeline_lines(p: PipelineView) -> Text:
         layers = f"L{stage.layers[0]}-{stage.layers[1] - 1}" if stage.layers else "L?"
         text.append(stage.node or "?").append(f" {layers}", "cyan")
     return text
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 class Throughput:

@@ -49,7 +49,7 @@ def render_html(state: DashboardState, log: Path) -> str:
         ("job", state.job_id or "-"), ("backend", state.backend or "-"),
         ("recipe", f"{state.recipe or '-'} ({state.recipe_path or '-'})"),
         ("status", state.status + (f" (exit {state.exit_code})" if state.exit_code is not None else "")),
-        ("steps", f"{_s(state.step)} / {_s(state.total_steps)}"),
+        ("steps", f"{_s(state.steps_done)} / {_s(state.total_steps)}"),
         ("final loss", f"{state.loss:.4f}" if state.loss is not None else "-"),
         ("mean samples/s", f"{sum(rates) / len(rates):.1f}" if rates else "-"),
         ("elapsed", duration(state.elapsed)),

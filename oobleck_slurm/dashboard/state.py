@@ -27,6 +27,7 @@ class NodeView:
     cpu: float | None = None
     gpu: float | None = None
     slurm_state: str | None = None
+    cause: str | None = None  # why it was lost
 
 
 @dataclass
@@ -150,6 +151,11 @@ class DashboardState:
         return None
 
     @property
+    def steps_done(self) -> int | None:
+        """Steps finished: `step` is the 0-based index of the last one (as the engine writes it)."""
+        return None if self.step is None else self.step + 1
+
+    @property
     def elapsed(self) -> float | None:
         if self.t_start is None:
             return None
@@ -200,6 +206,8 @@ class DashboardState:
         self.status = "running"
         for name in _str_list(e.get("nodes")):
             self._node(name)
+        for name in _str_list(e.get("spares")):
+            self._node(name).state = "spare"
         where = f" on {self.backend}" if self.backend else ""
         self._log(t, "job_started", f"job {self.job_id or '?'} started{where}, {len(self.nodes)} nodes")
 
@@ -231,6 +239,13 @@ class DashboardState:
             nodes = _str_list(p.get("nodes")) or _unique(s.node for s in stages if s.node)
             pipelines.append(PipelineView(p.get("id", len(pipelines)), nodes, stages, _int(p.get("microbatches"))))
         self.pipelines = pipelines
+        rec = self.current_recovery
+        if rec is not None and rec.trigger != "failure":
+            # The supervisor's `replan` phase comes before the plan that says why.
+            rec.trigger = "join" if self.plan_reason == "join" else "replan"
+        for name in _str_list(e.get("spares")):
+            if self._node(name).state != "lost":
+                self._node(name).state = "spare"
         in_use = {n for p in pipelines for n in p.nodes}
         for name in in_use:
             node = self._node(name)
@@ -251,15 +266,23 @@ class DashboardState:
         self.step = step if step is not None else self.step
         self.loss = loss if loss is not None else self.loss
         self.samples_per_s = sps if sps is not None else self.samples_per_s
-        step_time = _num(e.get("step_time"))
+        # The engine writes `seconds` and `pipeline_seconds` (a list by pipeline id); the contract's
+        # names are `step_time` and `pipelines`: read either.
+        step_time = _num(e.get("step_time", e.get("seconds")))
         self.step_time = step_time if step_time is not None else self.step_time
         self.history.append(StepPoint(t, step, loss, sps, step_time))
+        rec = self.current_recovery
+        if rec is not None and not rec.phases and rec.trigger == "failure" and t > rec.t_start:
+            # A failure that stopped nothing (a joining node died before it was used): training goes on.
+            self.recoveries.remove(rec)
         if self.status in ("waiting", "recovering") and self.current_recovery is None:
             self.status = "running"
         times = {}
         for p in e.get("pipelines") or []:
             if isinstance(p, dict):
                 times[p.get("id")] = _num(p.get("time"))
+        for i, seconds in enumerate(e.get("pipeline_seconds") or []):
+            times.setdefault(i, _num(seconds))
         for p in self.pipelines:
             if p.id in times:
                 p.time = times[p.id]
@@ -278,16 +301,27 @@ class DashboardState:
         node.cpu = _num(e.get("cpu"))
         node.gpu = _num(e.get("gpu"))
         node.slurm_state = _str(e.get("slurm_state")) or node.slurm_state
+        node.cause = _str(e.get("cause")) or (node.cause if node.state == "lost" else None)
 
     def _failure(self, t: float, e: dict) -> None:
         nodes = _str_list(e.get("nodes"))
+        cause, step = _str(e.get("cause")), _int(e.get("step"))
         for name in nodes:
             self._node(name).state = "lost"
-        rec = Recovery("failure", t, generation=_int(e.get("generation")), nodes=nodes,
-                       cause=_str(e.get("cause")), step=_int(e.get("step")))
-        self.recoveries.append(rec)
+            self._node(name).cause = self._node(name).cause or cause
+        rec = self.current_recovery
+        if rec is not None:
+            # A node lost while a recovery runs: the same recovery, now for one more node.
+            rec.trigger = "failure"
+            rec.nodes += [n for n in nodes if n not in rec.nodes]
+            rec.cause = rec.cause or cause
+            rec.step = rec.step if rec.step is not None else step
+        else:
+            rec = Recovery("failure", t, generation=_int(e.get("generation")), nodes=nodes, cause=cause, step=step)
+            self.recoveries.append(rec)
         self.status = "recovering"
-        self._log(t, "failure", f"{', '.join(nodes) or 'node'} lost ({rec.cause or '?'}) at step {_fmt(rec.step)}")
+        where = f" at step {step}" if step is not None else " during recovery" if rec.phases or rec.nodes != nodes else ""
+        self._log(t, "failure", f"{', '.join(nodes) or 'node'} lost ({cause or '?'}){where}")
 
     def _phase(self, t: float, e: dict) -> None:
         kind = e["kind"]
@@ -295,7 +329,7 @@ class DashboardState:
         rec = self.current_recovery
         if rec is None:
             # Phases without a failure: a reconfiguration to fold in a joined node (or a replan).
-            trigger = "join" if self.plan_reason == "join" or self._recent_join() else "replan"
+            trigger = "join" if self.plan_reason == "join" else "replan"  # a later `plan` may say otherwise
             rec = Recovery(trigger, t - (seconds or 0.0), generation=self.generation)
             self.recoveries.append(rec)
         if kind == "detection" and seconds is not None:
@@ -349,9 +383,34 @@ class DashboardState:
         self._log(t, "health_check", f"{name} {verdict}", _num(e.get("seconds")))
 
     def _checkpoint(self, t: float, e: dict) -> None:
+        if e.get("ok") is False:
+            self._log(t, "checkpoint", f"FAILED: {_str(e.get('detail')) or '?'}")
+            return
         cp = Checkpoint(t, _int(e.get("step")), _num(e.get("seconds")), _str(e.get("path")))
         self.checkpoints.append(cp)
-        self._log(t, "checkpoint", f"step {_fmt(cp.step)}", cp.seconds)
+        self._log(t, "checkpoint", f"step {_fmt(cp.step)}" + (" (on demand)" if e.get("on_demand") else ""), cp.seconds)
+
+    def _node_lost(self, t: float, e: dict) -> None:
+        name = _str(e.get("node")) or "?"
+        self._node(name).state = "lost"
+        self._node(name).cause = _str(e.get("cause"))
+        detail = _str(e.get("detail"))
+        self._log(t, "node_lost", f"{name}: {_str(e.get('cause')) or '?'}" + (f" ({detail})" if detail else ""),
+                  _num(e.get("detection_seconds")))
+
+    def _note(self, t: float, e: dict) -> None:
+        """Kinds shown as a line in the events panel and nothing else."""
+        kind = e["kind"]
+        text = {
+            "agents_ready": lambda: f"{len(_str_list(e.get('nodes')))} agents ready",
+            "done": lambda: "training done" + (f": {_str(e.get('note'))}" if e.get("note") else ""),
+            "fault_injected": lambda: f"drill: {_str(e.get('how')) or '?'} on {_str(e.get('node')) or '?'}",
+            "checkpoint_requested": lambda: f"checkpoint requested ({_str(e.get('reason')) or '?'})",
+            "preempt_notice": lambda: f"preemption notice from {_str(e.get('node')) or '?'}",
+            "slurm_unreachable": lambda: f"Slurm unreachable: {_str(e.get('error')) or '?'}",
+            "refused": lambda: f"refused {_str(e.get('peer')) or '?'}: {_str(e.get('reason')) or '?'}",
+        }[kind]()
+        self._log(t, kind, text, _num(e.get("seconds")) if kind == "agents_ready" else None)
 
     def _checkpoint_fallback(self, t: float, e: dict) -> None:
         self.fallback_reason = _str(e.get("reason")) or "?"
@@ -363,9 +422,6 @@ class DashboardState:
         if name not in self.nodes:
             self.nodes[name] = NodeView(name)
         return self.nodes[name]
-
-    def _recent_join(self) -> bool:
-        return any(line.kind == "node_joined" for line in self.log[-5:])
 
     def _log(self, t: float, kind: str, text: str, seconds: float | None = None) -> None:
         self.log.append(LogLine(t, kind, text, seconds))
@@ -388,6 +444,9 @@ _HANDLERS: dict[str, Callable[[DashboardState, float, dict], None]] = {
     "health_check": DashboardState._health_check,
     "checkpoint": DashboardState._checkpoint,
     "checkpoint_fallback": DashboardState._checkpoint_fallback,
+    "node_lost": DashboardState._node_lost,
+    **{kind: DashboardState._note for kind in ("agents_ready", "done", "fault_injected", "checkpoint_requested",
+                                               "preempt_notice", "slurm_unreachable", "refused")},
 }
 
 

@@ -25,7 +25,7 @@ def test_once_prints_one_frame(job_dir):
     console = _console()
     state = run_dashboard(job_dir("failure"), live=False, console=console)
     text = console.file.getvalue()
-    assert state.step == 50 and "job failure" in text and "node-2 lost (heartbeat)" in text
+    assert state.steps_done == 80 and state.job_id in text and "node3 lost (process_exit)" in text
     assert "q quit" not in text  # no keys in a printed frame
 
 
@@ -63,7 +63,7 @@ def test_live_tails_a_growing_log_until_the_job_finishes(tmp_path):
     thread.join()
     assert not viewer.is_alive(), "the dashboard did not stop after job_finished"
     state = result["state"]
-    assert state.status == "completed" and state.step == 50 and state.bad_events == 0
+    assert state.status == "completed" and state.steps_done == 80 and state.bad_events == 0
     assert state.events_seen == len(lines) and len(state.recoveries) == 1
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from oobleck_slurm.commands import dashboard as dashboard_command
 from oobleck_slurm.commands import report as report_command
+from oobleck_slurm.dashboard import load_state
 from oobleck_slurm.events import events_path
 
 mpimg = pytest.importorskip("matplotlib.image")
@@ -38,9 +39,19 @@ def test_report_of_a_failure_run(job_dir, tmp_path, capsys):
     for png in ("training.png", "recoveries.png", "time_split.png"):
         assert f'src="{png}"' in html
         assert_real_png(out / png)
-    assert "node-2 (heartbeat) step 25" in html and "<b>6.43s</b>" in html  # the recovery row
-    assert "<th>failures</th><td>1</td>" in html and "<th>steps</th><td>50 / 50</td>" in html
-    assert "3.00s" in html and "1.40s" in html  # detection and state copy
+    (rec,) = load_state(job).recoveries
+    assert f"node3 (process_exit) step {rec.step}" in html and f"<b>{rec.seconds:.2f}s</b>" in html  # the recovery row
+    assert "<th>failures</th><td>1</td>" in html and "<th>steps</th><td>80 / 80</td>" in html
+    assert f"<td>{rec.phases['replay']:.2f}s</td>" in html
+
+
+def test_report_of_a_failure_and_a_join(job_dir, tmp_path):
+    out = tmp_path / "out"
+    assert run_command(report_command, ["report", str(job_dir("join")), "--out", str(out)]) == 0
+    html = (out / "index.html").read_text()
+    assert "node2 (agent_lost)" in html and "#2 join gen 2" in html
+    assert_real_png(out / "recoveries.png")
+    assert_real_png(out / "time_split.png", min_bytes=4000)
 
 
 def test_report_of_a_healthy_run_by_job_id(job_dir, tmp_path, monkeypatch):
@@ -68,4 +79,4 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
 def test_dashboard_command_prints_a_frame_when_not_a_terminal(job_dir, capsys):
     assert run_command(dashboard_command, ["dashboard", str(job_dir("join"))]) == 0
     out = capsys.readouterr().out
-    assert "resumed          1.70s" in out and "gen 2 (join)" in out and "node-4 L7-9" in out
+    assert "COMPLETED" in out and "gen 2 (join)" in out and "r1 healthy" in out and "q quit" not in out

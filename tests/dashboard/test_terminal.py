@@ -59,7 +59,7 @@ class Tmux:
 
 def test_dashboard_in_tmux(tmux, tmp_path):
     lines = (LOGS / "failure.jsonl").read_text().splitlines(keepends=True)
-    cut = next(i for i, line in enumerate(lines) if '"kind":"failure"' in line)
+    cut = next(i for i, line in enumerate(lines) if '"kind":"node_lost"' in line)
     log = events_path(tmp_path)
     log.write_text("".join(lines[:cut]))
     done = tmp_path / "exit_code"
@@ -73,14 +73,14 @@ def test_dashboard_in_tmux(tmux, tmp_path):
     term("new-session", "-d", "-s", "dash", "-x", "100", "-y", "30", "-c", str(REPO), shell)
     try:
         screen = term.wait_for("RUNNING")
-        assert "job failure" in screen and "step 24/50" in screen and "q quit" in screen
-        assert "╭─ nodes 4 healthy 1 suspect" in screen and "▲ node-2 suspect" in screen, screen
+        assert "job dash-failure-" in screen and "q quit" in screen, screen
+        assert "╭─ nodes 4 healthy" in screen and "● node3 healthy" in screen, screen
 
         with open(log, "a") as f:  # the job goes on: the failure and the recovery arrive
             f.write("".join(lines[cut:]))
         screen = term.wait_for("COMPLETED")
-        assert "node-2 lost (heartbeat) at step 25" in screen and "✗ node-2 lost" in screen
-        assert "failures 1 recovering 6.43s" in screen
+        assert "node3 lost (process_exit) at step" in screen and "✗ node3 lost" in screen
+        assert "failures 1 recovering" in screen and "step 80/80" in screen
 
         term("send-keys", "-t", "dash", "p")
         term.wait_for("(PAUSED)")
@@ -93,6 +93,6 @@ def test_dashboard_in_tmux(tmux, tmp_path):
             time.sleep(0.1)
         assert done.exists(), f"q did not end the dashboard:\n{term.screen()}"
         assert done.read_text().strip() == "0"
-        assert "job failure: completed, step 50/50, 1 failure(s)" in term.screen()
+        assert "completed, step 80/80, 1 failure(s)" in term.screen()
     finally:
         term("kill-server")
