@@ -120,7 +120,8 @@ def plot_recoveries(state: DashboardState, path: Path) -> Path:
                 ax.barh(i, seconds, left=left, color=PHASE_COLOURS.get(phase, "tab:gray"), label=phase,
                         edgecolor="white")
                 left += seconds
-            ax.text(left, i, f" {left:.2f}s", va="center", fontsize=9)
+            total = rec.seconds if rec.seconds is not None else left
+            ax.text(left, i, f" {total:.2f}s", va="center", fontsize=9)
         ax.set_yticks(range(len(recs)), [recovery_label(i, r) for i, r in enumerate(recs)], fontsize=9)
         ax.invert_yaxis()
         ax.set_xlabel("seconds")
