@@ -10,8 +10,8 @@ from oobleck_slurm.commands.common import EXIT_OK, console, fail, is_interactive
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("dashboard", help="live terminal dashboard of a job (q quits, p pauses, arrows scroll)")
-    parser.add_argument("job", help="job folder, or a job id under --jobs-root")
-    parser.add_argument("--jobs-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
+    parser.add_argument("job", help="job folder, or a job id under --job-root")
+    parser.add_argument("--job-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
     parser.add_argument("--once", action="store_true", help="print one frame and exit (default when stdout is not a terminal)")
     parser.add_argument("--refresh", type=float, default=0.5, metavar="S", help="seconds between redraws (default 0.5)")
 
@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.dashboard.live import job_summary
 
     try:
-        job_dir = resolve_job_dir(args.job, args.jobs_root)
+        job_dir = resolve_job_dir(args.job, args.job_root)
     except JobNotFound as err:
         return fail(str(err))
     if args.refresh <= 0:

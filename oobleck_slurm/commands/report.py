@@ -10,9 +10,9 @@ from oobleck_slurm.commands.common import EXIT_OK, console, fail
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("report", help="write an HTML report with plots (loss, throughput, recoveries)")
-    parser.add_argument("job", help="job folder, or a job id under --jobs-root")
+    parser.add_argument("job", help="job folder, or a job id under --job-root")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: JOB/report)")
-    parser.add_argument("--jobs-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
+    parser.add_argument("--job-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.dashboard.report import NoEvents, write_report
 
     try:
-        job_dir = resolve_job_dir(args.job, args.jobs_root)
+        job_dir = resolve_job_dir(args.job, args.job_root)
         index = write_report(job_dir, args.out)
     except (JobNotFound, NoEvents, MissingMatplotlib) as err:
         return fail(str(err))

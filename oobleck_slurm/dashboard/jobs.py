@@ -23,4 +23,6 @@ def resolve_job_dir(job: str | Path, jobs_root: str | Path = DEFAULT_JOBS_ROOT) 
     under_root = Path(jobs_root) / str(job)
     if under_root.is_dir():
         return under_root
+    if under_root == path:
+        raise JobNotFound(f"no job folder {str(job)!r}")
     raise JobNotFound(f"no job folder {str(job)!r}: neither {path} nor {under_root} is a folder")

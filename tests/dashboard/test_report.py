@@ -57,7 +57,7 @@ def test_report_of_a_failure_and_a_join(job_dir, tmp_path):
 def test_report_of_a_healthy_run_by_job_id(job_dir, tmp_path, monkeypatch):
     job = job_dir("healthy")
     monkeypatch.chdir(tmp_path)
-    assert run_command(report_command, ["report", "healthy", "--jobs-root", str(job.parent)]) == 0
+    assert run_command(report_command, ["report", "healthy", "--job-root", str(job.parent)]) == 0
     html = (job / "report" / "index.html").read_text()
     assert "No failures or reconfigurations." in html and "<th>failures</th><td>0</td>" in html
     assert_real_png(job / "report" / "training.png")
