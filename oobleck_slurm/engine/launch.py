@@ -119,5 +119,5 @@ def run_local(job: JobSpec, plans: ExecPlan | list[tuple[int, ExecPlan]], num_wo
     log.close()
     params = {}
     for path in sorted((job_dir / "params").glob("rank*.pt")) if (job_dir / "params").exists() else []:
-        params[int(path.stem[4:])] = torch.load(path)
+        params[int(path.stem[4:])] = torch.load(path, weights_only=True)  # tensors the workers wrote
     return LocalRun(job_dir, read_events(events_path(job_dir), "step"), params, seconds)

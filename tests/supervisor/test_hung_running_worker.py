@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -18,19 +17,12 @@ from oobleck_slurm.events import read_events
 from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.supervisor.main import FAULTS_FILE
 
+from job_events import wait_for  # noqa: E402 - tests/supervisor helper
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT_S = 4.0
 HANG_STEP = 4
-
-
-def wait_for(job: Path, what: str, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not (found := check(read_events(job / "events.jsonl"))):
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not seen within {timeout}s: {read_events(job / 'events.jsonl')[-10:]}")
-        time.sleep(0.1)
-    return found
 
 
 def test_hung_running_worker_is_named_and_evicted(tmp_path: Path) -> None:

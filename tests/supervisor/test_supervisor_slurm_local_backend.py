@@ -17,17 +17,10 @@ from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.supervisor.client import live_status
 from oobleck_slurm.supervisor.server import connect
 
+from job_events import wait_for  # noqa: E402 - tests/supervisor helper
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_for(job: Path, what: str, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not (found := check(read_events(job / "events.jsonl"))):
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not seen within {timeout}s: {read_events(job / 'events.jsonl')[-10:]}")
-        time.sleep(0.1)
-    return found
 
 
 def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path) -> None:
