@@ -59,7 +59,7 @@ class StepPoint:
 class Recovery:
     """One reconfiguration: after a `failure`, or to fold in a joined node (`trigger` = "join")."""
 
-    trigger: str  # "failure" or "join" / "replan"
+    trigger: str  # "failure", "reform" (collective errors, nobody lost), or "join" / "replan"
     t_start: float  # when the failure happened (detection time subtracted) or the first phase began
     generation: int | None = None
     nodes: list[str] = field(default_factory=list)
@@ -240,7 +240,7 @@ class DashboardState:
             pipelines.append(PipelineView(p.get("id", len(pipelines)), nodes, stages, _int(p.get("microbatches"))))
         self.pipelines = pipelines
         rec = self.current_recovery
-        if rec is not None and rec.trigger != "failure":
+        if rec is not None and rec.trigger not in ("failure", "reform"):
             # The supervisor's `replan` phase comes before the plan that says why.
             rec.trigger = "join" if self.plan_reason == "join" else "replan"
         for name in _str_list(e.get("spares")):
@@ -322,6 +322,13 @@ class DashboardState:
         self.status = "recovering"
         where = f" at step {step}" if step is not None else " during recovery" if rec.phases or rec.nodes != nodes else ""
         self._log(t, "failure", f"{', '.join(nodes) or 'node'} lost ({cause or '?'}){where}")
+
+    def _reform(self, t: float, e: dict) -> None:
+        step = _int(e.get("step"))
+        self.recoveries.append(Recovery("reform", t, generation=_int(e.get("generation")),
+                                        cause=_str(e.get("cause")), step=step))
+        self.status = "recovering"
+        self._log(t, "reform", f"re-forming the same members at step {_fmt(step)} ({_str(e.get('cause')) or '?'})")
 
     def _phase(self, t: float, e: dict) -> None:
         kind = e["kind"]
@@ -409,6 +416,8 @@ class DashboardState:
             "preempt_notice": lambda: f"preemption notice from {_str(e.get('node')) or '?'}",
             "slurm_unreachable": lambda: f"Slurm unreachable: {_str(e.get('error')) or '?'}",
             "refused": lambda: f"refused {_str(e.get('peer')) or '?'}: {_str(e.get('reason')) or '?'}",
+            "collective_error": lambda: f"collective error on {', '.join(_str_list(e.get('nodes'))) or '?'} at step "
+                                        f"{_fmt(_int(e.get('step')))}",
         }[kind]()
         self._log(t, kind, text, _num(e.get("seconds")) if kind == "agents_ready" else None)
 
@@ -445,8 +454,10 @@ _HANDLERS: dict[str, Callable[[DashboardState, float, dict], None]] = {
     "checkpoint": DashboardState._checkpoint,
     "checkpoint_fallback": DashboardState._checkpoint_fallback,
     "node_lost": DashboardState._node_lost,
+    "reform": DashboardState._reform,
     **{kind: DashboardState._note for kind in ("agents_ready", "done", "fault_injected", "checkpoint_requested",
-                                               "preempt_notice", "slurm_unreachable", "refused")},
+                                               "preempt_notice", "slurm_unreachable", "refused",
+                                               "collective_error")},
 }
 
 

@@ -18,8 +18,10 @@ on-demand checkpoint at preemption: the requeued job resumes from it).
 Survivors never restart: they keep their process, their layers and optimizer state, and build the
 next generation's groups under a new store prefix. Fault injection (tests, benchmark): job.extra
 "faults" = [{"node": N, "step": S, "at": "start" | "wait:K" | "wait:last" | "optimizer" | "adopt",
-"do": "kill" | "hang"}] kills this process with SIGKILL (or, "hang", sleeps forever: a deadlocked worker
-that stays runnable) at that point of step S (once per fault, even across restarts).
+"do": "kill" | "hang" | "pause", "seconds": T}] kills this process with SIGKILL (or, "hang", sleeps
+forever: a deadlocked worker that stays runnable; or, "pause", sleeps T seconds and goes on: a transient
+stall that makes its peers' collectives time out) at that point of step S (once per fault, even across
+restarts).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.events import EventLog, events_path
 
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
+ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
 
 
 class ElasticWorker:
@@ -76,12 +79,16 @@ class ElasticWorker:
                 continue
             at = f.get("at", "start")
             hit = at == point or (at == "wait:last" and point == f"wait:{self.last_waits}")
-            if hit and self.store.add(f"fault/{i}", 1) == 1:
-                self.store.set(f"fault/killed_at/{self.node}", repr(time.time()))
-                if f.get("do", "kill") == "hang":
-                    while True:  # not stopped: its agent sees a live, sleeping process
-                        time.sleep(HANG_SLEEP_S)
-                os.kill(os.getpid(), signal.SIGKILL)
+            if not hit or self.store.add(f"fault/{i}", 1) != 1:
+                continue
+            if f.get("do") == "pause":  # no loss follows: no fault time for a detection figure
+                time.sleep(float(f["seconds"]))
+                return
+            self.store.set(f"fault/killed_at/{self.node}", repr(time.time()))
+            if f.get("do", "kill") == "hang":
+                while True:  # not stopped: its agent sees a live, sleeping process
+                    time.sleep(HANG_SLEEP_S)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _on_wait(self) -> None:
         self.waits += 1
@@ -94,6 +101,13 @@ class ElasticWorker:
         compute up to there). A rank hung before its first collective of s stays at s-1 while every
         peer waits for it in a collective of s: that names it. Once per step: one store write."""
         self.store.set(f"node/{self.node}/step", str(self.worker.step))
+
+    def _report_error(self, g: int, error: BaseException) -> None:
+        """Tell the coordinator that a collective of generation g failed here (see coordinator.py)."""
+        message = f"{type(error).__name__}: {error}"[:ERROR_CHARS]
+        self.store.set(f"gen{g}/error/{self.node}", json.dumps(
+            {"step": self.worker.step, "error": message, "t": time.time()}))
+        self.store.add(f"gen{g}/errors", 1)
 
     def _before_update(self, index: int) -> None:
         self.updates += 1
@@ -127,10 +141,12 @@ class ElasticWorker:
                 self.run_generation(g, cfg)
                 return
             except (GenerationAborted, RuntimeError) as e:
-                # A peer's death shows up as a gloo error before the coordinator's key: wait for it.
-                if not isinstance(e, GenerationAborted) and not self._wait_key(f"gen{g}/failed",
-                                                                               self.reconfiguration_s):
-                    raise
+                # A peer's death shows up as a gloo error before the coordinator's key: report the
+                # error (with no loss to explain it the coordinator re-forms the members) and wait.
+                if not isinstance(e, GenerationAborted):
+                    self._report_error(g, e)
+                    if not self._wait_key(f"gen{g}/failed", self.reconfiguration_s):
+                        raise
                 self.store.set(f"gen{g}/report/{self.node}", json.dumps(
                     {"step": self.worker.step, "layers": sorted(self.worker.layers)}))
                 g += 1

@@ -11,11 +11,18 @@ On a membership change in generation g (a node's processes died, a timeout, or a
 4. publish `gen{g+1}/config`; survivors build new groups and copy layers; training goes on.
 If recovery is impossible (a layer lost every replica, too few pipelines) or the mode is
 "checkpoint", every worker is stopped and restarted from the last complete checkpoint.
+
+A collective can also fail with no node lost (a collective timeout on a loaded machine, a transient
+network error, or a rank hung inside a step after its first collective). Workers report such errors
+(`gen{g}/errors`, `gen{g}/error/{node}`); if no loss explains them within `error_grace`, the same
+members re-form under generation g+1 (a `reform`). A member that does not leave the aborted
+generation within `leave_timeout` is hung (its peers left in milliseconds): it is lost like a dead one.
 On a preemption notice (see preemption.py) the same abort collects every worker's step; the next
 generation's config says `stop` with `save`: each worker rolls back to the smallest step, writes its
 layers as an on-demand checkpoint of that step, and exits 0; a requeued job resumes from it.
-Events (events.jsonl): failure, detection, replan, plan, group_rebuild, state_copy, replay,
-resumed, node_joined, checkpoint, checkpoint_fallback, checkpoint_requested.
+Events (events.jsonl): failure, detection, collective_error, reform, node_lost (a hung member named
+here), replan, plan, group_rebuild, state_copy, replay, resumed, node_joined, checkpoint,
+checkpoint_fallback, checkpoint_requested.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S, Preemption
 
 POLL_S = 0.005  # the coordinator's loop: bounds detection latency on the local backend
 CHECKPOINT_LOOK_S = 0.5  # how often the checkpoint directory is scanned for completed checkpoints
+MAX_REFORMS_PER_STEP = 3  # re-forms that resume at the same step before the job stops trusting them
 
 
 class NodeBackend(Protocol):
@@ -65,6 +73,12 @@ class CoordinatorConfig:
     checkpoint_dir: str = ""
     devices_per_node: int = 1
     checkpoint_timeout: float = CHECKPOINT_TIMEOUT_S  # an on-demand checkpoint, from request to complete
+    # A worker's collective error that no node loss explains within this long re-forms the generation
+    # (the heartbeat lease: a dead or frozen node is named first, and recovered as a loss).
+    error_grace: float = 3.0
+    # After a re-form, a member still in the aborted generation this long later is hung (the step
+    # timeout: no healthy rank computes longer than a step before its next collective).
+    leave_timeout: float = 60.0
 
 
 @dataclass
@@ -112,6 +126,8 @@ class Coordinator:
         self.pending_joins: dict[str, float] = {}
         self.checkpoints_seen: set[int] = set()
         self.fallbacks = 0
+        self.errors_seen: tuple[int, float] | None = None  # (generation, when its first error was seen)
+        self.reforms: dict[int, int] = {}  # resume step -> re-forms that resumed there
         self._next_checkpoint_look = 0.0
         self.preemption = Preemption()  # replaced by the supervisor's, which its signal handler sets
 
@@ -169,6 +185,8 @@ class Coordinator:
                     self.log.emit("done", generation=self.gen, note=f"node(s) {lost} died after the end")
                     return
                 self._change(lost, [], self._cause(lost))
+            elif self._unexplained_errors():
+                self._change([], [], "collective_error")
             elif self.pending_joins and self._can_join():
                 ready = [n for n in self.pending_joins if self.store.check([f"node/{n}/ready"])]
                 if ready:
@@ -205,6 +223,21 @@ class Coordinator:
         key = f"gen{self.gen}/progress"
         return int(self.store.get(key)) if self.store.check([key]) else None
 
+    def _unexplained_errors(self) -> bool:
+        """True once workers' collective errors in the current generation are `error_grace` old and no
+        loss has explained them (a loss starts a new generation first)."""
+        g = self.gen
+        if not self.store.check([f"gen{g}/errors"]):
+            return False
+        now = time.time()
+        if self.errors_seen is None or self.errors_seen[0] != g:
+            self.errors_seen = (g, now)
+            errors = {n: json.loads(self.store.get(f"gen{g}/error/{n}")) for n in self.members
+                      if self.store.check([f"gen{g}/error/{n}"])}
+            self.log.emit("collective_error", generation=g, nodes=sorted(errors), step=self._progress(),
+                          errors={n: e["error"] for n, e in errors.items()}, grace=self.cfg.error_grace)
+        return now - self.errors_seen[1] >= self.cfg.error_grace
+
     def _killed_at(self, nodes: Sequence[str]) -> float | None:
         times = [float(self.store.get(f"fault/killed_at/{n}")) for n in nodes
                  if self.store.check([f"fault/killed_at/{n}"])]
@@ -219,12 +252,12 @@ class Coordinator:
         progress = self._progress()
         t_kill = self._killed_at(lost) if lost else None
         if lost:
-            self.log.emit("failure", generation=g, nodes=lost, cause=cause,
-                          step=progress + 1 if progress is not None else 0)
-            self.log.emit("detection", generation=g, seconds=(t_detect - t_kill) if t_kill else 0.0,
-                          known_kill_time=t_kill is not None)
+            self._failure_events(g, lost, cause, progress + 1 if progress is not None else 0, t_detect)
+        reform = not lost and not joined
+        if reform:
+            self.log.emit("reform", generation=g, cause=cause, step=progress + 1 if progress is not None else 0)
         lost_set = set(lost)
-        reports = self._collect_reports(g, lost_set)
+        reports = self._collect_reports(g, lost_set, self.cfg.leave_timeout if reform else None)
         for n in joined:
             self.pending_joins.pop(n, None)
         t0 = time.perf_counter()
@@ -236,33 +269,56 @@ class Coordinator:
                                   lost_set)
         if steps and max(steps) - resume > 1:
             return self._fallback(f"survivors report steps {sorted(steps)}: more than one step apart", lost_set)
+        if reform:
+            self.reforms[resume] = self.reforms.get(resume, 0) + 1
+            if self.reforms[resume] > MAX_REFORMS_PER_STEP:
+                return self._fallback(f"collective errors persist: re-formed {MAX_REFORMS_PER_STEP} times at "
+                                      f"step {resume} without progress", lost_set)
         holders = {(n, 0): frozenset(r["layers"]) for n, r in reports.items()}
-        try:
-            change = reconfigure(self.plan, sorted(lost_set), joined, self.templates, self.cfg.f,
-                                 holders=holders, layer_bytes=self.layer_bytes)
-        except RecoveryImpossible as e:
-            return self._fallback(f"failure of node(s) {sorted(lost_set)} in generation {g}: {e}", lost_set)
+        if not lost_set and not joined:  # every member left in time: the same plan, nothing to copy
+            change = Reconfiguration(self.plan, (), ("re-form",), 0.0)
+        else:
+            try:
+                change = reconfigure(self.plan, sorted(lost_set), joined, self.templates, self.cfg.f,
+                                     holders=holders, layer_bytes=self.layer_bytes)
+            except RecoveryImpossible as e:
+                return self._fallback(f"failure of node(s) {sorted(lost_set)} in generation {g}: {e}", lost_set)
         self.log.emit("replan", generation=self.gen, seconds=time.perf_counter() - t0, rules=list(change.rules),
                       transfers=len(change.transfers), resume_step=resume,
                       survivor_steps={n: r["step"] for n, r in reports.items() if r["layers"]})
-        self._publish(change.plan, "memory", resume, "failure" if lost else "join", change)
+        self._publish(change.plan, "memory", resume, "join" if joined and not lost_set else
+                      "failure" if lost_set else "reform", change)
         self.recovery = _Recovery(self.gen, t_kill or t_detect, resume, joined=tuple(joined))
-        if lost and self.cfg.replacement:
+        for _ in sorted(lost_set) if self.cfg.replacement else ():  # one replacement per lost node
             node = self.backend.new_node()
-            if node is not None:
-                self.pending_joins[node] = time.time()
-                self.backend.start(node)
+            if node is None:
+                break
+            self.pending_joins[node] = time.time()
+            self.backend.start(node)
 
-    def _collect_reports(self, g: int, lost: set[str]) -> dict[str, dict[str, Any]]:
-        """Each live member's {step, layers} after leaving generation g; deaths meanwhile are lost."""
+    def _failure_events(self, g: int, nodes: list[str], cause: str, step: int | None, t_detect: float) -> None:
+        t_kill = self._killed_at(nodes)
+        self.log.emit("failure", generation=g, nodes=nodes, cause=cause, step=step)
+        self.log.emit("detection", generation=g, seconds=(t_detect - t_kill) if t_kill else 0.0,
+                      known_kill_time=t_kill is not None)
+
+    def _collect_reports(self, g: int, lost: set[str], leave_timeout: float | None = None) -> dict[str, dict[str, Any]]:
+        """Each live member's {step, layers} after leaving generation g; deaths meanwhile are lost.
+        With `leave_timeout` (a re-form), members that have not left by then are hung: lost."""
         reports: dict[str, dict[str, Any]] = {}
-        deadline = time.time() + self.cfg.reconfiguration_timeout
+        t_abort = time.time()
+        deadline = t_abort + self.cfg.reconfiguration_timeout
+        hung_at = t_abort + leave_timeout if leave_timeout is not None else None
         while True:
             for n in self._exits():
-                if n not in lost:
-                    lost.add(n)
+                if n in lost:
+                    continue
+                if leave_timeout is not None and not lost:  # the loss a re-form was waiting for
+                    self._failure_events(g, [n], self._cause([n]), None, time.time())
+                else:
                     self.log.emit("failure", generation=g, nodes=[n], cause="process exit during recovery",
                                   step=None)
+                lost.add(n)
             pending = [n for n in self.members if n not in lost and n not in reports and n not in self.finished]
             for n in pending:
                 key = f"gen{g}/report/{n}"
@@ -270,13 +326,29 @@ class Coordinator:
                     reports[n] = json.loads(self.store.get(key))
             if all(n in reports for n in pending):
                 return reports
-            if time.time() > deadline:
+            if hung_at is not None and time.time() > hung_at:
+                self._lose_hung(g, [n for n in pending if n not in reports], lost, time.time() - t_abort)
+                hung_at = None
+            elif time.time() > deadline:
                 late = [n for n in pending if n not in reports]
                 self.backend.stop(late)
                 lost.update(late)
                 self.log.emit("failure", generation=g, nodes=late, cause="no report within the "
                               f"reconfiguration timeout ({self.cfg.reconfiguration_timeout} s)", step=None)
             time.sleep(POLL_S)
+
+    def _lose_hung(self, g: int, late: list[str], lost: set[str], waited: float) -> None:
+        """Members that did not leave generation g while every peer did: hung inside the step."""
+        self.backend.stop(late)
+        lost.update(late)
+        t_fault = self._killed_at(late)
+        now = time.time()
+        detail = (f"did not leave generation {g} within {waited:.1f} s of its abort (leave timeout "
+                  f"{self.cfg.leave_timeout:g} s) while its peers did: hung inside a step")
+        for n in late:
+            self.log.emit("node_lost", node=n, cause="hung", detail=detail, t=now,
+                          detection_seconds=(now - t_fault) if t_fault else None)
+        self._failure_events(g, late, "hung", None, now)
 
     def _fallback(self, reason: str, lost: set[str]) -> None:
         """Stop every worker and restart all live nodes from the last complete checkpoint."""

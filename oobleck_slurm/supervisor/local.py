@@ -112,10 +112,12 @@ def run_elastic_local(job: JobSpec, plan: Plan, templates: Sequence[PipelineTemp
                       job_dir: str | os.PathLike[str], *, f: int, timeouts: Timeouts = Timeouts(),
                       reconfiguration_timeout: float = 60.0, replacement: bool = False,
                       checkpoint_interval: int = 0, mode: str = "memory",
-                      layer_bytes: Sequence[int] | None = None) -> ElasticRun:
+                      layer_bytes: Sequence[int] | None = None, error_grace: float = 3.0) -> ElasticRun:
     """Train `job` on local virtual nodes (one worker process each) under `plan`, recovering from
     failures without checkpoints (mode "memory") or by checkpoint-restart (mode "checkpoint").
-    Faults are injected through job.extra["faults"] (see engine/elastic_process.py)."""
+    Faults are injected through job.extra["faults"] (see engine/elastic_process.py). A collective
+    error that no loss explains within `error_grace` re-forms the members; one that has not left the
+    aborted generation within `timeouts.step` is hung (see coordinator.py)."""
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
     if mode not in ("memory", "checkpoint"):
@@ -134,7 +136,8 @@ def run_elastic_local(job: JobSpec, plan: Plan, templates: Sequence[PipelineTemp
     log = EventLog(events_path(job_dir))
     nodes = LocalNodes(job_dir)
     config = CoordinatorConfig(f=f, reconfiguration_timeout=reconfiguration_timeout, run_timeout=timeouts.run,
-                               replacement=replacement, mode=mode, checkpoint_dir=ckpt_dir)
+                               replacement=replacement, mode=mode, checkpoint_dir=ckpt_dir,
+                               error_grace=error_grace, leave_timeout=timeouts.step)
     coord = Coordinator(store, nodes, templates, plan, job.model.keys(), log, config, layer_bytes)
     t0 = time.time()
     try:

@@ -152,7 +152,8 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
                     slurm_job_id=os.environ.get("SLURM_JOB_ID") or meta.get("slurm_job_id"))
     config = CoordinatorConfig(f=ft.f, reconfiguration_timeout=ft.reconfiguration_timeout, run_timeout=run_s,
                                replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
-                               devices_per_node=cluster.devices_per_node)
+                               devices_per_node=cluster.devices_per_node, error_grace=ft.heartbeat_lease,
+                               leave_timeout=ft.step_timeout)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config,
                               total_steps=recipe.training.steps)
     coordinator.preemption = preemption

@@ -1,0 +1,70 @@
+"""Collective failures with no node lost, with real worker processes and gloo timeouts.
+
+A rank that stalls for longer than the collective timeout (a transient pause) makes its peers'
+collectives fail: nothing died, so the same members re-form under a new generation and the
+trajectory stays exact. A rank that hangs inside a step after its first collective (every rank
+reached the same step, so per-rank steps cannot name it) does not leave the aborted generation:
+it is named hung and recovered from like a dead node."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from elastic_helpers import TIMEOUTS, plan_of, tiny_job, tiny_templates
+from oobleck_slurm.dashboard.state import DashboardState
+from oobleck_slurm.supervisor.local import run_elastic_local
+from test_elastic import assert_matches_reference
+
+pytestmark = pytest.mark.slow
+COLLECTIVE_S = 1.0
+LEAVE_S = 6.0  # the step timeout: how long a member may take to leave an aborted generation
+ERROR_GRACE_S = 0.5
+PAUSE_S = 3.0  # > COLLECTIVE_S: the peers' collectives time out; < ERROR_GRACE_S + LEAVE_S: it leaves in time
+FAST = replace(TIMEOUTS, collective=COLLECTIVE_S, step=LEAVE_S)
+
+
+def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path):
+    job = tiny_job("adamw", faults=[{"node": 1, "step": 2, "at": "wait:2", "do": "pause", "seconds": PAUSE_S}])
+    templates = tiny_templates(job)
+    run = run_elastic_local(job, plan_of(templates, [2, 2]), templates, tmp_path, f=1, timeouts=FAST,
+                            error_grace=ERROR_GRACE_S)
+    assert_matches_reference(run, job)
+    errors = run.kind("collective_error")
+    assert errors and errors[0]["generation"] == 0 and errors[0]["nodes"], errors
+    assert all("RuntimeError" in text for text in errors[0]["errors"].values()), errors
+    reform = run.kind("reform")
+    assert [(e["generation"], e["cause"], e["step"]) for e in reform] == [(0, "collective_error", 2)]
+    assert not run.kind("failure") and not run.kind("node_lost")
+    plans = run.kind("plan")
+    assert [p["reason"] for p in plans] == ["initial", "reform"]
+    assert plans[1]["pipelines"] == plans[0]["pipelines"]  # the same members, the same stages
+    assert run.kind("replan")[0]["rules"] == ["re-form"] and run.kind("replan")[0]["transfers"] == 0
+    assert [e["step"] for e in run.kind("resumed")] == [2]
+    assert sorted(run.params) == ["0", "1", "2", "3"]  # every member trained to the end
+    board = DashboardState().apply_all(run.events)  # the dashboard reads the real log
+    assert [(r.trigger, r.step, r.done) for r in board.recoveries] == [("reform", 2, True)]
+    assert {n.state for n in board.nodes.values()} == {"healthy"} and board.unknown_events == 0
+    assert any(line.kind == "collective_error" for line in board.log)
+
+
+def test_rank_hung_after_its_first_collective_is_named_and_evicted(tmp_path):
+    job = tiny_job("came", faults=[{"node": 1, "step": 2, "at": "wait:2", "do": "hang"}])
+    templates = tiny_templates(job)
+    run = run_elastic_local(job, plan_of(templates, [2, 2]), templates, tmp_path, f=1, timeouts=FAST,
+                            error_grace=ERROR_GRACE_S)
+    assert_matches_reference(run, job)
+    assert [e["nodes"] for e in run.kind("collective_error")][:1] and run.kind("reform")
+    lost = run.kind("node_lost")
+    assert [(e["node"], e["cause"]) for e in lost] == [("1", "hung")], lost
+    assert "did not leave generation 0" in lost[0]["detail"]
+    # named after its peers' collectives failed, the grace and the leave timeout; not before
+    assert COLLECTIVE_S + ERROR_GRACE_S + LEAVE_S <= lost[0]["detection_seconds"] < COLLECTIVE_S + ERROR_GRACE_S + LEAVE_S + 5
+    final = run.kind("plan")[-1]
+    assert final["reason"] == "failure"
+    assert sorted(n for p in final["pipelines"] for n in p["nodes"]) == ["0", "2", "3"]
+    assert "1" not in run.params
+    board = DashboardState().apply_all(run.events)
+    assert [(r.trigger, r.nodes) for r in board.recoveries] == [("failure", ["1"])]  # the re-form named node 1
+    assert board.nodes["1"].state == "lost" and board.nodes["1"].cause == "hung"
