@@ -1,153 +1,131 @@
-"""Detection time per failure kind on the real local Slurm lab, against Slurm's own DOWN time, and
-end to end (fault -> training resumed -> replacement joined).
+"""Detection time per failure kind on the real local Slurm lab, against Slurm's own DOWN time measured
+in the same run, and end to end (fault -> training resumed -> replacement joined).
 
     bash tests/slurm/start.sh && python benchmarks/bench_detection.py [--repeats 3] [--kinds node,agent,...]
 
-One 4-node job per measurement (submitted with `submit --detach`, a tiny GPT), a fault injected into a
-non-batch node once training runs, then `cancel` and a lab reset. Kinds: node (slurmd, stepds and tasks
-SIGKILLed), agent (kill -9), worker (kill -9), hang (worker SIGSTOPped), down (scontrol state=down),
-freeze (every process of the node SIGSTOPped).
+Each job (`submit --detach`, 4 lab nodes, a tiny GPT, `replacement: request`) takes FAULTS_PER_JOB
+faults one after the other, each on another non-batch node once the previous replacement joined; the
+kinds rotate so that one job sees different kinds. Kinds (tests/slurm/drill.py): node, agent, worker,
+hang, down, freeze. Prints a table of medians and writes every measurement as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
-import signal
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-
-import psutil
+from types import ModuleType
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("node", "agent", "worker", "hang", "down", "freeze")
-RECIPE = """extends: {repo}/recipes/lab-slurm.yaml
-cluster:
-  time: "00:10:00"
-  sbatch:
-    exclusive: ""
-training:
-  steps: 1000000
-fault_tolerance:
-  heartbeat_interval: 0.25
-  heartbeat_lease: 2.5
-  collective_timeout: 2.0
-  step_timeout: 8
-  reconfiguration_timeout: 60
-  replacement: request
-  checkpoint_interval: 0
-"""
+FAULTS_PER_JOB = 3  # one per non-batch node of the 4-node job: the batch node hosts the supervisor
 
 
-def lab_module():
-    spec = importlib.util.spec_from_file_location("lab", REPO / "tests" / "slurm" / "lab.py")
+def lab_file(stem: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"oobleck_slurm_tests_{stem}", REPO / "tests" / "slurm" / f"{stem}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
 
-def events(job: Path) -> list[dict]:
-    from oobleck_slurm.events import read_events
-
-    return read_events(job / "events.jsonl")
-
-
-def wait(job: Path, check, timeout: float) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while not (found := check(events(job))):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{job}: timed out; last events {[e['kind'] for e in events(job)[-8:]]}")
-        time.sleep(0.1)
-    return found
+def cli(work: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "oobleck_slurm", *args], cwd=work, capture_output=True, text=True,
+                          timeout=timeout)
 
 
-def slurm_down_after(lab, node: str, t0: float, limit: float, out: dict) -> None:
-    while time.time() - t0 < limit:
-        with contextlib.suppress(Exception):
-            if {"DOWN", "FAIL"} & lab.node_state(node):
-                out["down"] = time.time() - t0
-                return
-        time.sleep(0.1)
-
-
-def one_run(lab, kind: str, work: Path) -> dict:
-    from oobleck_slurm.supervisor.client import notify_fault
-
+def one_job(lab: Any, drill: ModuleType, kinds: list[str], work: Path) -> list[dict]:
+    """Submit a job, inject `kinds` into its non-batch nodes in turn, cancel it; one row per fault."""
     recipe = work / "bench.yaml"
-    recipe.write_text(RECIPE.format(repo=REPO))
-    env = dict(os.environ, SLURM_CONF=str(lab.conf))
-    subprocess.run([sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--detach"], cwd=work, env=env,
-                   check=True, capture_output=True, timeout=300)
+    recipe.write_text(drill.RECIPE.format(repo=REPO))
+    done = cli(work, "submit", str(recipe), "--detach")
+    if done.returncode != 0:
+        raise RuntimeError(f"submit failed: {done.stdout}{done.stderr}")
     (job,) = (work / "jobs").iterdir()
+    rows = []
     try:
-        start = wait(job, lambda ev: [e for e in ev if e["kind"] == "job_started"], 60)[0]
-        wait(job, lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 3], 120)
-        lab.start_spare()
-        node = start["nodes"][-1]
-        t0 = time.time()
-        relayed = kind in ("agent", "worker", "hang")
-        notify_fault(job, node, kind, t0)
-        if kind == "node":
-            lab.kill_node(node)
-        elif kind == "down":
-            lab.set_down(node, "bench")
-        elif kind == "freeze":
-            for p in lab.node_processes(node):
-                with contextlib.suppress(psutil.Error):
-                    p.send_signal(signal.SIGSTOP)
-        down: dict = {}
-        watcher = threading.Thread(target=slurm_down_after, args=(lab, node, t0, 20.0, down), daemon=True)
-        if not relayed:
-            watcher.start()
-        lost = wait(job, lambda ev: [e for e in ev if e["kind"] == "node_lost"], 60)[0]
-        resumed = wait(job, lambda ev: [e for e in ev if e["kind"] == "resumed"], 60)[0]
-        joined = wait(job, lambda ev: [e for e in ev if e["kind"] == "node_joined"], 120)[0]
-        if not relayed:
-            watcher.join()
-        return {"kind": kind, "cause": lost["cause"], "detection_s": lost["detection_seconds"],
-                "slurm_down_s": down.get("down"), "resumed_s": resumed["t"] - t0, "joined_s": joined["t"] - t0}
+        start = drill.wait_event(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"], 60)[0]
+        drill.wait_event(job, "first steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 3], 120)
+        for node, kind in zip(start["nodes"][1:], kinds):
+            row = {**drill.drill(lab, job, node, kind).row(), "job": job.name}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     finally:
-        subprocess.run([sys.executable, "-m", "oobleck_slurm", "cancel", str(job)], cwd=work, env=env,
-                       capture_output=True, timeout=60)
-        if kind == "freeze":
-            lab.kill_node(node)
+        cli(work, "cancel", str(job), timeout=60)
         lab.reset()
+    return rows
+
+
+def median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    out = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        rs = [r for r in rows if r["kind"] == kind]
+        detect, down = median(rs, "detection_s"), median(rs, "slurm_down_s")
+        ratios = [r["slurm_down_s"] / r["detection_s"] for r in rs if r["slurm_down_s"] and r["detection_s"]]
+        out.append({"kind": kind, "n": len(rs), "causes": sorted({r["cause"] for r in rs}),
+                    "detection_s": detect, "detection_range_s": [min(r["detection_s"] for r in rs),
+                                                                 max(r["detection_s"] for r in rs)],
+                    "slurm_down_s": down, "slurm_down_over_detection": statistics.median(ratios) if ratios else None,
+                    "resumed_s": median(rs, "resumed_s"), "recovery_s": median(rs, "recovery_s"),
+                    "joined_s": median(rs, "joined_s")})
+    return out
+
+
+def table(summaries: list[dict]) -> str:
+    def f(value: float | None, digits: int = 2) -> str:
+        return "never" if value is None else f"{value:.{digits}f}"
+
+    lines = [f"{'kind':<7} {'n':>2} {'detected by':<22} {'detect s':>9} {'(min-max)':>13} {'Slurm DOWN s':>12} "
+             f"{'DOWN/detect':>11} {'resumed s':>9} {'joined s':>8}"]
+    for s in summaries:
+        lo, hi = s["detection_range_s"]
+        lines.append(f"{s['kind']:<7} {s['n']:>2} {'/'.join(s['causes']):<22} {f(s['detection_s'], 3):>9} "
+                     f"{f'{lo:.2f}-{hi:.2f}':>13} {f(s['slurm_down_s']):>12} "
+                     f"{f(s['slurm_down_over_detection'], 0) + 'x' if s['slurm_down_over_detection'] else '-':>11} "
+                     f"{f(s['resumed_s']):>9} {f(s['joined_s']):>8}")
+    lines.append("medians; seconds from the fault. 'never': Slurm does not see the fault (the agent injected it).")
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kinds", default=",".join(KINDS))
-    parser.add_argument("--json", type=Path, default=None, help="also write every measurement here")
+    parser.add_argument("--repeats", type=int, default=3, help="faults of each kind")
+    parser.add_argument("--kinds", default="node,agent,worker,hang,down,freeze")
+    parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "bench_detection.json")
     args = parser.parse_args()
-    lab = lab_module().SlurmLab()
+    lab, drill = lab_file("lab").SlurmLab(), lab_file("drill")
+    kinds = args.kinds.split(",")
+    if unknown := [k for k in kinds if k not in drill.KINDS]:
+        parser.error(f"unknown kind(s) {unknown}; kinds: {', '.join(drill.KINDS)}")
+    faults = kinds * args.repeats  # rotating: consecutive faults of one job are of different kinds
     os.environ["SLURM_CONF"] = str(lab.conf)
-    rows = []
+    rows: list[dict] = []
+    t0 = time.time()
     with lab.exclusive():
         lab.reset()
-        for kind in args.kinds.split(","):
-            for _ in range(args.repeats):
-                work = Path(tempfile.mkdtemp(prefix="bench-detection-"))  # kept: its job folder explains a failure
-                row = one_run(lab, kind, work)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    print(f"\n{'kind':<8} {'cause':<12} {'detect s':>9} {'Slurm DOWN s':>13} {'resumed s':>10} {'joined s':>9}  (medians, n={args.repeats})")
-    for kind in dict.fromkeys(r["kind"] for r in rows):
-        rs = [r for r in rows if r["kind"] == kind]
-        med = lambda key: statistics.median([r[key] for r in rs if r[key] is not None]) if any(r[key] is not None for r in rs) else None  # noqa: E731
-        down = med("slurm_down_s")
-        print(f"{kind:<8} {'/'.join(sorted({r['cause'] for r in rs})):<12} {med('detection_s'):>9.3f} "
-              f"{(f'{down:.2f}' if down is not None else 'never'):>13} {med('resumed_s'):>10.2f} {med('joined_s'):>9.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        for i in range(0, len(faults), FAULTS_PER_JOB):
+            work = Path(tempfile.mkdtemp(prefix="bench-detection-"))  # kept: its job folder explains a failure
+            rows += one_job(lab, drill, faults[i:i + FAULTS_PER_JOB], work)
+    summaries = summary(rows)
+    print()
+    print(table(summaries))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                                     "seconds": time.time() - t0, "summary": summaries, "faults": rows}, indent=1))
+    print(f"wrote {args.json} ({time.time() - t0:.0f} s)")
     return 0
 
 

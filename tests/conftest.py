@@ -22,11 +22,11 @@ import pytest
 SLURM_DIR = Path(__file__).resolve().parent / "slurm"
 
 
-def _slurm_lab_module() -> ModuleType:
-    """tests/slurm/lab.py, imported by path: tests/ is not a package."""
-    name = "oobleck_slurm_tests_lab"
+def _slurm_module(stem: str) -> ModuleType:
+    """tests/slurm/{stem}.py (lab, drill), imported by path: tests/ is not a package."""
+    name = f"oobleck_slurm_tests_{stem}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SLURM_DIR / "lab.py")
+        spec = importlib.util.spec_from_file_location(name, SLURM_DIR / f"{stem}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -39,7 +39,7 @@ def slurm_cluster() -> Iterator[Any]:
     """The running lab (a tests/slurm/lab.py ``SlurmLab``): ``folder``, ``conf``, ``nodes``,
     ``spare_nodes``, ``kill_node``, ``start_node``, ``start_spare``, ``stop_spare``, ``set_down``,
     ``resume``, ``node_state``, ``wait_node``, ``reset``. SLURM_CONF is set in os.environ."""
-    lab = _slurm_lab_module().SlurmLab()
+    lab = _slurm_module("lab").SlurmLab()
     with lab.exclusive():  # one test session at a time kills and resets the lab's nodes
         # Tells the scripts that the lab's session lock is ours, so they do not wait for it.
         script_env = {**os.environ, "OOBLECK_SLURM_SESSION_HELD": "1"}
@@ -65,6 +65,12 @@ def slurm_cluster() -> Iterator[Any]:
                 os.environ["SLURM_CONF"] = previous
             if started:
                 subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], env=script_env, timeout=120, check=False)
+
+
+@pytest.fixture(scope="session")
+def slurm_drill() -> ModuleType:
+    """tests/slurm/drill.py: inject a fault into a lab job's node and measure what follows."""
+    return _slurm_module("drill")
 
 
 @pytest.fixture(autouse=True)
