@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from oobleck_slurm.events import EVENTS_FILE
 from oobleck_slurm.recipe import Recipe, load_recipe, recipe_to_dict
 from oobleck_slurm.supervisor.secret import create_secret
 
@@ -27,7 +28,7 @@ META_FILE = "meta.json"
 
 
 class JobNotFound(Exception):
-    """No job folder matches what the user named."""
+    """No job folder matches what the user named; the message says what was looked for, and where."""
 
 
 @dataclass(frozen=True)
@@ -79,17 +80,37 @@ def create_job_dir(recipe: Recipe, job_root: str | os.PathLike[str] | None = Non
     return JobDir(path.resolve(), job_id)
 
 
-def find_job(name: str | os.PathLike[str], job_root: str | os.PathLike[str] = "jobs") -> JobDir:
-    """A job folder given as a path, or as a job id under `job_root` (a unique prefix is enough)."""
+def find_job(
+    name: str | os.PathLike[str], job_root: str | os.PathLike[str] = "jobs", *, needs_meta: bool = True
+) -> JobDir:
+    """The job folder a user's JOB argument names: a folder (or its events.jsonl), or a job id under
+    `job_root` (a unique prefix is enough). Raises JobNotFound saying what was looked for, and where.
+
+    needs_meta=False also takes a folder holding only an event log (a copied job): the log is all
+    `dashboard` and `report` read, while `status`, `cancel` and `kill-node` need meta.json.
+    """
+    markers = (META_FILE,) if needs_meta else (META_FILE, EVENTS_FILE)
+
+    def is_job(folder: Path) -> bool:
+        return any((folder / marker).is_file() for marker in markers)
+
     path = Path(name)
-    if (path / META_FILE).is_file():
+    if path.name == EVENTS_FILE and path.is_file():
+        path = path.parent
+    if is_job(path):
         return JobDir(path.resolve(), path.resolve().name)
+    looked = f"looked for {' or '.join(str(path / marker) for marker in markers)}"
+    # Only a bare name can be a job id; a path that is not a job folder has nothing to look up.
+    if len(path.parts) != 1 or path.name in (".", ".."):
+        raise JobNotFound(f"no job folder {str(name)!r} ({looked})")
     root = Path(job_root)
-    candidates = sorted(p for p in root.glob(f"{name}*") if (p / META_FILE).is_file()) if root.is_dir() else []
-    exact = [p for p in candidates if p.name == str(name)]
+    if not root.is_dir():
+        raise JobNotFound(f"no job folder {str(name)!r} ({looked}; no job root {root} to look up job ids in)")
+    candidates = sorted(p for p in root.iterdir() if p.name.startswith(path.name) and is_job(p))
+    exact = [p for p in candidates if p.name == path.name]
     if exact or len(candidates) == 1:
         found = (exact or candidates)[0]
         return JobDir(found.resolve(), found.name)
     if candidates:
-        raise JobNotFound(f"{name!r} matches several jobs under {root}: {', '.join(p.name for p in candidates)}")
-    raise JobNotFound(f"no job folder {str(name)!r} (looked for {path}/{META_FILE} and jobs named {name}* under {root})")
+        raise JobNotFound(f"{str(name)!r} matches several jobs under {root}: {', '.join(p.name for p in candidates)}")
+    raise JobNotFound(f"no job folder {str(name)!r} ({looked}, and for jobs named {path.name}* under {root})")

@@ -17,11 +17,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from oobleck_slurm.dashboard import JobNotFound, resolve_job_dir, run_dashboard
+    from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
+    from oobleck_slurm.dashboard import run_dashboard
     from oobleck_slurm.dashboard.live import job_summary
 
     try:
-        job_dir = resolve_job_dir(args.job, args.job_root)
+        job_dir = find_job(args.job, args.job_root, needs_meta=False).path
     except JobNotFound as err:
         return fail(str(err))
     if args.refresh <= 0:

@@ -16,12 +16,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from oobleck_slurm.dashboard import JobNotFound, resolve_job_dir
+    from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
     from oobleck_slurm.dashboard.plots import MissingMatplotlib
     from oobleck_slurm.dashboard.report import NoEvents, write_report
 
     try:
-        job_dir = resolve_job_dir(args.job, args.job_root)
+        job_dir = find_job(args.job, args.job_root, needs_meta=False).path
         index = write_report(job_dir, args.out)
     except (JobNotFound, NoEvents, MissingMatplotlib) as err:
         return fail(str(err))

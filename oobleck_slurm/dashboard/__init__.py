@@ -9,16 +9,12 @@ See README.md in this folder for the event vocabulary (the contract with the pro
     live        run_dashboard(job_dir, live=True): tail the log, redraw, keys
     keys        single keys in cbreak mode
     slurm       the Slurm job state from squeue/sacct
-    jobs        resolve_job_dir: a path or a job id under jobs/
     costs       where the time went (training, recovering, ...)
     plots       report PNGs (matplotlib, imported lazily)
     report      write_report(job_dir, out_dir): index.html + PNGs
-    progress    progress_task: progress bars for profiling and template generation
 """
 
-from oobleck_slurm.dashboard.jobs import JobNotFound, resolve_job_dir
 from oobleck_slurm.dashboard.live import load_state, run_dashboard
-from oobleck_slurm.dashboard.progress import progress_task
 from oobleck_slurm.dashboard.state import DashboardState
 
-__all__ = ["DashboardState", "JobNotFound", "load_state", "progress_task", "resolve_job_dir", "run_dashboard"]
+__all__ = ["DashboardState", "load_state", "run_dashboard"]

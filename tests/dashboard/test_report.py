@@ -67,6 +67,9 @@ def test_report_of_a_healthy_run_by_job_id(job_dir, tmp_path, monkeypatch):
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert run_command(report_command, ["report", str(tmp_path / "nope")]) == 2
     assert "no job folder" in capsys.readouterr().err
+    assert run_command(report_command, ["report", str(tmp_path)]) == 2  # a folder, but no job's
+    assert f"looked for {tmp_path / 'meta.json'} or {events_path(tmp_path)}" in capsys.readouterr().err
+    (tmp_path / "meta.json").write_text("{}")  # a job that has not started yet
     assert run_command(report_command, ["report", str(tmp_path)]) == 2
     assert "no event log at" in capsys.readouterr().err
     events_path(tmp_path).write_text('garbled\n{"t": 1, "kind": "ste')
