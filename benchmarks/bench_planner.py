@@ -61,8 +61,6 @@ def instantiation_speed(templates, profile) -> dict:
 def quality(cases: int = 200) -> dict:
     from planning_helpers import random_profile
 
-    from oobleck_slurm.planning.instantiate import PipelineTemplate  # noqa: F401
-
     rng = random.Random(1)
     worst_t, worst_i, compared = 0.0, 0.0, 0
     for _ in range(cases):

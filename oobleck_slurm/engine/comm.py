@@ -13,7 +13,10 @@ waiting on each other.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime as dt
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -113,3 +116,16 @@ class Generation:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
         return self.world.recv([tensor], src, tag)
+
+
+@contextlib.contextmanager
+def step_timeout_waits(gen: Generation) -> Iterator[None]:
+    """Waits of `gen` under the step timeout (if longer than the collective one), for a state copy: it
+    moves whole layers with their optimizer state to a newcomer that may still be warming up, and the
+    collective timeout (seconds, sized for a step's all-reduce) made joins fail on a loaded machine."""
+    saved = gen.timeouts
+    gen.timeouts = dataclasses.replace(saved, collective=max(saved.collective, saved.step))
+    try:
+        yield
+    finally:
+        gen.timeouts = saved

@@ -43,7 +43,7 @@ from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import Timeouts, connect_store
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.process import step_event
-from oobleck_slurm.engine.recovery import StepUndo, adopt
+from oobleck_slurm.engine.recovery import StepUndo
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.events import EventLog, events_path
@@ -162,8 +162,8 @@ class ElasticWorker:
         t1 = time.perf_counter()
         self._maybe_die("adopt")  # a failure during recovery: groups built, copies not done
         ckpt = cfg.get("checkpoint")
-        received = adopt(w, plan, gen, cfg["source"], [tuple(t) for t in cfg.get("transfers", [])],
-                         (ckpt["root"], int(ckpt["step"])) if ckpt else None)
+        received = w.adopt(plan, gen, cfg["source"], [tuple(t) for t in cfg.get("transfers", [])],
+                           (ckpt["root"], int(ckpt["step"])) if ckpt else None)
         t2 = time.perf_counter()
         self.undo.attach()
         self.store.set(f"gen{g}/rebuilt/{self.node}", json.dumps(

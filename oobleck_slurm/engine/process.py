@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from oobleck_slurm.engine.comm import Generation, Timeouts, connect_store
-from oobleck_slurm.engine.layout import ExecPlan
+from oobleck_slurm.engine.layout import ExecPlan, plan_transfers
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import StepResult, Worker
 from oobleck_slurm.events import EventLog, events_path
@@ -58,7 +58,11 @@ def run(job_dir: Path, rank: int) -> None:
         end = segments[g + 1]["from_step"] if g + 1 < len(segments) else job.train.steps
         plan = ExecPlan.from_json(segment["plan"])
         gen = Generation(store, g, rank, world, plan, timeouts, job.backend)
-        received = worker.rebuild(plan, gen)
+        if worker.plan is None:
+            received = worker.adopt(plan, gen, "seed")
+        else:  # same ranks, a new plan: copy what each rank lacks from the previous plan's holders
+            old = {layer: list(worker.plan.holders(layer)) for layer in range(plan.num_layers)}
+            received = worker.adopt(plan, gen, "memory", plan_transfers(old, plan))
         if log is not None:
             log.emit("generation", generation=g, step=worker.step, received_bytes_rank0=received)
         while worker.step < end:

@@ -1,7 +1,7 @@
 """JobSpec: everything a worker process needs to train, as plain JSON (no pickles between processes).
 
 The model, the data, the optimizer and the training settings. The plan is not here: it changes
-with every generation and is passed to `Worker.rebuild`.
+with every generation and is passed to `Worker.adopt`.
 """
 
 from __future__ import annotations

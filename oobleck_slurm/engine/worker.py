@@ -1,9 +1,10 @@
 """Worker: one process's part of training, as a small class with explicit state.
 
 State: `step` (the next step to run), `layers` and `optimizers` (by layer index; `keys` names them),
-the current `plan` and `gen` (Generation). `rebuild(plan, gen)` moves a live worker to a new plan:
-it copies the layers it now needs from their holders (parameters and optimizer state), drops the
-ones it no longer needs, and from then on uses the new generation's groups. `train_step()` runs
+the current `plan` and `gen` (Generation). `adopt(plan, gen, source, ...)` moves a live worker to a
+new plan: it takes the layers it now needs from the seed, a checkpoint or their holders in memory
+(parameters and optimizer state), drops the ones it no longer needs, and from then on uses the new
+generation's groups. `train_step()` runs
 one step: 1F1B over this rank's stage, layer-wise gradient all-reduce overlapped with the last
 microbatch's backward, global-norm clipping, optimizer step.
 
@@ -15,13 +16,15 @@ over the global batch, for any split of microbatches between pipelines.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from oobleck_slurm.engine.batches import StepBatches, open_dataset
-from oobleck_slurm.engine.comm import Generation
+from oobleck_slurm.engine.checkpoint import load_layer
+from oobleck_slurm.engine.comm import Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import (
     clip_coefficient,
     layer_sq_norm,
@@ -30,7 +33,7 @@ from oobleck_slurm.engine.layer_optim import (
     set_lr,
     zero_grads,
 )
-from oobleck_slurm.engine.layout import ExecPlan, Role, plan_transfers
+from oobleck_slurm.engine.layout import ExecPlan, Role
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.schedule import one_f_one_b
 from oobleck_slurm.engine.spec import JobSpec
@@ -79,44 +82,62 @@ class Worker:
 
     # ---- plan changes -------------------------------------------------------------------------
 
-    def _new_layer(self, index: int) -> None:
+    def _fresh_layer(self, index: int) -> None:
+        """Layer `index` as the seed makes it, with a new optimizer (then filled by a copy or a load)."""
         layer = self._build(self.job.train.seed, index, index + 1)[0].to(self.device, self.job.train.param_dtype)
         self.layers[index] = layer
         self.optimizers[index] = make_layer_optimizer(layer, self.job.optim)
 
-    def rebuild(self, plan: ExecPlan, gen: Generation,
-                old_holders: dict[int, list[int]] | None = None) -> int:
-        """Adopt `plan` on generation `gen`; returns the bytes this rank received.
+    def adopt(self, plan: ExecPlan, gen: Generation, source: str = "seed",
+              transfers: Sequence[tuple[int, int, int]] = (), checkpoint: tuple[str, int] | None = None) -> int:
+        """Move to `plan` on generation `gen` (this worker is rank `self.rank` of it); returns the bytes
+        received. The layers of the new stage come from `source`:
 
-        First build (no plan yet, step 0): every rank builds its layers from the seed. Later:
-        layers this rank lacks are copied from `old_holders[layer]` (ranks in `gen`'s numbering;
-        by default the holders under the previous plan, same ranks). Every rank of `gen` must call
-        this with the same arguments.
+        seed        built from the seed (the first generation);
+        checkpoint  read from the complete checkpoint (root, step), which also sets `step`;
+        memory      copied from their holders by `transfers` [(layer, src rank, dst rank)] (every rank
+                    of `gen` passes the same list): parameters and optimizer state, all posted at once.
+
+        Layers the new stage does not need are dropped. A copy that fails drops the half-received
+        layers again, so only valid copies are ever reported as held.
         """
         if plan.num_layers != len(self.keys):
             raise ValueError(f"plan has {plan.num_layers} layers, the model has {len(self.keys)}")
         if plan.num_microbatches != self.job.train.num_microbatches:
-            raise ValueError(
-                f"plan splits {plan.num_microbatches} microbatches, the job's step has "
-                f"{self.job.train.num_microbatches}"
-            )
+            raise ValueError(f"plan splits {plan.num_microbatches} microbatches, the job's step has "
+                             f"{self.job.train.num_microbatches}")
         role = plan.role(self.rank)
         needed = set(role.layers) if role else set()
         received = 0
-        if self.plan is None and old_holders is None:
+        if source == "seed":
+            self.layers.clear(), self.optimizers.clear()
             for index in sorted(needed):
-                self._new_layer(index)
-        else:
-            if old_holders is None:
-                old_holders = {l: list(self.plan.holders(l)) for l in range(plan.num_layers)}
-            transfers = plan_transfers(old_holders, plan)
-            for layer, _, dst in transfers:
-                if dst == self.rank:
-                    self._new_layer(layer)
-            received = run_transfers(gen, transfers, self.layers, self.optimizers)
+                self._fresh_layer(index)
+        elif source == "checkpoint":
+            root, step = checkpoint
+            self.layers.clear(), self.optimizers.clear()
+            for index in sorted(needed):
+                self._fresh_layer(index)
+                received += load_layer(root, step, self.keys[index], self.layers[index], self.optimizers[index])
+            self.step = step
+        elif source == "memory":
+            incoming = [layer for layer, _, dst in transfers if dst == self.rank]
+            for index in incoming:
+                self._fresh_layer(index)
+            try:
+                with step_timeout_waits(gen):
+                    received = run_transfers(gen, list(transfers), self.layers, self.optimizers)
+            except BaseException:
+                for index in incoming:
+                    del self.layers[index], self.optimizers[index]
+                raise
             for index in list(self.layers):
                 if index not in needed:
                     del self.layers[index], self.optimizers[index]
+        else:
+            raise ValueError(f"adopt: source must be 'seed', 'checkpoint' or 'memory', got {source!r}")
+        if missing := needed - set(self.layers):
+            raise RuntimeError(f"rank {self.rank} lacks layer(s) {sorted(missing)} after adopting the plan")
         self.plan, self.gen, self.role = plan, gen, role
         return received
 
@@ -135,7 +156,7 @@ class Worker:
         """Run step `self.step` on the current plan, then advance `self.step`."""
         plan, gen, role = self.plan, self.gen, self.role
         if plan is None or gen is None:
-            raise RuntimeError("Worker.train_step: no plan/generation; call rebuild() first")
+            raise RuntimeError("Worker.train_step: no plan/generation; call adopt() first")
         t0 = time.perf_counter()
         held = [self.layers[i] for i in sorted(self.layers)]
         zero_grads(held)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from oobleck_slurm.planning.instantiate import NodeId, PipelinePlan, Plan, distribute_batch, fluid_time, instantiate
+from oobleck_slurm.planning.instantiate import NodeId, PipelinePlan, Plan, distribute_batch, instantiate
 from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError
 
 Device = tuple[NodeId, int]  # (node, device index within the node): one worker, one stage

@@ -3,7 +3,6 @@ process on the same global batches, for AdamW and CAME, and across a plan change
 
 import psutil
 import pytest
-import torch
 
 from oobleck_slurm.engine.launch import EngineError, run_local
 from oobleck_slurm.engine.layout import make_plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_helpers import STEPS, TIMEOUTS, plan_of, tiny_job, tiny_templates
+from elastic_helpers import TIMEOUTS, plan_of, tiny_job, tiny_templates
 from oobleck_slurm.engine.reference import train_reference
 from oobleck_slurm.supervisor.coordinator import CoordinatorError
 from oobleck_slurm.supervisor.local import run_elastic_local

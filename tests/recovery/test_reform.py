@@ -18,10 +18,10 @@ from oobleck_slurm.supervisor.local import run_elastic_local
 from test_elastic import assert_matches_reference
 
 pytestmark = pytest.mark.slow
-COLLECTIVE_S = 1.0
+COLLECTIVE_S = 2.0
 LEAVE_S = 6.0  # the step timeout: how long a member may take to leave an aborted generation
 ERROR_GRACE_S = 0.5
-PAUSE_S = 3.0  # > COLLECTIVE_S: the peers' collectives time out; < ERROR_GRACE_S + LEAVE_S: it leaves in time
+PAUSE_S = 4.5  # > COLLECTIVE_S: the peers' collectives time out; < ERROR_GRACE_S + LEAVE_S: it leaves in time
 FAST = replace(TIMEOUTS, collective=COLLECTIVE_S, step=LEAVE_S)
 
 
@@ -35,16 +35,19 @@ def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path):
     assert errors and errors[0]["generation"] == 0 and errors[0]["nodes"], errors
     assert all("RuntimeError" in text for text in errors[0]["errors"].values()), errors
     reform = run.kind("reform")
-    assert [(e["generation"], e["cause"], e["step"]) for e in reform] == [(0, "collective_error", 2)]
+    # (a loaded machine may time out another collective later: that re-forms again, the same way)
+    assert (reform[0]["generation"], reform[0]["cause"], reform[0]["step"]) == (0, "collective_error", 2)
+    assert {e["cause"] for e in reform} == {"collective_error"}
     assert not run.kind("failure") and not run.kind("node_lost")
     plans = run.kind("plan")
-    assert [p["reason"] for p in plans] == ["initial", "reform"]
-    assert plans[1]["pipelines"] == plans[0]["pipelines"]  # the same members, the same stages
-    assert run.kind("replan")[0]["rules"] == ["re-form"] and run.kind("replan")[0]["transfers"] == 0
-    assert [e["step"] for e in run.kind("resumed")] == [2]
+    assert [p["reason"] for p in plans] == ["initial"] + ["reform"] * len(reform)
+    assert all(p["pipelines"] == plans[0]["pipelines"] for p in plans)  # the same members, the same stages
+    assert {(tuple(e["rules"]), e["transfers"]) for e in run.kind("replan")} == {(("re-form",), 0)}
+    assert run.kind("resumed")[0]["step"] == 2
     assert sorted(run.params) == ["0", "1", "2", "3"]  # every member trained to the end
     board = DashboardState().apply_all(run.events)  # the dashboard reads the real log
-    assert [(r.trigger, r.step, r.done) for r in board.recoveries] == [("reform", 2, True)]
+    assert [(r.trigger, r.done) for r in board.recoveries] == [("reform", True)] * len(reform)
+    assert board.recoveries[0].step == 2
     assert {n.state for n in board.nodes.values()} == {"healthy"} and board.unknown_events == 0
     assert any(line.kind == "collective_error" for line in board.log)
 
