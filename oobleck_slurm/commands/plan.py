@@ -10,7 +10,7 @@ import argparse
 import json
 
 from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, fail, load_recipe_or_report
-from oobleck_slurm.commands.profile import add_source_arguments, progress_bar, resolve_profile
+from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,27 +42,14 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--max-stage-devices must be >= 1, got {args.max_stage_devices}")
     request = replace(plan_request(recipe, nodes=args.nodes, failures=args.failures),
                       max_stage_devices=args.max_stage_devices)
-    bar = progress_bar(not args.json)
     try:
-        if bar is not None:
-            bar.start()
-        profile, source = resolve_profile(args, recipe, bar)
-        cache = TemplateCache(args.cache)
-
-        def report(phase: str, done: int, total: int) -> None:
-            if bar is not None:
-                if not bar.tasks or bar.tasks[-1].description != phase:
-                    bar.add_task(phase, total=total)
-                bar.update(bar.tasks[-1].id, completed=done, total=total)
-
-        templates, status = cached_templates(profile, request, cache, report)
+        with planning_progress(not args.json) as progress:
+            profile, source = resolve_profile(args, recipe, progress)
+            templates, status = cached_templates(profile, request, TemplateCache(args.cache), progress)
     except (ProfileError, PlanningError) as err:
         return fail(str(err))
     except KeyError as err:
         return fail(str(err.args[0]))
-    finally:
-        if bar is not None:
-            bar.stop()
     if not templates:
         return fail(f"the model fits on no node count up to {request.max_nodes}: "
                     f"{explain_infeasible(profile, request.num_microbatches, request.max_stage_devices)}")

@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, fail, load_recipe_or_report
+
+if TYPE_CHECKING:
+    from oobleck_slurm.planning.pregenerate import Progress as PlanningProgress
 
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,32 +36,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the profile as JSON (the --profile file format)")
 
 
-def progress_bar(enabled: bool):  # noqa: ANN201 (rich Progress or None)
-    """A rich progress bar, or None when output is for a script."""
+@contextmanager
+def planning_progress(enabled: bool) -> Iterator[PlanningProgress | None]:
+    """The planner's `progress(phase, done, total)`, drawn as one transient bar per phase; None when
+    output is for a script."""
     if not enabled:
-        return None
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeElapsedColumn(), console=console, transient=True)
-
-
-def resolve_profile(args: argparse.Namespace, recipe, bar):  # noqa: ANN001, ANN201
-    """(Profile, source) for the command's arguments, or raise ProfileError / PlanningError / KeyError."""
-    from oobleck_slurm.planning.cache import TemplateCache
-    from oobleck_slurm.planning.pregenerate import recipe_profile
-
-    tasks: dict[str, int] = {}
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), console=console, transient=True)
+    tasks: dict[str, TaskID] = {}
 
     def report(phase: str, done: int, total: int) -> None:
-        if bar is None:
-            return
         if phase not in tasks:
             tasks[phase] = bar.add_task(phase, total=total)
         bar.update(tasks[phase], completed=done, total=total)
 
+    with bar:
+        yield report
+
+
+def resolve_profile(args: argparse.Namespace, recipe, progress: PlanningProgress | None):  # noqa: ANN001, ANN201
+    """(Profile, source) for the command's arguments, or raise ProfileError / PlanningError / KeyError."""
+    from oobleck_slurm.planning.cache import TemplateCache
+    from oobleck_slurm.planning.pregenerate import recipe_profile
+
     cache = TemplateCache(args.cache)
-    result = recipe_profile(recipe, cache, profile_file=args.profile, estimate_gpu=args.estimate, progress=report)
+    result = recipe_profile(recipe, cache, profile_file=args.profile, estimate_gpu=args.estimate, progress=progress)
     for problem in cache.problems:
         console.print(f"[yellow]warning:[/] {problem}", highlight=False)
     return result
@@ -67,13 +76,9 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe_or_report(args.recipe)
     if recipe is None:
         return EXIT_BAD_INPUT
-    bar = progress_bar(not args.json)
     try:
-        if bar is not None:
-            with bar:
-                profile, source = resolve_profile(args, recipe, bar)
-        else:
-            profile, source = resolve_profile(args, recipe, None)
+        with planning_progress(not args.json) as progress:
+            profile, source = resolve_profile(args, recipe, progress)
     except (ProfileError, PlanningError) as err:
         return fail(str(err))
     except KeyError as err:  # unknown GPU name

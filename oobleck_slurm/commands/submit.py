@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from oobleck_slurm.commands.common import (
@@ -24,7 +25,7 @@ from oobleck_slurm.commands.common import (
     fail,
     load_recipe_or_report,
 )
-from oobleck_slurm.commands.profile import add_source_arguments, progress_bar
+from oobleck_slurm.commands.profile import add_source_arguments, planning_progress
 
 FOLLOW_POLL_S = 0.5
 
@@ -45,13 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.planning import PlanningError, ProfileError
     from oobleck_slurm.planning.pregenerate import pregenerate
 
-    bar = progress_bar(console.is_terminal)
     try:
-        if bar is not None:
-            with bar:
-                pregenerate(recipe, args.cache, profile_file=args.profile, estimate_gpu=args.estimate, progress=bar)
-        else:
-            pregenerate(recipe, args.cache, profile_file=args.profile, estimate_gpu=args.estimate)
+        with planning_progress(console.is_terminal) as progress:
+            pregenerate(recipe, args.cache, profile_file=args.profile, estimate_gpu=args.estimate, progress=progress)
     except (PlanningError, ProfileError, KeyError) as err:
         return fail(str(err).strip("'\""))
 
@@ -73,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.detach:
         return EXIT_OK
     try:
-        _follow(job.path, process, dashboard=console.is_terminal and not args.no_dashboard)
+        _follow(job.path, dashboard=console.is_terminal and not args.no_dashboard, running=lambda: process.poll() is None)
     except KeyboardInterrupt:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait()
@@ -86,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _follow(job_dir: Path, process: subprocess.Popen, dashboard: bool) -> None:
+def _follow(job_dir: Path, dashboard: bool, running: Callable[[], bool]) -> None:
+    """Show the job until it records job_finished, or until `running()` says it ended without it
+    (a crash, a lost batch node); the events written by then are shown first."""
     if dashboard:
         from oobleck_slurm.dashboard.live import run_dashboard
 
@@ -96,9 +95,12 @@ def _follow(job_dir: Path, process: subprocess.Popen, dashboard: bool) -> None:
 
     tail = EventTail(events_path(job_dir))
     while True:
-        for event in tail.poll():
+        events = tail.poll()
+        for event in events:
             _print_event(event)
-        if process.poll() is not None:
+        if any(event["kind"] == "job_finished" for event in events):
+            return
+        if not running():
             for event in tail.poll():
                 _print_event(event)
             return
@@ -148,33 +150,21 @@ def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001
 
 def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
     """Follow until the supervisor records job_finished, or Slurm says the job is gone without it."""
-    from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
-    from oobleck_slurm.events import EventTail, events_path, read_events
+    from oobleck_slurm.events import events_path, read_events
 
-    if dashboard:
-        from oobleck_slurm.dashboard.live import run_dashboard
-
-        run_dashboard(job_dir, live=True, console=console, exit_when_done=True)
-    else:
-        tail = EventTail(events_path(job_dir))
-        while True:
-            events = tail.poll()
-            for event in events:
-                _print_event(event)
-                if event["kind"] == "job_finished":
-                    return int(event.get("exit_code") or 0)
-            try:
-                queued = run_slurm(["squeue", "-h", "-j", slurm_job_id, "-o", "%T"]).strip()
-            except SlurmError:
-                queued = ""
-            if not queued:
-                for event in tail.poll():
-                    _print_event(event)
-                break
-            time.sleep(FOLLOW_POLL_S)
+    _follow(job_dir, dashboard, running=lambda: _in_slurm_queue(slurm_job_id))
     finished = read_events(events_path(job_dir), "job_finished")
     if finished:
         return int(finished[-1].get("exit_code") or 0)
     console.print(f"[red]Slurm job {slurm_job_id} ended without a supervisor record (lost batch node, "
                   "cancelled, or it never started); see the submitit/ folder[/]")
     return EXIT_FAILED
+
+
+def _in_slurm_queue(slurm_job_id: str) -> bool:
+    from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
+
+    try:
+        return bool(run_slurm(["squeue", "-h", "-j", slurm_job_id, "-o", "%T"]).strip())
+    except SlurmError:  # squeue refuses an id it no longer knows: the job is gone
+        return False

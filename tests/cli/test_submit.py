@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import stat
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from oobleck_slurm.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def submit(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def submit(cwd: Path, *args: str, timeout: float = 300, terminal: bool = False) -> subprocess.CompletedProcess[str]:
+    """`submit ARGS` in `cwd`; terminal=True makes rich draw as on a terminal (FORCE_COLOR) into the pipe."""
+    env = {**os.environ, "FORCE_COLOR": "1"} if terminal else None
     return subprocess.run([sys.executable, "-m", "oobleck_slurm", "submit", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
+
+
+def plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
 
 
 def test_submit_local_runs_the_job_to_completion(tmp_path: Path) -> None:
@@ -33,6 +43,18 @@ def test_submit_local_runs_the_job_to_completion(tmp_path: Path) -> None:
     assert finished["status"] == "completed"
     assert "step 5: loss" in result.stdout
     assert any((tmp_path / "templates_cache").rglob("*.json")), "templates were not pregenerated"
+
+
+def test_submit_on_a_terminal_draws_the_planning_progress_and_follows(tmp_path: Path) -> None:
+    """On a terminal the planner reports to a progress bar (it was once handed the bar itself, which
+    is not callable: a TypeError on every first submit); --no-dashboard then prints the steps."""
+    recipe = tmp_path / "short.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 3\n")
+    result = submit(tmp_path, str(recipe), "--no-dashboard", terminal=True)
+    out = plain(result.stdout)
+    assert result.returncode == 0, out + result.stderr
+    assert re.search(r"profiling layers .* 6/6", out) and re.search(r"generating templates .* (\d+)/\1", out), out
+    assert "step 2: loss" in out and "job_finished status=completed" in out
 
 
 def test_submit_detach_returns_while_the_job_runs(tmp_path: Path) -> None:
@@ -98,3 +120,18 @@ def test_submitted_local_job_survives_kill_9_of_a_node(tmp_path: Path) -> None:
     workers = [e for e in read_events(events, "node") if e.get("state") == "lost"]
     assert [e["node"] for e in workers] == ["node2"]
     assert len(survivors) == 3
+
+
+@pytest.mark.slurm
+def test_submit_slurm_follows_the_job_to_its_end(slurm_cluster, tmp_path: Path) -> None:
+    """Without --detach, `submit` follows a Slurm job's event log until the supervisor's job_finished
+    and exits with its code."""
+    recipe = tmp_path / "lab.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'lab-slurm.yaml'}\ntraining:\n  steps: 4\n")
+    result = submit(tmp_path, str(recipe), "--no-dashboard", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (job_dir,) = (tmp_path / "jobs").iterdir()
+    slurm_job_id = json.loads((job_dir / "meta.json").read_text())["slurm_job_id"]
+    out = result.stdout.replace("\n", " ")
+    assert f"submitted (Slurm job {slurm_job_id})" in out
+    assert "step 3: loss" in out and "job_finished status=completed" in out
