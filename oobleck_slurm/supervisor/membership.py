@@ -7,8 +7,9 @@ once, with the cause and time of the first evidence, whichever it was:
     srun_exit     the srun step that runs the node's agent ended (Slurm saw the task or node end)
     heartbeat     no heartbeat within the lease (a frozen or partitioned machine: no FIN ever comes)
     slurm_down    Slurm says the node is DOWN, DRAIN, FAIL or not responding (admin or slurmctld)
-    hung          training made no progress within the step timeout and this node's worker is stopped,
-                  or its step is behind its peers' (it never reached the all-reduce they wait in)
+    hung          the node's worker has been stopped (SIGSTOP, a debugger) for longer than the lease, or
+                  training made no progress within the step timeout and its step is behind its peers'
+                  (it never reached the all-reduce they wait in)
     process_exit  the node's worker exited non-zero (reported by its live agent)
 
 The caller supplies `now` and the observations (see detection/ for the same style).
@@ -41,6 +42,7 @@ class Membership:
         self.rank_steps = ProgressWatch(step_timeout_s)  # per node: the last step it reached a collective in
         self.watched: set[str] = set()
         self.worker_state: dict[str, str] = {}
+        self.stopped_since: dict[str, float] = {}  # first heartbeat that saw the worker stopped
         self._lost: set[str] = set()
 
     # ---- what is watched -----------------------------------------------------------------------
@@ -56,6 +58,7 @@ class Membership:
         self.leases.forget(node)
         self.rank_steps.forget(node)
         self.worker_state.pop(node, None)
+        self.stopped_since.pop(node, None)
 
     def is_lost(self, node: str) -> bool:
         return node in self._lost
@@ -67,6 +70,10 @@ class Membership:
             self.leases.renew(node, now)
             if worker_state is not None:
                 self.worker_state[node] = worker_state
+                if worker_state in STOPPED_STATES:
+                    self.stopped_since.setdefault(node, now)
+                else:
+                    self.stopped_since.pop(node, None)
 
     def step(self, step: int, now: float) -> None:
         """The job's latest completed step (or -1 before the first one of a generation)."""
@@ -103,6 +110,14 @@ class Membership:
                               f"(lease {self.leases.lease_s:g} s)", now)
             if loss:
                 losses.append(loss)
+        for node, since in sorted(self.stopped_since.items()):
+            # A stopped worker cannot train, and its peers' collectives are already failing: the same
+            # lease as a silent node, not the (much longer) step timeout.
+            if now - since > self.leases.lease_s:
+                loss = self._lose(node, "hung", f"the worker has been {self.worker_state.get(node)} for "
+                                  f"{now - since:.2f} s (lease {self.leases.lease_s:g} s)", now)
+                if loss:
+                    losses.append(loss)
         if self.progress.hung(now):
             # Every rank waits for the slowest in the all-reduce, so a stall alone does not say who;
             # a worker that its agent sees stopped (SIGSTOP, a debugger) does, and so does a running
@@ -132,4 +147,5 @@ class Membership:
         self._lost.add(node)
         self.leases.forget(node)
         self.rank_steps.forget(node)
+        self.stopped_since.pop(node, None)
         return Loss(node, cause, detail, now)

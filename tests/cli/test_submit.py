@@ -112,7 +112,9 @@ def test_submitted_local_job_survives_kill_9_of_a_node(tmp_path: Path) -> None:
     assert finished["status"] == "completed", finished
     (failure,) = read_events(events, "failure")
     assert failure["nodes"] == ["node2"]
-    assert len(read_events(events, "resumed")) == 2  # after the loss, and after the replacement joined
+    # after the loss, after the replacement joined, and after each re-form (a collective that timed
+    # out on a loaded machine with nobody lost)
+    assert len(read_events(events, "resumed")) == 2 + len(read_events(events, "reform"))
     assert [e["node"] for e in read_events(events, "node_joined")] == ["r1"]
     steps = sorted({e["step"] for e in read_events(events, "step")})
     assert steps == list(range(80))  # every step completed once the replay is counted; none skipped

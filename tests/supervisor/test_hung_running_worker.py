@@ -74,7 +74,7 @@ def test_worker_hung_after_its_first_collective_is_named_by_the_reform(tmp_path:
     with supervised_job(tmp_path, "wait:2") as job:
         lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 90)
         assert [(e["node"], e["cause"]) for e in lost] == [("node3", "hung")], lost
-        assert "did not leave generation 0" in lost[0]["detail"]
+        assert "did not leave generation" in lost[0]["detail"]
         events = read_events(job / "events.jsonl")
         kinds = [e["kind"] for e in events]
         assert kinds.index("collective_error") < kinds.index("reform") < kinds.index("node_lost")

@@ -38,6 +38,25 @@ def test_a_stall_blames_only_a_stopped_worker_and_a_new_generation_restarts_the_
     assert (loss.node, loss.cause) == ("b", "hung")
 
 
+def test_a_worker_stopped_longer_than_the_lease_is_hung_without_waiting_for_the_step_timeout() -> None:
+    m = Membership(lease_s=2.0, step_timeout_s=60.0)
+    for n in ("a", "b"):
+        m.watch(n, 0.0)
+    m.heartbeat("a", 1.0, "stopped")
+    m.heartbeat("b", 1.0, "stopped")
+    m.heartbeat("a", 2.0, "stopped")
+    m.heartbeat("b", 2.0, "sleeping")  # SIGCONT before the lease: its clock starts again
+    m.heartbeat("a", 2.9, "stopped")
+    m.heartbeat("b", 2.9, "stopped")
+    assert m.check(2.9) == []
+    (loss,) = m.check(3.1)  # a: stopped since 1.0, more than the lease; no stall needed
+    assert (loss.node, loss.cause) == ("a", "hung") and "stopped for 2.10 s" in loss.detail
+    m.heartbeat("b", 4.0, "stopped")
+    assert m.check(4.0) == []  # b: stopped since 2.9 only
+    assert [(l.node, l.cause) for l in m.check(5.0)] == [("b", "hung")]
+    assert m.check(9.0) == []  # each loss once
+
+
 def test_a_node_that_comes_back_is_watched_afresh() -> None:
     m = Membership(lease_s=1.0, step_timeout_s=5.0)
     m.watch("a", 0.0)
