@@ -52,6 +52,33 @@ HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
 
 
+FAULT_POINTS = ("start", "wait:last", "optimizer", "adopt")  # and "wait:K"
+FAULT_ACTIONS = ("kill", "hang", "pause")
+
+
+def load_faults(path: Path) -> list[dict[str, Any]]:
+    """A drill's fault list (see the module doc), checked: a bad entry names the file, the entry and the key."""
+    try:
+        faults = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a JSON list of faults: {err}") from None
+    if not isinstance(faults, list):
+        raise ValueError(f"{path}: must be a JSON list of faults, got {type(faults).__name__}")
+    for i, f in enumerate(faults):
+        where = f"{path}: fault {i}"
+        if not isinstance(f, dict) or "node" not in f or not isinstance(f.get("step"), int):
+            raise ValueError(f"{where}: needs 'node' and an integer 'step', got {f!r}")
+        at = f.get("at", "start")
+        if at not in FAULT_POINTS and not (isinstance(at, str) and at.startswith("wait:") and at[5:].isdigit()):
+            raise ValueError(f"{where}: 'at' must be one of {', '.join(FAULT_POINTS)} or wait:K, got {at!r}")
+        if f.get("do", "kill") not in FAULT_ACTIONS:
+            raise ValueError(f"{where}: 'do' must be one of {', '.join(FAULT_ACTIONS)}, got {f.get('do')!r}")
+        seconds = f.get("seconds")
+        if f.get("do") == "pause" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+            raise ValueError(f"{where}: 'pause' needs 'seconds' > 0, got {seconds!r}")
+    return faults
+
+
 class ElasticWorker:
     def __init__(self, job_dir: Path, node: str) -> None:
         self.job_dir, self.node = job_dir, node

@@ -98,6 +98,7 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
     import torch.distributed as dist
 
     from oobleck_slurm.engine.comm import Timeouts
+    from oobleck_slurm.engine.elastic_process import load_faults
     from oobleck_slurm.engine.local import job_from_recipe, token_file_for
     from oobleck_slurm.planning import instantiate
     from oobleck_slurm.planning.pregenerate import pregenerate
@@ -123,7 +124,7 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
     token_file = token_file_for(recipe, job.path / "data")
     spec = job_from_recipe(recipe, token_file)
     if (job.path / FAULTS_FILE).is_file():  # drills: worker faults (engine/elastic_process.py)
-        spec = replace(spec, extra={**spec.extra, "faults": json.loads((job.path / FAULTS_FILE).read_text())})
+        spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.path / FAULTS_FILE)})
     profile, templates = pregenerate(recipe, meta.get("templates_cache", "templates_cache"))
     plan = instantiate(templates, members, ft.f, recipe.training.global_microbatches,
                        microbatch_size=recipe.training.microbatch_size, profile=profile)
