@@ -107,6 +107,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "bench_detection.json")
     args = parser.parse_args()
     lab, drill = lab_file("lab").SlurmLab(), lab_file("drill")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     kinds = args.kinds.split(",")
     if unknown := [k for k in kinds if k not in drill.KINDS]:
         parser.error(f"unknown kind(s) {unknown}; kinds: {', '.join(drill.KINDS)}")
