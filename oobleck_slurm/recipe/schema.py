@@ -77,6 +77,9 @@ class ClusterConfig:
     nodes: int = field(default=4, metadata=check(positive))
     gpus_per_node: int = field(default=0, metadata=check(non_negative))
     cpus_per_node: int = field(default=1, metadata=check(positive))
+    # Worker processes per node: one per GPU; on CPU-only nodes as many as given (default 1), each
+    # with cpus_per_node // workers_per_node threads.
+    workers_per_node: int | None = field(default=None, metadata=check(optional(positive)))
     spare_nodes: int = field(default=0, metadata=check(non_negative))
     partition: str | None = None
     account: str | None = None
@@ -90,8 +93,13 @@ class ClusterConfig:
 
     @property
     def devices_per_node(self) -> int:
-        """Workers per node: one per GPU, or one per CPU-only node."""
-        return self.gpus_per_node or 1
+        """Workers (devices) per node: workers_per_node, else one per GPU, else 1."""
+        return self.workers_per_node or self.gpus_per_node or 1
+
+    @property
+    def threads_per_worker(self) -> int:
+        """CPU threads each worker may use, so that a node's workers do not oversubscribe its cores."""
+        return max(1, self.cpus_per_node // self.devices_per_node)
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,8 @@ class TrainingConfig:
     microbatch_size: int = field(default=4, metadata=check(positive))
     steps: int = field(default=100, metadata=check(positive))
     seed: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # fp64: for exactness checks (reordering noise ~1e-13); bf16: autocast on GPUs, fp32 master weights
+    precision: Literal["fp32", "bf16", "fp64"] = "fp32"
     grad_clip: float = field(default=1.0, metadata=check(non_negative))  # 0 disables clipping
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)

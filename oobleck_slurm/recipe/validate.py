@@ -170,6 +170,10 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     if ft.f >= c.nodes:
         add(("fault_tolerance", "f"),
             f"f={ft.f} needs at least f+1={ft.f + 1} nodes (one pipeline each), but cluster.nodes is {c.nodes}")
+    if c.gpus_per_node and c.workers_per_node is not None and c.workers_per_node != c.gpus_per_node:
+        add(("cluster", "workers_per_node"),
+            f"one worker runs per GPU: with gpus_per_node {c.gpus_per_node}, workers_per_node must be "
+            f"{c.gpus_per_node} or left out, got {c.workers_per_node}")
     if ft.replacement == "spare" and c.spare_nodes == 0:
         add(("fault_tolerance", "replacement"), "'spare' needs cluster.spare_nodes >= 1")
 
