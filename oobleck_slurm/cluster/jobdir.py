@@ -5,6 +5,9 @@
         meta.json       job id, backend, creation time, the recipe it came from
         secret          per-job control-plane secret, mode 0600
         events.jsonl    the event log (engine, supervisor), read by `dashboard`, `events`, `report`
+        profile.json    the profile given to `submit --profile` (the job plans with it, as `plan` does)
+        faults.json     optional drill: faults the workers inject (engine/elastic_process.py)
+        checkpoints/    step<S>/<layer>.pt: periodic, on-demand and final checkpoints
         logs/           per-process logs
 """
 
@@ -25,6 +28,9 @@ from oobleck_slurm.supervisor.secret import create_secret
 
 RECIPE_FILE = "recipe.yaml"
 META_FILE = "meta.json"
+PROFILE_FILE = "profile.json"
+FAULTS_FILE = "faults.json"
+CHECKPOINTS_DIR = "checkpoints"
 
 
 class JobNotFound(Exception):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from rich.markup import escape
 
 from oobleck_slurm.commands.common import (
     EXIT_BAD_INPUT,
@@ -44,29 +44,20 @@ def run(args: argparse.Namespace) -> int:
     if recipe is None:
         return EXIT_BAD_INPUT
     from oobleck_slurm.planning import PlanningError, ProfileError
-    from oobleck_slurm.planning.pregenerate import pregenerate
+    from oobleck_slurm.submission import prepare_job, start_local
 
     try:
         with planning_progress(console.is_terminal) as progress:
-            pregenerate(recipe, args.cache, profile_file=args.profile, estimate_gpu=args.estimate, progress=progress)
+            job = prepare_job(recipe, cache_dir=args.cache, profile_file=args.profile, estimate_gpu=args.estimate,
+                              job_root=args.job_root, progress=progress)
     except (PlanningError, ProfileError, KeyError) as err:
         return fail(str(err).strip("'\""))
-
-    from oobleck_slurm.cluster.jobdir import create_job_dir
-
-    job = create_job_dir(recipe, args.job_root)
     if recipe.cluster.backend == "slurm":
         return _submit_slurm(job, recipe, args)
     # The local backend runs the same supervisor and agents as Slurm, as processes on this machine.
-    job.update_meta(templates_cache=str(Path(args.cache).resolve()))
-    log_file = open(job.path / "logs" / "supervisor.log", "wb")  # noqa: SIM115 - owned by the child
-    process = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job.path), "--backend", "local"],
-                               stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                               start_new_session=True)
-    log_file.close()
-    job.update_meta(pid=process.pid)
-    console.print(f"job [bold]{job.job_id}[/] submitted (local backend, pid {process.pid})")
-    console.print(f"folder: {job.path}")
+    process = start_local(job)
+    console.print(f"job [bold]{escape(job.job_id)}[/] submitted (local backend, pid {process.pid})")
+    console.print(f"folder: {escape(str(job.path))}")
     if args.detach:
         return EXIT_OK
     try:
@@ -78,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     code = process.wait()
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {job.path / 'logs'}[/]")
+        console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 
@@ -114,36 +105,29 @@ def _print_event(event: dict) -> None:
                       f"{event.get('samples_per_s', 0):,.1f} samples/s", highlight=False)
     elif kind in ("job_started", "job_finished", "failure", "resumed", "checkpoint_fallback"):
         fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("t", "kind"))
-        console.print(f"[bold]{kind}[/] {fields}", highlight=False)
+        console.print(f"[bold]{kind}[/] {escape(fields)}", highlight=False)
 
 
 def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001 - JobDir, Recipe
-    """Submit the allocation through submitit: `--no-kill`, a time limit, the supervisor in the batch
-    step (it starts one agent per node with srun). Returns once submitted (--detach) or finished."""
-    import submitit
+    """Submit the allocation (the supervisor in the batch step, one agent per node through srun).
+    Returns once submitted (--detach) or finished."""
+    from oobleck_slurm.submission import submit_slurm
 
-    from oobleck_slurm.cluster.slurm import allocation_parameters
-    from oobleck_slurm.supervisor.main import SupervisorJob
-
-    job.update_meta(templates_cache=str(Path(args.cache).resolve()))
-    executor = submitit.AutoExecutor(folder=job.path / "submitit", cluster="slurm")
-    executor.update_parameters(**allocation_parameters(recipe.cluster, recipe.name))
     try:
-        slurm_job = executor.submit(SupervisorJob(str(job.path)))
+        slurm_job_id = submit_slurm(job, recipe)
     except Exception as err:  # noqa: BLE001 - sbatch's refusal (bad partition, account...) is the user's to fix
         return fail(f"sbatch refused the job: {str(err).strip()}", EXIT_FAILED)
-    job.update_meta(slurm_job_id=slurm_job.job_id)
-    console.print(f"job [bold]{job.job_id}[/] submitted (Slurm job {slurm_job.job_id})")
-    console.print(f"folder: {job.path}")
+    console.print(f"job [bold]{escape(job.job_id)}[/] submitted (Slurm job {slurm_job_id})")
+    console.print(f"folder: {escape(str(job.path))}")
     if args.detach:
         return EXIT_OK
     try:
-        code = _follow_slurm(job.path, slurm_job.job_id, dashboard=console.is_terminal and not args.no_dashboard)
+        code = _follow_slurm(job.path, slurm_job_id, dashboard=console.is_terminal and not args.no_dashboard)
     except KeyboardInterrupt:
-        console.print(f"[yellow]stopped following; the job goes on (cancel it with: cancel {job.job_id})[/]")
+        console.print(f"[yellow]stopped following; the job goes on (cancel it with: cancel {escape(job.job_id)})[/]")
         return 130
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {job.path / 'logs'}[/]")
+        console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 

@@ -1,27 +1,24 @@
-"""An elastic worker process: `python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE`.
+"""An elastic worker process: `python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE LOCAL`.
 
-One virtual node = one worker process (the local backend; a Slurm agent starts the same thing).
-It follows the coordinator through the store (hosted by the coordinator, never by a worker):
-
-    gen{g}/config           members (node ids in rank order), ExecPlan, transfers, resume step, source
-    gen{g}/failed           set by the coordinator: leave generation g now (abortable waits see it)
-    gen{g}/report/{node}    this worker's step and valid layers after aborting g (for the next plan)
-    gen{g}/rebuilt/{node}   group-build and state-copy seconds and bytes (recovery events)
-    gen{g}/progress         last completed step (rank 0); gen{g}/first_step: the first one's time
-    node/{node}/step        the last step in which this worker reached a collective (names a hung rank)
-    node/{node}/ready       the process is up (imports, model code) and can join
+A node agent starts one per device of its node (`cluster.workers_per_node`: one per GPU, or that many
+CPU workers); this is worker LOCAL of node NODE, and its rank in a generation is
+`members.index(NODE) * workers_per_node + LOCAL`, the planner's device numbering. On a GPU node the
+agent pins it to GPU LOCAL before CUDA initialises (see supervisor/agent.py). It follows the
+coordinator through the store (keys: oobleck_slurm/keys.py).
 
 A config with `stop` ends the worker; with `save` {root, step} it first writes its layers (those it
 holds first in its plan) as the checkpoint of `step`, rolling back one step if it is ahead (an
-on-demand checkpoint at preemption: the requeued job resumes from it).
+on-demand checkpoint at preemption: the requeued job resumes from it). After the last step every
+worker writes the layers it holds first as the final checkpoint (`checkpoints/step{steps}`): the
+trained model.
 
 Survivors never restart: they keep their process, their layers and optimizer state, and build the
-next generation's groups under a new store prefix. Fault injection (tests, benchmark): job.extra
-"faults" = [{"node": N, "step": S, "at": "start" | "wait:K" | "wait:last" | "optimizer" | "adopt",
-"do": "kill" | "hang" | "pause", "seconds": T}] kills this process with SIGKILL (or, "hang", sleeps
-forever: a deadlocked worker that stays runnable; or, "pause", sleeps T seconds and goes on: a transient
-stall that makes its peers' collectives time out) at that point of step S (once per fault, even across
-restarts).
+next generation's groups under a new store prefix. Fault injection (drills, tests, benchmarks): the job
+folder's faults.json = [{"node": N, "worker": i (default 0), "step": S, "at": "start" | "wait:K" |
+"wait:last" | "optimizer" | "adopt", "do": "kill" | "hang" | "pause", "seconds": T}] kills this process
+with SIGKILL (or, "hang", sleeps forever: a deadlocked worker that stays runnable; or, "pause", sleeps T
+seconds and goes on: a transient stall that makes its peers' collectives time out) at that point of
+step S (once per fault, even across restarts).
 """
 
 from __future__ import annotations
@@ -38,11 +35,11 @@ from typing import Any
 
 import torch
 
+from oobleck_slurm import keys
 from oobleck_slurm.engine.abort import GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
-from oobleck_slurm.engine.comm import Timeouts, connect_store
+from oobleck_slurm.engine.comm import Timeouts, connect_store, is_collective_error
 from oobleck_slurm.engine.layout import ExecPlan
-from oobleck_slurm.engine.process import step_event
 from oobleck_slurm.engine.recovery import StepUndo
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
@@ -50,6 +47,7 @@ from oobleck_slurm.events import EventLog, events_path
 
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
+ELASTIC_FILE = "elastic.json"  # store address, timeouts, workers per node: written by the supervisor
 
 
 FAULT_POINTS = ("start", "wait:last", "optimizer", "adopt")  # and "wait:K"
@@ -73,6 +71,9 @@ def load_faults(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{where}: 'at' must be one of {', '.join(FAULT_POINTS)} or wait:K, got {at!r}")
         if f.get("do", "kill") not in FAULT_ACTIONS:
             raise ValueError(f"{where}: 'do' must be one of {', '.join(FAULT_ACTIONS)}, got {f.get('do')!r}")
+        worker = f.get("worker", 0)
+        if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
+            raise ValueError(f"{where}: 'worker' must be a worker index >= 0, got {worker!r}")
         seconds = f.get("seconds")
         if f.get("do") == "pause" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
             raise ValueError(f"{where}: 'pause' needs 'seconds' > 0, got {seconds!r}")
@@ -80,16 +81,21 @@ def load_faults(path: Path) -> list[dict[str, Any]]:
 
 
 class ElasticWorker:
-    def __init__(self, job_dir: Path, node: str) -> None:
-        self.job_dir, self.node = job_dir, node
+    def __init__(self, job_dir: Path, node: str, local: int) -> None:
+        self.job_dir, self.node, self.local = job_dir, node, local
+        self.name = keys.worker_id(node, local)
         self.job = JobSpec.from_json((job_dir / "job.json").read_text())
-        launch = json.loads((job_dir / "elastic.json").read_text())
+        launch = json.loads((job_dir / ELASTIC_FILE).read_text())
+        self.per_node = int(launch.get("workers_per_node", 1))
+        if not 0 <= local < self.per_node:
+            raise ValueError(f"worker index {local} out of range: the job runs {self.per_node} worker(s) per node")
         self.timeouts = Timeouts(**launch["timeouts"])
         self.reconfiguration_s = float(launch["reconfiguration_timeout"])
         self.checkpoint_interval = int(launch.get("checkpoint_interval", 0))
         self.checkpoint_root = launch.get("checkpoint_dir") or str(job_dir / "checkpoints")
         self.store = connect_store(launch["host"], int(launch["port"]), self.timeouts)
-        self.worker = Worker(self.job, 0)
+        device = torch.device("cuda", torch.cuda.current_device()) if self.job.backend == "nccl" else None
+        self.worker = Worker(self.job, 0, device)
         self.undo = StepUndo(self.worker, self._before_update)
         self.log = EventLog(events_path(job_dir))
         self.faults = list(self.job.extra.get("faults", []))
@@ -102,16 +108,16 @@ class ElasticWorker:
 
     def _maybe_die(self, point: str) -> None:
         for i, f in enumerate(self.faults):
-            if str(f["node"]) != self.node or int(f["step"]) != self.worker.step:
+            if (str(f["node"]), int(f.get("worker", 0)), int(f["step"])) != (self.node, self.local, self.worker.step):
                 continue
             at = f.get("at", "start")
             hit = at == point or (at == "wait:last" and point == f"wait:{self.last_waits}")
-            if not hit or self.store.add(f"fault/{i}", 1) != 1:
+            if not hit or self.store.add(keys.fault_fired(i), 1) != 1:
                 continue
             if f.get("do") == "pause":  # no loss follows: no fault time for a detection figure
                 time.sleep(float(f["seconds"]))
                 return
-            self.store.set(f"fault/killed_at/{self.node}", repr(time.time()))
+            self.store.set(keys.fault_time(self.node), repr(time.time()))
             if f.get("do", "kill") == "hang":
                 while True:  # not stopped: its agent sees a live, sleeping process
                     time.sleep(HANG_SLEEP_S)
@@ -127,14 +133,14 @@ class ElasticWorker:
         """Per-rank progress for the supervisor: this worker reached a collective of step s (it did its
         compute up to there). A rank hung before its first collective of s stays at s-1 while every
         peer waits for it in a collective of s: that names it. Once per step: one store write."""
-        self.store.set(f"node/{self.node}/step", str(self.worker.step))
+        self.store.set(keys.worker_step(self.name), str(self.worker.step))
 
     def _report_error(self, g: int, error: BaseException) -> None:
         """Tell the coordinator that a collective of generation g failed here (see coordinator.py)."""
         message = f"{type(error).__name__}: {error}"[:ERROR_CHARS]
-        self.store.set(f"gen{g}/error/{self.node}", json.dumps(
+        self.store.set(keys.error(g, self.name), json.dumps(
             {"step": self.worker.step, "error": message, "t": time.time()}))
-        self.store.add(f"gen{g}/errors", 1)
+        self.store.add(keys.errors(g), 1)
 
     def _before_update(self, index: int) -> None:
         self.updates += 1
@@ -151,12 +157,12 @@ class ElasticWorker:
             return False
 
     def run(self) -> None:
-        self.store.set(f"node/{self.node}/ready", repr(time.time()))
-        g = int(self.store.get("current_gen"))
+        self.store.set(keys.worker_ready(self.name), repr(time.time()))
+        g = int(self.store.get(keys.CURRENT_GEN))
         while True:
-            if not self._wait_key(f"gen{g}/config", self.timeouts.run):
+            if not self._wait_key(keys.config(g), self.timeouts.run):
                 raise TimeoutError(f"no configuration for generation {g} within {self.timeouts.run} s")
-            cfg = json.loads(self.store.get(f"gen{g}/config"))
+            cfg = json.loads(self.store.get(keys.config(g)))
             if cfg.get("stop"):
                 if cfg.get("save"):
                     self.save_checkpoint(cfg["save"]["root"], int(cfg["save"]["step"]))
@@ -167,25 +173,28 @@ class ElasticWorker:
             try:
                 self.run_generation(g, cfg)
                 return
-            except (GenerationAborted, RuntimeError) as e:
-                # A peer's death shows up as a gloo error before the coordinator's key: report the
-                # error (with no loss to explain it the coordinator re-forms the members) and wait.
+            except Exception as e:
                 if not isinstance(e, GenerationAborted):
+                    if not is_collective_error(e):
+                        raise  # a bug, not a peer's failure: fail loudly with the traceback
+                    # A peer's death shows up as a gloo error before the coordinator's key: report the
+                    # error (with no loss to explain it the coordinator re-forms the members) and wait.
                     self._report_error(g, e)
-                    if not self._wait_key(f"gen{g}/failed", self.reconfiguration_s):
+                    if not self._wait_key(keys.failed(g), self.reconfiguration_s):
                         raise
-                self.store.set(f"gen{g}/report/{self.node}", json.dumps(
+                self.store.set(keys.report(g, self.name), json.dumps(
                     {"step": self.worker.step, "layers": sorted(self.worker.layers)}))
                 g += 1
 
     def run_generation(self, g: int, cfg: dict[str, Any]) -> None:
         w = self.worker
         plan = ExecPlan.from_json(cfg["plan"])
-        w.rank = cfg["members"].index(self.node)
+        w.rank = cfg["members"].index(self.node) * self.per_node + self.local
+        world_size = len(cfg["members"]) * self.per_node
         self.undo.rollback_to(int(cfg["resume_step"]))
         t0 = time.perf_counter()
-        gen = build_generation(self.store, g, w.rank, len(cfg["members"]), plan, self.timeouts,
-                               self.job.backend, self._on_wait)
+        gen = build_generation(self.store, g, w.rank, world_size, plan, self.timeouts,
+                               self.job.backend, self._on_wait, w.device)
         t1 = time.perf_counter()
         self._maybe_die("adopt")  # a failure during recovery: groups built, copies not done
         ckpt = cfg.get("checkpoint")
@@ -193,7 +202,7 @@ class ElasticWorker:
                            (ckpt["root"], int(ckpt["step"])) if ckpt else None)
         t2 = time.perf_counter()
         self.undo.attach()
-        self.store.set(f"gen{g}/rebuilt/{self.node}", json.dumps(
+        self.store.set(keys.rebuilt(g, self.name), json.dumps(
             {"groups_s": t1 - t0, "copy_s": t2 - t1, "bytes": received, "t": time.time()}))
         first = True
         while w.step < self.job.train.steps:
@@ -202,22 +211,16 @@ class ElasticWorker:
             result = w.train_step()
             self.last_waits = self.waits
             if w.rank == 0:
-                self.log.emit("step", **step_event(result, g, self.job.train.global_batch_size))
-                self.store.set(f"gen{g}/progress", str(result.step))
+                self.log.emit("step", **result.event(g, self.job.train.global_batch_size))
+                self.store.set(keys.progress(g), str(result.step))
                 if first:
-                    self.store.set(f"gen{g}/first_step", json.dumps({"step": result.step, "t": time.time()}))
+                    self.store.set(keys.first_step(g), json.dumps({"step": result.step, "t": time.time()}))
             first = False
             self._maybe_checkpoint()
             if gen.watch.failed():  # a join (or a failure seen between steps): leave at the boundary
-                raise GenerationAborted(f"gen{g}/failed after step {result.step}")
+                raise GenerationAborted(f"{keys.failed(g)} after step {result.step}")
+        self.save_checkpoint(self.checkpoint_root, w.step)  # the trained model
         gen.wait(gen.world.barrier())  # nobody leaves while a peer may still need a group
-        if self.writer is not None:
-            self.writer.flush()
-        if self.job.extra.get("save_params"):
-            out = self.job_dir / "params"
-            out.mkdir(exist_ok=True)
-            torch.save(w.layer_state(), out / f"node{self.node}.pt")
-        self.store.set(f"gen{g}/finished/{self.node}", "1")
 
     def save_checkpoint(self, root: str, step: int) -> None:
         """Write this worker's share of the checkpoint of `step` (layers it holds first) and wait for it."""
@@ -225,17 +228,20 @@ class ElasticWorker:
         self.undo.rollback_to(step)
         if w.plan is None or not w.layers:
             return
-        writer = CheckpointWriter(root) if self.writer is None or str(self.writer.root) != root else self.writer
+        if self.writer is None or str(self.writer.root) != root:
+            if self.writer is not None:
+                self.writer.flush()
+            self.writer = CheckpointWriter(root)
         for i in sorted(w.layers):
             if w.plan.holders(i)[0] == w.rank:
-                writer.submit(w.step, w.keys[i], layer_payload(w.layers[i], w.optimizers[i], w.step))
-        writer.flush()
+                self.writer.submit(w.step, w.keys[i], layer_payload(w.layers[i], w.optimizers[i], w.step))
+        self.writer.flush()
 
     def _maybe_checkpoint(self) -> None:
         w = self.worker
         if self.checkpoint_interval <= 0 or w.step % self.checkpoint_interval or w.step >= self.job.train.steps:
             return
-        mine = [i for i in sorted(w.layers) if w.plan.holders(i)[0] == w.rank]
+        mine = [i for i in sorted(w.layers) if w.plan is not None and w.plan.holders(i)[0] == w.rank]
         if not mine:
             return
         if self.writer is None:
@@ -246,12 +252,16 @@ class ElasticWorker:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE", file=sys.stderr)
+    if len(args) != 3 or not args[2].isdigit():
+        print("usage: python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE LOCAL", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)
+    # The agent sets the thread budget (cores / workers per node) and, on GPUs, the device: before
+    # anything touches CUDA, so the worker's context lives on its own GPU only.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if os.environ.get("OOBLECK_DEVICE") == "cuda":
+        torch.cuda.set_device(int(args[2]))
     try:
-        ElasticWorker(Path(args[0]), args[1]).run()
+        ElasticWorker(Path(args[0]), args[1], int(args[2])).run()
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()

@@ -24,14 +24,17 @@ class Stage:
         self.first_layer = first_layer
         self.is_last = is_last
         self.device = device
-        self.bf16 = bf16 and device.type == "cuda"  # autocast only on CUDA
+        # bf16: autocast on the worker's device (CUDA; also CPU, where the path is tested), parameters,
+        # gradients and optimizer state stay in their own dtype (fp32 master weights).
+        self.bf16 = bf16
+        self.boundary_dtype = next((p.dtype for layer in layers for p in layer.parameters()), torch.float32)
         # microbatch -> [(layer input, layer output)], the last output being the scaled loss on the
         # last stage; freed by backward.
         self._saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None,
@@ -50,7 +53,9 @@ class Stage:
                 h = lm_loss(h, targets) * loss_scale
                 saved[-1] = (saved[-1][0], h)
         self._saved[mb] = saved
-        return h.detach()
+        # What crosses a stage boundary has the parameters' dtype (the receiver's buffer): under
+        # autocast a block may return bf16; its backward casts the incoming gradient back.
+        return h.detach() if self.is_last else h.detach().to(self.boundary_dtype)
 
     def backward(self, mb: int, grad_out: torch.Tensor | None,
                  on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,6 +51,17 @@ class StepResult:
     seconds: float  # this rank's wall time for the step
     pipeline_seconds: list[float] = field(default_factory=list)  # per pipeline: its first stage's schedule time
     compute_seconds: list[float] = field(default_factory=list)  # per rank: forward/backward only
+    peak_memory: list[float] = field(default_factory=list)  # per rank: peak bytes allocated on its GPU
+
+    def event(self, generation: int, global_batch_size: int) -> dict[str, Any]:
+        """The `step` event rank 0 writes to the job's log."""
+        return {
+            "step": self.step, "loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr,
+            "seconds": self.seconds,
+            "samples_per_s": global_batch_size / self.seconds if self.seconds > 0 else 0.0,
+            "pipeline_seconds": self.pipeline_seconds, "compute_seconds": self.compute_seconds,
+            "peak_memory": self.peak_memory, "generation": generation,
+        }
 
 
 def check_supported(job: JobSpec) -> None:
@@ -141,10 +153,6 @@ class Worker:
         self.plan, self.gen, self.role = plan, gen, role
         return received
 
-    def drop_generation(self) -> None:
-        """Forget the current groups (e.g. after a failure); layers and optimizer state stay."""
-        self.gen = None
-
     # ---- one step -----------------------------------------------------------------------------
 
     def _hidden_buffer(self) -> torch.Tensor:
@@ -225,13 +233,15 @@ class Worker:
 
         # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time.
         num_p = len(plan.pipelines)
-        metrics = torch.zeros(1 + num_p + gen.world_size, dtype=torch.float64, device=self.device)
+        metrics = torch.zeros(1 + num_p + 2 * gen.world_size, dtype=torch.float64, device=self.device)
         if role is not None:
             if role.is_last:
                 metrics[0] = loss_sum
             if role.is_first:
                 metrics[1 + role.pipeline] = schedule_s
         metrics[1 + num_p + self.rank] = compute
+        if self.device.type == "cuda":  # what the planner's memory model is checked against
+            metrics[1 + num_p + gen.world_size + self.rank] = torch.cuda.max_memory_allocated(self.device)
         gen.wait(gen.world.allreduce([metrics]))
         metrics = metrics.cpu()
 
@@ -251,7 +261,8 @@ class Worker:
             lr=lr,
             seconds=time.perf_counter() - t0,
             pipeline_seconds=[float(v) for v in metrics[1 : 1 + num_p]],
-            compute_seconds=[float(v) for v in metrics[1 + num_p :]],
+            compute_seconds=[float(v) for v in metrics[1 + num_p : 1 + num_p + gen.world_size]],
+            peak_memory=[float(v) for v in metrics[1 + num_p + gen.world_size :]] if self.device.type == "cuda" else [],
         )
         self.step += 1
         return result

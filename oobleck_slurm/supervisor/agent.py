@@ -2,19 +2,25 @@
 
 One per node (Slurm: one srun task per node; local backend: a process per virtual node). It connects
 to the supervisor over the authenticated control plane, beats every `heartbeat_interval` seconds
-(with its worker's process state, so that a SIGSTOPped worker can be named), and obeys:
+(with its workers' process states, so that a SIGSTOPped worker can be named), and obeys:
 
-    start {node_id}     start this node's elastic worker (engine/elastic_process.py) as `node_id`
-    stop                SIGKILL the worker (no exit is reported for it)
-    drill {how}         fault injection: "agent" (kill -9 this agent), "worker" (kill -9 the worker),
-                        "hang" (SIGSTOP the worker)
+    start {node_id, workers, threads, device}
+                        start this node's workers (engine/elastic_process.py), one per device: worker
+                        i of `node_id` gets `threads` CPU threads and, on GPUs, GPU i (set before CUDA
+                        initialises, every GPU of the node stays visible for NCCL's peer access)
+    stop                SIGKILL the workers (no exit is reported for them)
+    drill {how, worker} fault injection: "agent" (kill -9 this agent), "worker" (kill -9 a worker),
+                        "hang" (SIGSTOP a worker)
     health {...}        run a short collective with the supervisor (engine and network work here)
-    shutdown            stop the worker and exit 0
+    shutdown            stop the workers and exit 0
 
-and reports `worker_exit {code}`, and `preempt` when Slurm sends SIGUSR2 to the job's steps (submitit's
-`--signal=USR2@90` before the time limit, or a preemption): the supervisor runs in the batch step,
-which that signal does not reach. The worker ignores SIGUSR2 (it would end it). If the supervisor goes away, the job is over: the agent kills its
-worker and exits, so that nothing outlives the job on the node.
+The node is the failure unit (the planner places pipelines on nodes): the first worker to exit
+non-zero is reported as `worker_exit {code, worker}` and the node's other workers are killed at once;
+`worker_exit {code: 0}` is reported once every worker finished. `preempt` is relayed when Slurm sends
+SIGUSR2 to the job's steps (submitit's `--signal=USR2@90` before the time limit, or a preemption): the
+supervisor runs in the batch step, which that signal does not reach. Workers ignore SIGUSR2 (it would
+end them). If the supervisor goes away, the job is over: the agent kills its workers and exits, so
+that nothing outlives the job on the node.
 """
 
 from __future__ import annotations
@@ -39,6 +45,17 @@ from oobleck_slurm.supervisor.server import connect
 SUPERVISOR_FILE = "supervisor.json"  # host, port, heartbeat_interval: written by the supervisor
 ADDRESS_WAIT_S = 120.0  # a replacement job may start before the supervisor wrote its address
 CONNECT_TIMEOUT_S = 10.0
+# Set in every NCCL worker's environment, before torch starts (shared/docs/nccl-notes.md, "Recommended
+# design"): torch's watchdog must never act on its own (it sleeps 60 s, then tears the process down);
+# the generation design aborts groups itself (engine/abort.py), and a timeout dump key left in the root
+# store by one generation must not kill a later process.
+NCCL_WORKER_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    "NCCL_NVLS_ENABLE": "0",
+}
 WATCH_S = 0.02  # how often the worker's exit is polled: bounds process-exit detection
 
 
@@ -49,6 +66,15 @@ def _die_with_parent() -> None:
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm signals every process of the step; the agent relays it
+
+
+def worker_env(base: dict[str, str] | os._Environ[str], local: int, threads: int, device: str) -> dict[str, str]:
+    """Worker `local`'s environment: its CPU thread budget (the node's cores split between its workers,
+    so they do not oversubscribe it) and, on GPUs, its device and NCCL's settings (engine/comm.py)."""
+    env = dict(base, OMP_NUM_THREADS=str(threads), LOCAL_RANK=str(local), OOBLECK_DEVICE=device)
+    if device == "cuda":
+        env.update(NCCL_WORKER_ENV)
+    return env
 
 
 def node_name(explicit: str | None = None) -> str:
@@ -73,8 +99,8 @@ class Agent:
         self.job_dir, self.node, self.replacement = job_dir, node, replacement
         self.address = read_address(job_dir)
         self.interval = float(self.address["heartbeat_interval"])
-        self.worker: subprocess.Popen | None = None
-        self.worker_id: str | None = None
+        self.workers: list[subprocess.Popen] = []  # index = the worker's local index (device)
+        self.worker_id: str | None = None  # the node id the supervisor gave this node's workers
         self._lock = threading.Lock()  # the channel is written by the beat loop and the command reader
         self._done = threading.Event()
         self._preempt = threading.Event()  # Slurm's SIGUSR2 arrived: relay it once
@@ -87,32 +113,54 @@ class Agent:
         with self._lock:
             self.channel.send(message)
 
-    # ---- the worker ------------------------------------------------------------------------------
+    # ---- the workers -----------------------------------------------------------------------------
 
-    def start_worker(self, node_id: str) -> None:
-        if self.worker is not None and self.worker.poll() is None:
-            raise RuntimeError(f"node {self.node} already runs worker {self.worker_id} (pid {self.worker.pid})")
-        log = open(self.job_dir / "logs" / f"node{node_id}.log", "ab")  # noqa: SIM115 - the child owns it
-        self.worker = subprocess.Popen(
-            [sys.executable, "-m", "oobleck_slurm.engine.elastic_process", str(self.job_dir), node_id],
-            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-            preexec_fn=_die_with_parent)
-        log.close()
+    def start_workers(self, node_id: str, count: int, threads: int, device: str) -> None:
+        if any(w.poll() is None for w in self.workers):
+            raise RuntimeError(f"node {self.node} already runs workers of {self.worker_id}")
+        self.workers = []
+        for local in range(count):
+            log = open(self.job_dir / "logs" / f"worker-{node_id}-{local}.log", "ab")  # noqa: SIM115 - the child owns it
+            self.workers.append(subprocess.Popen(
+                [sys.executable, "-m", "oobleck_slurm.engine.elastic_process", str(self.job_dir), node_id, str(local)],
+                stdout=log, stderr=subprocess.STDOUT, env=worker_env(os.environ, local, threads, device),
+                preexec_fn=_die_with_parent))
+            log.close()
         self.worker_id = node_id
 
-    def stop_worker(self) -> None:
-        w, self.worker = self.worker, None
-        if w is not None and w.poll() is None:
-            w.send_signal(signal.SIGKILL)
+    def stop_workers(self) -> None:
+        workers, self.workers = self.workers, []
+        for w in workers:
+            if w.poll() is None:
+                w.send_signal(signal.SIGKILL)
+        for w in workers:
             w.wait()
 
-    def worker_state(self) -> str:
-        if self.worker is None:
-            return "none"
-        try:
-            return psutil.Process(self.worker.pid).status()
-        except psutil.Error:
-            return "gone"
+    def worker_states(self) -> list[str]:
+        """psutil's state of each worker ("running", "sleeping", "stopped", ...; "gone" once reaped)."""
+        states = []
+        for w in self.workers:
+            try:
+                states.append(psutil.Process(w.pid).status())
+            except psutil.Error:
+                states.append("gone")
+        return states
+
+    def _check_workers(self) -> None:
+        """Report the node's end: the first worker that failed (its peers are killed: the node is the
+        failure unit), or every worker done."""
+        if not self.workers:
+            return
+        codes = [w.poll() for w in self.workers]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            local, code = failed[0]
+            self.stop_workers()
+            self.send({"type": "worker_exit", "node": self.node, "node_id": self.worker_id, "code": code,
+                       "worker": local})
+        elif all(c == 0 for c in codes):
+            self.workers = []
+            self.send({"type": "worker_exit", "node": self.node, "node_id": self.worker_id, "code": 0})
 
     # ---- commands ----------------------------------------------------------------------------------
 
@@ -122,25 +170,26 @@ class Agent:
                 message = self.channel.recv()
                 kind = message["type"]
                 if kind == "start":
-                    self.start_worker(str(message["node_id"]))
+                    self.start_workers(str(message["node_id"]), int(message.get("workers", 1)),
+                                       int(message.get("threads", 1)), str(message.get("device", "cpu")))
                 elif kind == "stop":
-                    self.stop_worker()
+                    self.stop_workers()
                 elif kind == "health":
                     threading.Thread(target=self._health, args=(message,), daemon=True).start()
                 elif kind == "drill":
-                    self._drill(str(message.get("how")))
+                    self._drill(str(message.get("how")), int(message.get("worker") or 0))
                 elif kind == "shutdown":
                     break
         except (EOFError, OSError, ProtocolError):
             pass  # the supervisor is gone (or dropped us): the job is over for this node
         self._done.set()
 
-    def _drill(self, how: str) -> None:
+    def _drill(self, how: str, worker: int) -> None:
         if how == "agent":
-            os.kill(os.getpid(), signal.SIGKILL)  # the worker follows (PR_SET_PDEATHSIG)
-        w = self.worker
-        if w is not None and how in ("worker", "hang"):
-            w.send_signal(signal.SIGKILL if how == "worker" else signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGKILL)  # the workers follow (PR_SET_PDEATHSIG)
+        workers = self.workers
+        if 0 <= worker < len(workers) and how in ("worker", "hang"):
+            workers[worker].send_signal(signal.SIGKILL if how == "worker" else signal.SIGSTOP)
 
     def _health(self, message: dict[str, Any]) -> None:
         t0 = time.time()
@@ -162,22 +211,19 @@ class Agent:
         try:
             while not self._done.is_set():
                 now = time.time()
-                w = self.worker
-                if w is not None and (code := w.poll()) is not None:
-                    self.worker = None
-                    self.send({"type": "worker_exit", "node": self.node, "node_id": self.worker_id, "code": code})
+                self._check_workers()
                 if self._preempt.is_set() and not relayed:
                     relayed = True
                     self.send({"type": "preempt", "node": self.node, "signal": "SIGUSR2", "t": now})
                 if now >= next_beat:
-                    self.send({"type": "heartbeat", "node": self.node, "worker": self.worker_state(),
+                    self.send({"type": "heartbeat", "node": self.node, "workers": self.worker_states(),
                                "cpu": psutil.cpu_percent(interval=None), "t": now})
                     next_beat = now + self.interval
                 self._done.wait(WATCH_S)
         except (OSError, ProtocolError):
             pass
         finally:
-            self.stop_worker()
+            self.stop_workers()
             self.channel.close()
         return 0
 

@@ -25,10 +25,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from oobleck_slurm import keys
 from oobleck_slurm.events import EventLog
 from oobleck_slurm.supervisor.health import health_peer
 from oobleck_slurm.supervisor.launchers import AgentLauncher
-from oobleck_slurm.supervisor.membership import Loss, Membership
+from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, Membership
 from oobleck_slurm.supervisor.protocol import Channel
 from oobleck_slurm.supervisor.server import ControlServer
 
@@ -39,6 +40,15 @@ NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's nod
 HEALTH_TIMEOUT_S = 60.0  # a joining node's collective with the supervisor (includes its torch import)
 RELAYED_DRILLS = ("agent", "worker", "hang")  # faults that the node's agent injects (see agent.py)
 LOST_CODE = -9  # the exit code reported to the coordinator for a node lost by other evidence
+
+
+def node_worker_state(states: Any) -> str:
+    """One state for a node's workers: "stopped" if any is stopped (a SIGSTOPped worker stalls the
+    whole node), else the first worker's, "none" before any started."""
+    if not isinstance(states, list) or not states:
+        return "none"
+    stopped = [s for s in states if s in STOPPED_STATES]
+    return str(stopped[0] if stopped else states[0])
 
 
 @dataclass
@@ -66,6 +76,9 @@ class BackendConfig:
     replacement: str  # spare | request | none
     store_host: str
     store_port: int
+    workers_per_node: int = 1  # one per device
+    threads_per_worker: int = 1  # CPU threads of each worker
+    device: str = "cpu"  # cpu | cuda
 
 
 class AgentNodes:
@@ -203,7 +216,7 @@ class AgentNodes:
         self.log.emit("fault_injected", node=ident, slurm_node=self.node_of.get(ident, node), how=how, at=t)
         if self._store is not None:
             try:
-                self._store.set(f"fault/killed_at/{ident}", repr(t))
+                self._store.set(keys.fault_time(ident), repr(t))
             except Exception:  # noqa: BLE001 - only a measurement is lost
                 pass
 
@@ -218,7 +231,7 @@ class AgentNodes:
             with self._lock:
                 ident = self.id_of.get(str(message.get("node")))
                 if ident is not None:
-                    self.membership.heartbeat(ident, now, str(message.get("worker")))
+                    self.membership.heartbeat(ident, now, node_worker_state(message.get("workers")))
                     self._last_metrics[ident] = message
         elif kind == "worker_exit":
             with self._lock:
@@ -243,7 +256,7 @@ class AgentNodes:
                     agent = self.agents.get(self.node_of.get(str(message["node"]), str(message["node"])))
                 if agent is None:
                     return {"type": "fault_result", "ok": False, "detail": f"no agent on {message['node']}"}
-                agent.send({"type": "drill", "how": how})
+                agent.send({"type": "drill", "how": how, "worker": message.get("worker")})
             return {"type": "fault_result", "ok": True}
         elif kind == "preempt":
             self.log.emit("preempt_notice", node=self.id_of.get(str(message.get("node")), message.get("node")),
@@ -296,7 +309,8 @@ class AgentNodes:
         self.starting.discard(ident)
         self.trusted.add(ident)
         self.membership.watch(ident, time.time())
-        agent.send({"type": "start", "node_id": ident})
+        agent.send({"type": "start", "node_id": ident, "workers": self.cfg.workers_per_node,
+                    "threads": self.cfg.threads_per_worker, "device": self.cfg.device})
 
     def _health_then_start(self, ident: str) -> None:
         threading.Thread(target=self._health_check, args=(ident,), name=f"health-{ident}", daemon=True).start()
@@ -307,7 +321,7 @@ class AgentNodes:
         agent = self.agents.get(node)
         if agent is None:
             return
-        prefix = f"health/{ident}/{time.time_ns()}"
+        prefix = keys.health_prefix(ident, time.time_ns())
         t0 = time.time()
         agent.send({"type": "health", "host": self.cfg.store_host, "port": self.cfg.store_port,
                     "prefix": prefix, "timeout": HEALTH_TIMEOUT_S})
@@ -348,7 +362,7 @@ class AgentNodes:
         self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
                                     timeout=dt.timedelta(seconds=30))
         for ident, t in self.fault_at.items():
-            self._store.set(f"fault/killed_at/{ident}", repr(t))
+            self._store.set(keys.fault_time(ident), repr(t))
         next_slurm = next_nodes = next_ranks = 0.0
         gen = -1
         while not self._stop.wait(WATCH_S):
@@ -377,8 +391,8 @@ class AgentNodes:
     def _read_progress(self, gen: int, now: float) -> int:
         assert self._store is not None
         try:
-            current = int(self._store.get("current_gen")) if self._store.check(["current_gen"]) else 0
-            key = f"gen{current}/progress"
+            current = int(self._store.get(keys.CURRENT_GEN)) if self._store.check([keys.CURRENT_GEN]) else 0
+            key = keys.progress(current)
             step = int(self._store.get(key)) if self._store.check([key]) else -1
         except Exception:  # noqa: BLE001 - the store belongs to this process; a hiccup is retried
             return gen
@@ -389,16 +403,17 @@ class AgentNodes:
         return current
 
     def _read_rank_steps(self, now: float) -> None:
-        """Each watched worker's `node/{id}/step` (the last step it reached a collective in): names a hung rank."""
+        """Each watched node's step: the smallest over its workers of the last step each reached a
+        collective in (a node with one hung worker is behind its peers): names a hung rank's node."""
         assert self._store is not None
         with self._lock:
             watched = sorted(self.membership.watched)
         steps = {}
         for ident in watched:
-            key = f"node/{ident}/step"
+            names = [keys.worker_step(w) for w in keys.node_workers(ident, self.cfg.workers_per_node)]
             try:
-                if self._store.check([key]):
-                    steps[ident] = int(self._store.get(key))
+                if self._store.check(names):
+                    steps[ident] = min(int(self._store.get(k)) for k in names)
             except Exception:  # noqa: BLE001 - retried at the next poll
                 return
         with self._lock:
@@ -430,7 +445,8 @@ class AgentNodes:
                 m = self._last_metrics.get(ident, {})
                 age = self.membership.leases.age(ident, now) if ident in self.membership.leases.members() else None
                 self.log.emit("node", node=ident, slurm_node=self.node_of.get(ident, ident), state="healthy",
-                              heartbeat_age=age, cpu=m.get("cpu"), worker=m.get("worker"))
+                              heartbeat_age=age, cpu=m.get("cpu"), worker=node_worker_state(m.get("workers")),
+                              workers=m.get("workers"))
 
     def status(self) -> dict[str, Any]:
         with self._lock:

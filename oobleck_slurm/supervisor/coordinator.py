@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from oobleck_slurm import keys
 from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.events import EventLog
@@ -98,13 +99,16 @@ def str_nodes(plan: Plan) -> Plan:
                    spare_nodes=tuple(map(str, plan.spare_nodes)))
 
 
-def plan_event(plan: Plan, generation: int, reason: str, members: list[str]) -> dict[str, Any]:
-    rank = {n: i for i, n in enumerate(members)}
+def plan_event(plan: Plan, generation: int, reason: str, members: list[str], workers_per_node: int = 1) -> dict[str, Any]:
+    """The `plan` event: each pipeline's stages with their node, worker (device) and rank."""
+    index = {n: i for i, n in enumerate(members)}
     return {
-        "generation": generation, "reason": reason,
+        "generation": generation, "reason": reason, "workers_per_node": workers_per_node,
+        "ranks": len(members) * workers_per_node,
         "pipelines": [
             {"id": i, "nodes": list(p.nodes), "microbatches": p.microbatches,
-             "stages": [{"layers": [ls.start, ls.stop], "node": dev[0], "rank": rank[dev[0]]}
+             "stages": [{"layers": [ls.start, ls.stop], "node": dev[0], "worker": dev[1],
+                         "rank": index[dev[0]] * workers_per_node + dev[1]}
                         for dev, ls in stage_devices(p)]}
             for i, p in enumerate(plan.pipelines)
         ],
@@ -125,7 +129,6 @@ class Coordinator:
         self.recovery: _Recovery | None = None
         self.pending_joins: dict[str, float] = {}
         self.checkpoints_seen: set[int] = set()
-        self.fallbacks = 0
         self.errors_seen: tuple[int, float] | None = None  # (generation, when its first error was seen)
         self.reforms: dict[int, int] = {}  # resume step -> re-forms that resumed there
         self._next_checkpoint_look = 0.0
@@ -150,14 +153,14 @@ class Coordinator:
         if checkpoint:
             cfg["checkpoint"] = checkpoint
         self.plan, self.members = plan, members
-        self.store.set(f"gen{self.gen}/config", json.dumps(cfg))
-        self.store.set("current_gen", str(self.gen))
-        self.log.emit("plan", **plan_event(plan, self.gen, reason, members))
+        self.store.set(keys.config(self.gen), json.dumps(cfg))
+        self.store.set(keys.CURRENT_GEN, str(self.gen))
+        self.log.emit("plan", **plan_event(plan, self.gen, reason, members, d))
 
     def start(self, from_checkpoint: bool = False) -> None:
         """Publish generation 0 and start every member: from the seed, or (a requeued job) from the
         last complete checkpoint in `checkpoint_dir` when there is one."""
-        self.store.set("current_gen", "0")
+        self.store.set(keys.CURRENT_GEN, "0")
         step = latest_complete(self.cfg.checkpoint_dir, self.keys) if from_checkpoint and self.cfg.checkpoint_dir else None
         if step is None:
             self._publish(self.plan, "seed", 0, "initial")
@@ -188,7 +191,7 @@ class Coordinator:
             elif self._unexplained_errors():
                 self._change([], [], "collective_error")
             elif self.pending_joins and self._can_join():
-                ready = [n for n in self.pending_joins if self.store.check([f"node/{n}/ready"])]
+                ready = [n for n in self.pending_joins if self.store.check(self._workers_keys(n, keys.worker_ready))]
                 if ready:
                     self._change([], ready, "join")
             self._watch_progress()
@@ -216,31 +219,39 @@ class Coordinator:
         causes = sorted({c for c in (ask(n) for n in lost) if c}) if ask is not None else []
         return ",".join(causes) or "process exit"
 
+    def _workers_keys(self, node: str, key: Any) -> list[str]:
+        """`key(worker)` for every worker of `node`."""
+        return [key(w) for w in keys.node_workers(node, self.cfg.devices_per_node)]
+
     def _can_join(self) -> bool:
-        return self.recovery is None and self.store.check([f"gen{self.gen}/first_step"])
+        """A newcomer joins between steps of a running generation, never as the run ends (its join
+        would abort the last step's barrier for nothing)."""
+        if self.recovery is not None or self.finished or not self.store.check([keys.first_step(self.gen)]):
+            return False
+        progress = self._progress()
+        return self.total_steps is None or progress is None or progress + 1 < self.total_steps
 
     def _progress(self) -> int | None:
-        key = f"gen{self.gen}/progress"
+        key = keys.progress(self.gen)
         return int(self.store.get(key)) if self.store.check([key]) else None
 
     def _unexplained_errors(self) -> bool:
         """True once workers' collective errors in the current generation are `error_grace` old and no
         loss has explained them (a loss starts a new generation first)."""
         g = self.gen
-        if not self.store.check([f"gen{g}/errors"]):
+        if not self.store.check([keys.errors(g)]):
             return False
         now = time.time()
         if self.errors_seen is None or self.errors_seen[0] != g:
             self.errors_seen = (g, now)
-            errors = {n: json.loads(self.store.get(f"gen{g}/error/{n}")) for n in self.members
-                      if self.store.check([f"gen{g}/error/{n}"])}
+            errors = {w: json.loads(self.store.get(keys.error(g, w))) for n in self.members
+                      for w in keys.node_workers(n, self.cfg.devices_per_node) if self.store.check([keys.error(g, w)])}
             self.log.emit("collective_error", generation=g, nodes=sorted(errors), step=self._progress(),
                           errors={n: e["error"] for n, e in errors.items()}, grace=self.cfg.error_grace)
         return now - self.errors_seen[1] >= self.cfg.error_grace
 
     def _killed_at(self, nodes: Sequence[str]) -> float | None:
-        times = [float(self.store.get(f"fault/killed_at/{n}")) for n in nodes
-                 if self.store.check([f"fault/killed_at/{n}"])]
+        times = [float(self.store.get(keys.fault_time(n))) for n in nodes if self.store.check([keys.fault_time(n)])]
         return min(times) if times else None
 
     # ---- a membership change -----------------------------------------------------------------------
@@ -248,7 +259,7 @@ class Coordinator:
     def _change(self, lost: list[str], joined: list[str], cause: str) -> None:
         g = self.gen
         t_detect = time.time()
-        self.store.set(f"gen{g}/failed", json.dumps({"lost": lost, "joined": joined, "cause": cause}))
+        self.store.set(keys.failed(g), json.dumps({"lost": lost, "joined": joined, "cause": cause}))
         progress = self._progress()
         t_kill = self._killed_at(lost) if lost else None
         if lost:
@@ -264,6 +275,12 @@ class Coordinator:
         steps = {r["step"] for r in reports.values() if r["layers"]}
         resume = min(steps) if steps else 0
         self.gen = g + 1
+        if self.finished:  # a member completed the last step meanwhile: the run is over, not failed
+            self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
+            self.store.set(keys.CURRENT_GEN, str(self.gen))
+            self.log.emit("run_complete", generation=g, note=f"{cause} as the run ended: no recovery needed",
+                          finished=sorted(self.finished))
+            return
         if self.cfg.mode == "checkpoint" and lost:
             return self._fallback(f"checkpoint-restart mode: node(s) {sorted(lost_set)} lost at step {resume}",
                                   lost_set)
@@ -274,7 +291,9 @@ class Coordinator:
             if self.reforms[resume] > MAX_REFORMS_PER_STEP:
                 return self._fallback(f"collective errors persist: re-formed {MAX_REFORMS_PER_STEP} times at "
                                       f"step {resume} without progress", lost_set)
-        holders = {(n, 0): frozenset(r["layers"]) for n, r in reports.items()}
+        holders = {(n, local): frozenset(reports[keys.worker_id(n, local)]["layers"])
+                   for n in self.members if n not in lost_set
+                   for local in range(self.cfg.devices_per_node) if keys.worker_id(n, local) in reports}
         if not lost_set and not joined:  # every member left in time: the same plan, nothing to copy
             change = Reconfiguration(self.plan, (), ("re-form",), 0.0)
         else:
@@ -285,7 +304,7 @@ class Coordinator:
                 return self._fallback(f"failure of node(s) {sorted(lost_set)} in generation {g}: {e}", lost_set)
         self.log.emit("replan", generation=self.gen, seconds=time.perf_counter() - t0, rules=list(change.rules),
                       transfers=len(change.transfers), resume_step=resume,
-                      survivor_steps={n: r["step"] for n, r in reports.items() if r["layers"]})
+                      survivor_steps={w: r["step"] for w, r in reports.items() if r["layers"]})
         self._publish(change.plan, "memory", resume, "join" if joined and not lost_set else
                       "failure" if lost_set else "reform", change)
         self.recovery = _Recovery(self.gen, t_kill or t_detect, resume, joined=tuple(joined))
@@ -303,8 +322,9 @@ class Coordinator:
                       known_kill_time=t_kill is not None)
 
     def _collect_reports(self, g: int, lost: set[str], leave_timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        """Each live member's {step, layers} after leaving generation g; deaths meanwhile are lost.
-        With `leave_timeout` (a re-form), members that have not left by then are hung: lost."""
+        """Every worker's {step, layers} after leaving generation g, by worker id, from each live member
+        node (a node counts once all its workers reported); deaths meanwhile are lost. With
+        `leave_timeout` (a re-form), nodes that have not left by then are hung: lost."""
         reports: dict[str, dict[str, Any]] = {}
         t_abort = time.time()
         deadline = t_abort + self.cfg.reconfiguration_timeout
@@ -319,18 +339,18 @@ class Coordinator:
                     self.log.emit("failure", generation=g, nodes=[n], cause="process exit during recovery",
                                   step=None)
                 lost.add(n)
-            pending = [n for n in self.members if n not in lost and n not in reports and n not in self.finished]
+            pending = [n for n in self.members if n not in lost and n not in self.finished]
             for n in pending:
-                key = f"gen{g}/report/{n}"
-                if self.store.check([key]):
-                    reports[n] = json.loads(self.store.get(key))
-            if all(n in reports for n in pending):
+                for w in keys.node_workers(n, self.cfg.devices_per_node):
+                    if w not in reports and self.store.check([keys.report(g, w)]):
+                        reports[w] = json.loads(self.store.get(keys.report(g, w)))
+            late = [n for n in pending if not all(w in reports for w in keys.node_workers(n, self.cfg.devices_per_node))]
+            if not late:
                 return reports
             if hung_at is not None and time.time() > hung_at:
-                self._lose_hung(g, [n for n in pending if n not in reports], lost, time.time() - t_abort)
+                self._lose_hung(g, late, lost, time.time() - t_abort)
                 hung_at = None
             elif time.time() > deadline:
-                late = [n for n in pending if n not in reports]
                 self.backend.stop(late)
                 lost.update(late)
                 self.log.emit("failure", generation=g, nodes=late, cause="no report within the "
@@ -352,7 +372,6 @@ class Coordinator:
 
     def _fallback(self, reason: str, lost: set[str]) -> None:
         """Stop every worker and restart all live nodes from the last complete checkpoint."""
-        self.fallbacks += 1
         self.log.emit("checkpoint_fallback", reason=reason, generation=self.gen)
         t_kill = self._killed_at(sorted(lost)) or time.time()
         live = [n for n in self.members if n not in lost] + list(self.pending_joins)
@@ -391,19 +410,19 @@ class Coordinator:
             self.log.emit("checkpoint", step=None, ok=False, on_demand=True, detail="no checkpoint directory")
             self.preemption.finished.set()
             return
-        self.store.set(f"gen{g}/failed", json.dumps({"lost": [], "joined": [], "cause": "checkpoint"}))
+        self.store.set(keys.failed(g), json.dumps({"lost": [], "joined": [], "cause": "checkpoint"}))
         reports = self._collect_reports(g, set())
         steps = [r["step"] for r in reports.values() if r["layers"]]
         self.gen = g + 1
         if not steps:  # the notice came before any worker held layers: nothing to save
-            self.store.set(f"gen{self.gen}/config", json.dumps({"generation": self.gen, "stop": True}))
+            self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
             self.log.emit("checkpoint", step=None, ok=False, on_demand=True, detail="no worker holds layers yet")
             self.preemption.finished.set()
             return
         step = min(steps)
-        self.store.set(f"gen{self.gen}/config", json.dumps(
+        self.store.set(keys.config(self.gen), json.dumps(
             {"generation": self.gen, "stop": True, "save": {"root": root, "step": step}}))
-        self.store.set("current_gen", str(self.gen))
+        self.store.set(keys.CURRENT_GEN, str(self.gen))
         deadline = time.time() + self.cfg.checkpoint_timeout
         while not all((step_dir(root, step) / f"{k}.pt").exists() for k in self.keys):
             if time.time() > deadline:
@@ -424,16 +443,16 @@ class Coordinator:
         r = self.recovery
         g = self.gen
         if r is not None and not r.rebuilt:
-            keys = [f"gen{g}/rebuilt/{n}" for n in self.members]
-            if all(self.store.check([k]) for k in keys):
-                info = [json.loads(self.store.get(k)) for k in keys]
+            names = [keys.rebuilt(g, w) for n in self.members for w in keys.node_workers(n, self.cfg.devices_per_node)]
+            if self.store.check(names):
+                info = [json.loads(self.store.get(k)) for k in names]
                 self.log.emit("group_rebuild", generation=g, seconds=max(i["groups_s"] for i in info))
                 self.log.emit("state_copy", generation=g, seconds=max(i["copy_s"] for i in info),
                               bytes=sum(i["bytes"] for i in info))
                 r.rebuilt = True
                 r.rebuilt_at = max(i["t"] for i in info)
-        if r is not None and r.rebuilt and self.store.check([f"gen{g}/first_step"]):
-            first = json.loads(self.store.get(f"gen{g}/first_step"))
+        if r is not None and r.rebuilt and self.store.check([keys.first_step(g)]):
+            first = json.loads(self.store.get(keys.first_step(g)))
             self.log.emit("replay", generation=g, step=first["step"], seconds=first["t"] - r.rebuilt_at)
             self.log.emit("resumed", generation=g, step=first["step"], total_seconds=first["t"] - r.t_start)
             for n in r.joined:

@@ -34,7 +34,6 @@ EXIT_FAILED = 1
 EXIT_UNRECOVERABLE = 3  # the coordinator gave up (no replica, no checkpoint): a requeue would too
 CANCEL_MARKER = "cancelled"  # written by `cancel` before scancel
 REQUEUE_MARKER = "requeue"  # written on preemption / time limit: the next run resumes from a checkpoint
-FAULTS_FILE = "faults.json"  # optional, for drills and tests: [{"node", "step", "at", "do"}] given to the workers
 JOIN_POLL_S = 0.2  # the main thread's wait on the supervisor thread: signals are handled between waits
 TEARDOWN_S = 30.0  # after the on-demand checkpoint: agents stopped, events closed, before the requeue
 
@@ -97,9 +96,11 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
 def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> None:
     import torch.distributed as dist
 
+    from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, FAULTS_FILE, PROFILE_FILE
     from oobleck_slurm.engine.comm import Timeouts
-    from oobleck_slurm.engine.elastic_process import load_faults
-    from oobleck_slurm.engine.local import job_from_recipe, token_file_for
+    from oobleck_slurm.engine.elastic_process import ELASTIC_FILE, load_faults
+    from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for
+    from oobleck_slurm.engine.worker import check_supported
     from oobleck_slurm.planning import instantiate
     from oobleck_slurm.planning.pregenerate import pregenerate
     from oobleck_slurm.supervisor.agent import SUPERVISOR_FILE
@@ -119,13 +120,20 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
     log.emit("job_started", job_id=job.job_id, backend=backend, recipe=recipe.name, recipe_path=str(job.recipe_path),
              nodes=members, spares=spares, f=ft.f, steps=recipe.training.steps, pid=os.getpid(),
              slurm_job_id=os.environ.get("SLURM_JOB_ID"), supervisor_node=os.environ.get("SLURMD_NODENAME"),
-             requeued=requeued)
+             requeued=requeued, workers_per_node=cluster.devices_per_node,
+             device="cuda" if cluster.gpus_per_node else "cpu")
 
     token_file = token_file_for(recipe, job.path / "data")
     spec = job_from_recipe(recipe, token_file)
+    check_supported(spec)
     if (job.path / FAULTS_FILE).is_file():  # drills: worker faults (engine/elastic_process.py)
         spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.path / FAULTS_FILE)})
-    profile, templates = pregenerate(recipe, meta.get("templates_cache", "templates_cache"))
+    # The profile `submit` planned with: a file given to it (kept in the job folder), an estimate, or
+    # the measured one in the cache; the job's plan is the one `plan` shows for the same inputs.
+    profile_file = job.path / PROFILE_FILE
+    profile, templates = pregenerate(recipe, meta.get("templates_cache", "templates_cache"),
+                                     profile_file=profile_file if profile_file.is_file() else None,
+                                     estimate_gpu=meta.get("estimate_gpu"))
     plan = instantiate(templates, members, ft.f, recipe.training.global_microbatches,
                        microbatch_size=recipe.training.microbatch_size, profile=profile)
     host = advertised_host()
@@ -133,18 +141,19 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
     run_s = 60.0 * 60 * 24 * 30
     timeouts = Timeouts(collective=ft.collective_timeout, step=ft.step_timeout, run=run_s)
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store"))
-    ckpt_dir = str(job.path / "checkpoints")  # periodic ones only if checkpoint_interval > 0; on-demand always
+    ckpt_dir = str(job.path / CHECKPOINTS_DIR)  # periodic if checkpoint_interval > 0; on-demand and final always
     (job.path / "job.json").write_text(spec.to_json())
-    (job.path / "elastic.json").write_text(json.dumps({
+    (job.path / ELASTIC_FILE).write_text(json.dumps({
         "host": host, "port": store.port, "timeouts": asdict(timeouts),
         "reconfiguration_timeout": ft.reconfiguration_timeout, "checkpoint_interval": ft.checkpoint_interval,
-        "checkpoint_dir": ckpt_dir}))
+        "checkpoint_dir": ckpt_dir, "workers_per_node": cluster.devices_per_node}))
 
     launcher = (SrunLauncher(job.path, cluster, recipe.name) if backend == "slurm" else LocalLauncher(job.path))
     nodes_backend = AgentNodes(load_secret(job.path), launcher, log, BackendConfig(
         heartbeat_interval=ft.heartbeat_interval, heartbeat_lease=ft.heartbeat_lease, step_timeout=ft.step_timeout,
-        replacement=ft.replacement, store_host=host, store_port=store.port), members, spares,
-        on_preempt=on_preempt)
+        replacement=ft.replacement, store_host=host, store_port=store.port,
+        workers_per_node=cluster.devices_per_node, threads_per_worker=cluster.threads_per_worker,
+        device="cuda" if cluster.gpus_per_node else "cpu"), members, spares, on_preempt=on_preempt)
     nodes_backend.server.start()
     (job.path / SUPERVISOR_FILE).write_text(json.dumps({
         "host": host, "port": nodes_backend.port, "heartbeat_interval": ft.heartbeat_interval,

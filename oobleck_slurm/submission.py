@@ -1,0 +1,79 @@
+"""Starting a job: the one way training runs. `submit`, the tests and the benchmarks all go through here.
+
+    prepare_job    profile + pregenerate templates (the cache), a job folder holding the resolved
+                   recipe, the profile file or GPU estimate planned with, and a drill's faults
+    start_local    the supervisor as a local process in its own session; it starts one agent per
+                   virtual node and the agents start the workers (the embedded default)
+    submit_slurm   the supervisor as the batch step of a Slurm allocation (submitit); it starts one
+                   `srun` step per node running an agent, and the agents start the workers
+
+Both backends run the same supervisor, agents and workers (supervisor/main.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from oobleck_slurm.cluster.jobdir import FAULTS_FILE, PROFILE_FILE, JobDir, create_job_dir
+from oobleck_slurm.planning.pregenerate import Progress, pregenerate
+from oobleck_slurm.recipe import Recipe
+
+SUPERVISOR_LOG = "supervisor.log"
+
+
+def prepare_job(recipe: Recipe, *, cache_dir: str | os.PathLike[str] = "templates_cache",
+                profile_file: str | os.PathLike[str] | None = None, estimate_gpu: str | None = None,
+                job_root: str | os.PathLike[str] | None = None, faults: Sequence[dict[str, Any]] | None = None,
+                progress: Progress | None = None) -> JobDir:
+    """Plan before the job (so recovery never waits for planning) and create its folder.
+
+    Raises PlanningError / ProfileError (a plan that cannot fit says so with its figures), and
+    ValueError for a bad faults list, before anything starts."""
+    pregenerate(recipe, cache_dir, profile_file=profile_file, estimate_gpu=estimate_gpu, progress=progress)
+    job = create_job_dir(recipe, job_root)
+    job.update_meta(templates_cache=str(Path(cache_dir).resolve()), estimate_gpu=estimate_gpu)
+    if profile_file is not None:
+        shutil.copyfile(profile_file, job.path / PROFILE_FILE)
+    if faults:
+        from oobleck_slurm.engine.elastic_process import load_faults
+
+        (job.path / FAULTS_FILE).write_text(json.dumps(list(faults)))
+        load_faults(job.path / FAULTS_FILE)  # a bad drill is refused here, not in every worker
+    return job
+
+
+def start_local(job: JobDir) -> subprocess.Popen:
+    """Run the job's supervisor on this machine (local backend), in its own process session so that
+    the job outlives the caller and can be stopped as a whole (`os.killpg`)."""
+    log = open(job.path / "logs" / SUPERVISOR_LOG, "wb")  # noqa: SIM115 - owned by the child
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job.path), "--backend", "local"],
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+            start_new_session=True)
+    finally:
+        log.close()
+    job.update_meta(pid=process.pid)
+    return process
+
+
+def submit_slurm(job: JobDir, recipe: Recipe) -> str:
+    """Submit the allocation through submitit (`--no-kill`, the recipe's time limit, the supervisor in
+    the batch step); returns the Slurm job id. sbatch's refusal raises (the caller reports it)."""
+    import submitit
+
+    from oobleck_slurm.cluster.slurm import allocation_parameters
+    from oobleck_slurm.supervisor.main import SupervisorJob
+
+    executor = submitit.AutoExecutor(folder=job.path / "submitit", cluster="slurm")
+    executor.update_parameters(**allocation_parameters(recipe.cluster, recipe.name))
+    slurm_job = executor.submit(SupervisorJob(str(job.path)))
+    job.update_meta(slurm_job_id=slurm_job.job_id)
+    return str(slurm_job.job_id)
