@@ -83,3 +83,9 @@ def _slurm_reset_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
     lab = request.getfixturevalue("slurm_cluster")
     yield
     lab.reset()
+
+
+@pytest.fixture(scope="session")
+def templates_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One templates cache for the session's jobs (profiles and templates are made once per input)."""
+    return tmp_path_factory.mktemp("templates_cache")

@@ -36,8 +36,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         elif kind == "step":
             out["step"], out["loss"], out["generation"] = e["step"], e.get("loss"), e.get("generation")
         elif kind == "node":
-            out["nodes"][e["node"]] = {k: e.get(k) for k in ("slurm_node", "state", "cause", "heartbeat_age", "cpu")
-                                       if e.get(k) is not None}
+            out["nodes"][e["node"]] = {k: e.get(k) for k in ("slurm_node", "state", "cause", "heartbeat_age", "cpu",
+                                                                "workers") if e.get(k) is not None}
         elif kind == "node_lost":
             recovery = {"nodes": [e["node"]], "cause": e["cause"], "detail": e.get("detail"),
                         "detection_s": e.get("detection_seconds")}
@@ -109,9 +109,12 @@ def _print(s: dict[str, Any]) -> None:
         pipes = "  ".join("[" + ",".join(p) + "]" for p in s["plan"]["pipelines"])
         console.print(f"plan (generation {s['plan']['generation']}): {escape(pipes)}", highlight=False)
     if s["nodes"]:
-        table = Table("node", "slurm node", "state", "cause", title="nodes")
+        table = Table("node", "slurm node", "state", "workers", "cause", title="nodes")
         for node, n in sorted(s["nodes"].items()):
-            table.add_row(node, str(n.get("slurm_node", "")), str(n.get("state", "")), str(n.get("cause", "")))
+            workers = n.get("workers") or []  # each worker process's state, one per device
+            table.add_row(escape(node), escape(str(n.get("slurm_node", ""))), str(n.get("state", "")),
+                          escape(f"{len(workers)}: {', '.join(workers)}" if workers else ""),
+                          escape(str(n.get("cause", ""))))
         console.print(table)
     if s["recoveries"]:
         table = Table("nodes", "cause", *(p + " s" for p in PHASES), "resumed at", title="recoveries")

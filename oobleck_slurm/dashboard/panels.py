@@ -142,6 +142,9 @@ def _node_cell(node: NodeView) -> Text:
     gpu = f" gpu {node.gpu:.0f}%" if node.gpu is not None else ""
     cpu = f" cpu {node.cpu:.0f}%" if node.cpu is not None else ""
     age = f"hb {_age(node.heartbeat_age)}"
+    if node.workers:  # a node runs one worker per device; a stopped or gone one stalls the node
+        up = sum(w not in ("stopped", "tracing-stop", "gone", "zombie", "dead") for w in node.workers)
+        cpu += f" {up}/{len(node.workers)}w"
     if node.state == "lost" and node.cause:
         cell.append(f"\n  {node.cause}", "red")
     else:

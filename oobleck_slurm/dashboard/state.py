@@ -28,6 +28,7 @@ class NodeView:
     gpu: float | None = None
     slurm_state: str | None = None
     cause: str | None = None  # why it was lost
+    workers: list[str] = field(default_factory=list)  # each worker process's state (one per device)
 
 
 @dataclass
@@ -300,6 +301,9 @@ class DashboardState:
         node.heartbeat_age = _num(e.get("heartbeat_age"))
         node.cpu = _num(e.get("cpu"))
         node.gpu = _num(e.get("gpu"))
+        workers = e.get("workers")
+        if isinstance(workers, list):
+            node.workers = [str(w) for w in workers]
         node.slurm_state = _str(e.get("slurm_state")) or node.slurm_state
         node.cause = _str(e.get("cause")) or (node.cause if node.state == "lost" else None)
 

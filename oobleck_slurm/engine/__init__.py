@@ -10,6 +10,8 @@ Runtime:
     stage       a stage's forward/backward over its layers, one layer boundary at a time
     transfer    moving a layer's parameters and optimizer state between ranks (plan changes)
     worker      Worker: one process's training loop with explicit, rebuildable state
-    reference   single-process reference training on the same global batches
-    launch      train_local: a TCPStore host process plus N worker processes on this machine
+    abort       abortable generations: waits that leave as soon as the coordinator fails a generation
+    recovery    step undo (an optimizer step everywhere or nowhere)
+    from_recipe the recipe's tokens and JobSpec; from_planner: the planner's Plan as an ExecPlan
+    elastic_process  the worker process an agent starts, one per device
 """

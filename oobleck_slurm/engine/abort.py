@@ -121,7 +121,8 @@ class AbortableGeneration(Generation):
         work.wait()  # completed: surfaces the work's error, if any
 
     def _aborted(self, why: str) -> GenerationAborted:
-        abort_groups(list(self.groups.values()))
+        if self.backend == "nccl":
+            abort_groups(list(self.groups.values()))
         return GenerationAborted(why)
 
 

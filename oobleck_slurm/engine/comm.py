@@ -96,8 +96,9 @@ def make_group(store: dist.Store, prefix: str, rank: int, size: int, timeout: dt
 def abort_groups(groups: list[dist.ProcessGroup]) -> None:
     """Abort NCCL groups of a failed generation (every communicator, so no kernel stays queued);
     gloo groups have no abort (#130345) and are left to their timeouts."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
     for pg in groups:
-        if isinstance(pg, dist.ProcessGroupNCCL):
+        if nccl is not None and isinstance(pg, nccl):
             pg.abort()
 
 

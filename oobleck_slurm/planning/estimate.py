@@ -22,7 +22,7 @@ from oobleck_slurm.models.config import GPTConfig
 from oobleck_slurm.planning.gpus import DEFAULT_EFFICIENCY, GPUSpec, gpu_spec
 from oobleck_slurm.planning.profile import LayerProfile, Link, Profile, profile_key
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 
 
 def gpt_layer_shapes(cfg: GPTConfig) -> list[list[tuple[int, ...]]]:
@@ -63,7 +63,7 @@ def estimate_profile(
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     e = DTYPE_BYTES[dtype]
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[dtype]
     # fp32 runs on TF32/FP32 units at about half the bf16 tensor rate.
     flops_per_s = spec.bf16_tflops * 1e12 * efficiency * (1.0 if dtype == "bf16" else 0.5)
     hbm = spec.hbm_TBps * 1e12

@@ -24,7 +24,7 @@ from torch import nn
 from oobleck_slurm.models.config import GPTConfig
 from oobleck_slurm.planning.profile import LayerProfile, Link, Profile, profile_key
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def _sync(device: torch.device) -> None:

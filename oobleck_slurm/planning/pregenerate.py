@@ -60,7 +60,28 @@ def recipe_profile(
     estimate_gpu: str | None = None,
     progress: Progress | None = None,
 ) -> tuple[Profile, str]:
-    """The profile to plan with, and where it came from ('file', 'estimate', 'cache hit', 'measured')."""
+    """The profile to plan with, and where it came from ('file', 'estimate', 'cache hit', 'measured'),
+    with the recipe's `cluster.memory_per_device` as the device memory when it is set."""
+    profile, source = _source_profile(recipe, cache, profile_file=profile_file, estimate_gpu=estimate_gpu,
+                                      progress=progress)
+    budget = recipe.cluster.memory_per_device
+    if budget is not None:
+        from dataclasses import replace
+
+        from oobleck_slurm.recipe.schema import parse_bytes
+
+        profile = replace(profile, device_memory_bytes=parse_bytes(budget))
+    return profile, source
+
+
+def _source_profile(
+    recipe: Any,
+    cache: TemplateCache,
+    *,
+    profile_file: str | Path | None = None,
+    estimate_gpu: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[Profile, str]:
     cfg = recipe.model.resolve()
     training = recipe.training
     per_node = recipe.cluster.devices_per_node
@@ -69,7 +90,10 @@ def recipe_profile(
     if estimate_gpu is not None:
         return estimate_profile(
             cfg, estimate_gpu, microbatch_size=training.microbatch_size, dtype=training.precision,
-            optimizer=training.optimizer.name, devices_per_node=recipe.cluster.gpus_per_node or None,
+            optimizer=training.optimizer.name,
+            # the job's devices when the recipe says how many (a CPU job planned as if on GPUs), else the GPU's usual node
+            devices_per_node=recipe.cluster.devices_per_node
+            if recipe.cluster.gpus_per_node or recipe.cluster.workers_per_node else None,
         ), "estimate"
     import torch
 

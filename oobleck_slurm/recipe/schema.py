@@ -56,6 +56,26 @@ def sbatch_options(value: Mapping[str, str]) -> str | None:
     return None
 
 
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
+_UNIT = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: str) -> int:
+    """'40GB', '80GiB', '512MiB', '2MB' -> bytes (ValueError otherwise)."""
+    match = _BYTES.match(value)
+    if not match:
+        raise ValueError(f"expected a size such as '40GB', '80GiB' or '512MiB', got {value!r}")
+    return int(float(match.group(1)) * _UNIT[match.group(2).upper()])
+
+
+def byte_size(value: str) -> str | None:
+    try:
+        return None if parse_bytes(value) > 0 else f"must be > 0, got {value!r}"
+    except ValueError as err:
+        return str(err)
+
+
 def known_size(value: str) -> str | None:
     return None if value in GPT_PRESETS else f"unknown GPT size {value!r}; known: {', '.join(GPT_PRESETS)}"
 
@@ -80,6 +100,9 @@ class ClusterConfig:
     # Worker processes per node: one per GPU; on CPU-only nodes as many as given (default 1), each
     # with cpus_per_node // workers_per_node threads.
     workers_per_node: int | None = field(default=None, metadata=check(optional(positive)))
+    # The planner's memory budget per device (worker), instead of the profiled device's: headroom on
+    # GPUs, or a GPU's constraint reproduced on CPU virtual nodes (pipelines then span nodes).
+    memory_per_device: str | None = field(default=None, metadata=check(optional(byte_size)))
     spare_nodes: int = field(default=0, metadata=check(non_negative))
     partition: str | None = None
     account: str | None = None

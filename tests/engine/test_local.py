@@ -1,37 +1,39 @@
-"""The local backend end to end: recipe -> planner plan -> worker processes on the shipped text."""
-
-import dataclasses
+"""The embedded default through the production path: recipe -> planner plan -> supervisor, agents and
+workers on the shipped text; and the mapping of a planner plan to worker ranks."""
 
 import pytest
 
+from jobrun import run_job
 from oobleck_slurm.engine.from_planner import exec_plan
+from oobleck_slurm.engine.from_recipe import job_from_recipe
 from oobleck_slurm.engine.layout import PlanError
-from oobleck_slurm.engine.local import job_from_recipe, local_plan, train_local
-from oobleck_slurm.events import events_path, read_events
-from oobleck_slurm.recipe import load_recipe
-
-pytestmark = pytest.mark.slow
+from oobleck_slurm.planning import instantiate
+from oobleck_slurm.planning.pregenerate import pregenerate
+from oobleck_slurm.recipe import load_recipe, recipe_to_dict
 
 
-def default_recipe(steps: int):
-    r = load_recipe()  # tiny GPT, shipped text, 4 local virtual nodes, f=1
-    return dataclasses.replace(r, training=dataclasses.replace(r.training, steps=steps))
+def default_recipe(steps: int) -> dict:
+    tree = recipe_to_dict(load_recipe())  # tiny GPT, shipped text, 4 local virtual nodes, f=1
+    tree["training"]["steps"] = steps
+    tree["fault_tolerance"]["checkpoint_interval"] = 0
+    return tree
 
 
-def test_loss_falls_on_the_shipped_text(tmp_path):
-    recipe = default_recipe(40)
-    run = train_local(recipe, tmp_path / "job", cache_dir=tmp_path / "templates_cache")
-    losses = [s["loss"] for s in run.steps]
+@pytest.mark.slow
+def test_loss_falls_on_the_shipped_text(tmp_path, templates_cache):
+    run = run_job(tmp_path, default_recipe(40), templates_cache, estimate=None)  # the measured profile
+    losses = [s["loss"] for s in run.kind("step")]
     assert len(losses) == 40
     assert losses[0] > 5.0  # ~ln(256) at init, byte-level
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
-    kinds = [e["kind"] for e in read_events(events_path(tmp_path / "job"))]
-    assert kinds[0] == "plan" and kinds[-1] == "done" and kinds.count("step") == 40
+    assert run.kind("job_finished")[-1]["status"] == "completed"
 
 
 def test_planner_plan_maps_to_ranks(tmp_path):
-    recipe = default_recipe(1)
-    plan = local_plan(recipe, tmp_path / "templates_cache")
+    recipe = load_recipe()
+    profile, templates = pregenerate(recipe, tmp_path / "templates_cache", estimate_gpu="A100-40")
+    plan = instantiate(templates, recipe.cluster.nodes, recipe.fault_tolerance.f,
+                       recipe.training.global_microbatches, microbatch_size=recipe.training.microbatch_size)
     ep = exec_plan(plan, list(range(recipe.cluster.nodes)))
     assert ep.num_microbatches == recipe.training.global_microbatches
     assert ep.num_layers == recipe.model.resolve().n_layer + 2

@@ -1,36 +1,35 @@
-"""Checkpoint-free recovery with real worker processes, real gloo groups and SIGKILL: after each
-failure the trajectory (losses, final parameters of every surviving replica) equals the
-failure-free single-process reference within 1e-5 relative (fp64, see tests/engine/test_exact.py)."""
+"""Checkpoint-free recovery through the production path (supervisor, agents, workers; real gloo
+groups; SIGKILL): after each failure the trajectory (every step's loss, the final checkpoint's
+parameters) equals the failure-free single-process reference within 1e-5 relative (fp64, see
+tests/engine/test_exact.py), and each step's loss is reported once per generation that ran it."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic_helpers import TIMEOUTS, plan_of, tiny_job, tiny_templates
-from oobleck_slurm.engine.reference import train_reference
-from oobleck_slurm.supervisor.coordinator import CoordinatorError
-from oobleck_slurm.supervisor.local import run_elastic_local
+from jobrun import run_job, tiny_recipe
+from reference import train_reference
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
 RECOVERY_EVENTS = ["failure", "detection", "replan", "plan", "group_rebuild", "state_copy", "replay", "resumed"]
+SPANNING = {"nodes": 4, "workers": 2, "f": 0, "memory": "10MB"}  # two pipelines of 2 nodes x 2 workers
 
 
-def assert_matches_reference(run, job):
-    ref_losses, ref_params = train_reference(job)
+def assert_matches_reference(run):
+    spec = run.spec()
+    ref_losses, ref_params = train_reference(spec)
     losses = run.losses()
-    assert sorted(losses) == list(range(job.train.steps))
+    assert sorted(losses) == list(range(spec.train.steps))
     for step, ref in enumerate(ref_losses):
         assert abs(losses[step] - ref) <= RTOL * abs(ref), (step, losses[step], ref)
-    checked = set()
-    for node, layers in run.params.items():
-        for key, tensors in layers.items():
-            for name, p in tensors.items():
-                ref = ref_params[key][name]
-                err = float((p - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-                assert err <= RTOL, f"node {node} {key}.{name}: relative error {err:.2e}"
-                checked.add(key)
-    assert checked == set(ref_params)
+    params = run.final_params()
+    assert sorted(params) == sorted(ref_params)
+    for key, tensors in params.items():
+        for name, p in tensors.items():
+            ref = ref_params[key][name]
+            err = float((p - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+            assert err <= RTOL, f"{key}.{name}: relative error {err:.2e}"
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-6  # training moved: the comparison can fail
 
 
@@ -38,77 +37,86 @@ def kinds(run):
     return [e["kind"] for e in run.events if e["kind"] in RECOVERY_EVENTS]
 
 
-@pytest.mark.parametrize("optimizer, at", [("adamw", "wait:3"), ("came", "wait:3"), ("adamw", "wait:last"),
-                                           ("came", "optimizer")])
-def test_kill_mid_step_keeps_the_trajectory(tmp_path, optimizer, at):
-    job = tiny_job(optimizer, faults=[{"node": 1, "step": 2, "at": at}])
-    templates = tiny_templates(job)
-    run = run_elastic_local(job, plan_of(templates, [2, 2]), templates, tmp_path, f=1, timeouts=TIMEOUTS)
-    assert_matches_reference(run, job)
-    assert kinds(run) == ["plan"] + RECOVERY_EVENTS  # initial plan, then one failure, every phase recorded once, in order
+def test_kill_9_of_one_worker_takes_its_node_out_and_the_rest_go_on(tmp_path, templates_cache):
+    """The issue's drill: 4 nodes x 2 workers, pipelines spanning two nodes; worker 1 of node2 dies."""
+    faults = [{"node": "node2", "worker": 1, "step": 2, "at": "wait:3"}]
+    run = run_job(tmp_path, tiny_recipe(**SPANNING), templates_cache, faults=faults)
+    assert run.kind("plan")[0]["ranks"] == 8
+    assert_matches_reference(run)
     failure = run.kind("failure")[0]
-    assert failure["nodes"] == ["1"] and failure["generation"] == 0
-    assert run.kind("state_copy")[0]["bytes"] > 0
+    assert failure["nodes"] == ["node2"] and failure["generation"] == 0
+    lost = run.kind("node_lost")
+    assert [(e["node"], e["cause"]) for e in lost] == [("node2", "process_exit")]
+    final = run.kind("plan")[-1]
+    assert "node2" not in {n for p in final["pipelines"] for n in p["nodes"]} | set(final["spares"])
+    assert not run.kind("checkpoint_fallback")
+    # every survivor kept its process: one log per worker, and none of them restarted
+    logs = sorted(p.name for p in (run.job.path / "logs").glob("worker-*.log"))
+    assert logs == [f"worker-node{n}-{w}.log" for n in range(1, 5) for w in (0, 1)]
+
+
+@pytest.mark.parametrize("optimizer, at", [("adamw", "wait:last"), ("came", "optimizer")])
+def test_kill_mid_step_keeps_the_trajectory(tmp_path, templates_cache, optimizer, at):
+    faults = [{"node": "node2", "step": 2, "at": at}]
+    run = run_job(tmp_path, tiny_recipe(optimizer=optimizer), templates_cache, faults=faults)
+    assert_matches_reference(run)
+    assert kinds(run)[:1 + len(RECOVERY_EVENTS)] == ["plan"] + RECOVERY_EVENTS  # every phase once, in order
+    assert run.kind("failure")[0]["nodes"] == ["node2"]
     resumed = run.kind("resumed")[0]
     assert resumed["generation"] == 1 and resumed["step"] in (2, 3) and resumed["total_seconds"] < 30
-    assert "1" not in run.params  # the dead node is gone; survivors kept their processes
-    steps = run.kind("step")
-    assert {e["generation"] for e in steps if e["step"] < 2} == {0}
+    assert {e["generation"] for e in run.kind("step") if e["step"] < 2} == {0}
 
 
-def test_two_simultaneous_failures_f2(tmp_path):
-    job = tiny_job("adamw", faults=[{"node": 1, "step": 2, "at": "wait:2"}, {"node": 4, "step": 2, "at": "wait:2"}])
-    templates = tiny_templates(job)
-    run = run_elastic_local(job, plan_of(templates, [2, 2, 2]), templates, tmp_path, f=2, timeouts=TIMEOUTS)
-    assert_matches_reference(run, job)
-    lost = sorted(n for e in run.kind("failure") for n in e["nodes"])
-    assert lost == ["1", "4"]
+def test_two_simultaneous_failures_f2(tmp_path, templates_cache):
+    faults = [{"node": "node2", "step": 2, "at": "wait:2"}, {"node": "node5", "step": 2, "at": "wait:2"}]
+    run = run_job(tmp_path, tiny_recipe(nodes=6, f=2), templates_cache, faults=faults)
+    assert_matches_reference(run)
+    assert sorted(n for e in run.kind("failure") for n in e["nodes"]) == ["node2", "node5"]
     final = run.kind("plan")[-1]
-    assert len(final["pipelines"]) >= 3 and not {"1", "4"} & {n for p in final["pipelines"] for n in p["nodes"]}
+    assert len(final["pipelines"]) >= 3 and not {"node2", "node5"} & {n for p in final["pipelines"] for n in p["nodes"]}
 
 
-def test_failure_during_recovery(tmp_path):
-    # Node 1 dies in step 2; node 3 dies while the survivors rebuild (groups up, copies pending).
-    job = tiny_job("came", faults=[{"node": 1, "step": 2, "at": "wait:3"}, {"node": 3, "step": 2, "at": "adopt"}])
-    templates = tiny_templates(job)
-    run = run_elastic_local(job, plan_of(templates, [2, 3]), templates, tmp_path, f=1, timeouts=TIMEOUTS)
-    assert_matches_reference(run, job)
+def test_failure_during_recovery(tmp_path, templates_cache):
+    # node2 dies in step 2; node3 dies while the survivors rebuild (groups up, copies pending).
+    faults = [{"node": "node2", "step": 2, "at": "wait:3"}, {"node": "node3", "step": 2, "at": "adopt"}]
+    run = run_job(tmp_path, tiny_recipe(optimizer="came"), templates_cache, faults=faults)
+    assert_matches_reference(run)
     failures = run.kind("failure")
-    assert [e["nodes"] for e in failures] == [["1"], ["3"]]
+    assert [e["nodes"] for e in failures] == [["node2"], ["node3"]]
     assert failures[1]["generation"] == 1  # the second failure struck the recovery generation
     assert run.kind("resumed")[-1]["generation"] == 2
 
 
-def test_replacement_joins_after_a_loss(tmp_path):
-    job = tiny_job("adamw", steps=40, faults=[{"node": 0, "step": 2, "at": "wait:3"}])
-    templates = tiny_templates(job)
-    run = run_elastic_local(job, plan_of(templates, [2, 2]), templates, tmp_path, f=1, timeouts=TIMEOUTS,
-                            replacement=True)
-    assert_matches_reference(run, job)
+def test_replacement_joins_and_receives_layers_from_replicas(tmp_path, templates_cache):
+    """After the loss one pipeline and a spare node remain; the replacement and the spare form a new
+    pipeline whose layers (parameters and optimizer state) are copied from the surviving replica."""
+    faults = [{"node": "node1", "step": 2, "at": "wait:3"}]
+    recipe = tiny_recipe(steps=150, replacement="request", **SPANNING)
+    run = run_job(tmp_path, recipe, templates_cache, faults=faults)
+    assert_matches_reference(run)
     joined = run.kind("node_joined")
-    assert [e["node"] for e in joined] == ["r1"]
+    assert [e["node"] for e in joined] == ["r1"], "the replacement did not join before the end"
     final = run.kind("plan")[-1]
     assert final["reason"] == "join" and "r1" in {n for p in final["pipelines"] for n in p["nodes"]}
-    assert "r1" in run.params  # the newcomer trained to the end with layers copied from replicas
+    copies = [e for e in run.kind("state_copy") if e["generation"] == final["generation"]]
+    assert copies and copies[0]["bytes"] > 0
 
 
-def test_every_replica_lost_falls_back_to_the_checkpoint(tmp_path):
-    # Both pipelines hold layers 3-5 on nodes 1 and 3 only: killing both loses every replica.
-    faults = [{"node": 1, "step": 3, "at": "wait:2"}, {"node": 3, "step": 3, "at": "wait:2"}]
-    job = tiny_job("adamw", faults=faults)
-    templates = tiny_templates(job)
-    run = run_elastic_local(job, plan_of(templates, [2, 2], spares=2), templates, tmp_path, f=1,
-                            timeouts=TIMEOUTS, checkpoint_interval=2)
-    assert_matches_reference(run, job)
+def test_every_replica_lost_falls_back_to_the_checkpoint(tmp_path, templates_cache):
+    # The first node of each pipeline holds the first layers, on both pipelines: killing both loses them.
+    faults = [{"node": "node1", "step": 3, "at": "wait:2"}, {"node": "node3", "step": 3, "at": "wait:2"}]
+    run = run_job(tmp_path, tiny_recipe(checkpoint_interval=2, **SPANNING), templates_cache, faults=faults,
+                  expect_exit=None)
     fallback = run.kind("checkpoint_fallback")
-    assert len(fallback) == 1 and "lost every replica" in fallback[0]["reason"]
-    assert "['1', '3']" in fallback[0]["reason"] or "1" in fallback[0]["reason"]
+    assert len(fallback) == 1 and "lost every replica" in fallback[0]["reason"], run.log_tails()
     assert any(e["step"] == 2 for e in run.kind("checkpoint"))
+    assert run.exit_code == 0, run.log_tails()
+    assert_matches_reference(run)
 
 
-def test_every_replica_lost_without_checkpoint_says_why(tmp_path):
-    faults = [{"node": 1, "step": 1, "at": "wait:2"}, {"node": 3, "step": 1, "at": "wait:2"}]
-    job = tiny_job("adamw", steps=3, faults=faults)
-    templates = tiny_templates(job)
-    with pytest.raises(CoordinatorError, match=r"lost every replica.*no complete checkpoint"):
-        run_elastic_local(job, plan_of(templates, [2, 2]), templates, tmp_path, f=1, timeouts=TIMEOUTS)
+def test_every_replica_lost_without_checkpoint_says_why(tmp_path, templates_cache):
+    faults = [{"node": "node1", "step": 1, "at": "wait:2"}, {"node": "node3", "step": 1, "at": "wait:2"}]
+    run = run_job(tmp_path, tiny_recipe(steps=3, **SPANNING), templates_cache, faults=faults, expect_exit=3)
+    finished = run.kind("job_finished")[-1]
+    assert finished["status"] == "unrecoverable"
+    assert "lost every replica" in finished["error"] and "no complete checkpoint" in finished["error"]

@@ -9,32 +9,28 @@ it is named hung and recovered from like a dead node."""
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import pytest
 
-from elastic_helpers import TIMEOUTS, plan_of, tiny_job, tiny_templates
+from jobrun import run_job, tiny_recipe
 from oobleck_slurm.dashboard.state import DashboardState
-from oobleck_slurm.supervisor.local import run_elastic_local
 from test_elastic import assert_matches_reference
 
 pytestmark = pytest.mark.slow
 COLLECTIVE_S = 2.0
+ERROR_GRACE_S = 2.5  # the heartbeat lease: a loss is named first, within it
 LEAVE_S = 6.0  # the step timeout: how long a member may take to leave an aborted generation
-ERROR_GRACE_S = 0.5
 PAUSE_S = 4.5  # > COLLECTIVE_S: the peers' collectives time out; < ERROR_GRACE_S + LEAVE_S: it leaves in time
-FAST = replace(TIMEOUTS, collective=COLLECTIVE_S, step=LEAVE_S)
+FAST = {"collective_timeout": COLLECTIVE_S, "heartbeat_lease": ERROR_GRACE_S, "step_timeout": LEAVE_S}
 
 
-def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path):
-    job = tiny_job("adamw", faults=[{"node": 1, "step": 2, "at": "wait:2", "do": "pause", "seconds": PAUSE_S}])
-    templates = tiny_templates(job)
-    run = run_elastic_local(job, plan_of(templates, [2, 2]), templates, tmp_path, f=1, timeouts=FAST,
-                            error_grace=ERROR_GRACE_S)
-    assert_matches_reference(run, job)
+def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path, templates_cache):
+    faults = [{"node": "node2", "step": 2, "at": "wait:2", "do": "pause", "seconds": PAUSE_S}]
+    run = run_job(tmp_path, tiny_recipe(**FAST), templates_cache, faults=faults)
+    assert_matches_reference(run)
     errors = run.kind("collective_error")
     assert errors and errors[0]["generation"] == 0 and errors[0]["nodes"], errors
-    assert all("RuntimeError" in text for text in errors[0]["errors"].values()), errors
+    assert all("Error" in text for text in errors[0]["errors"].values()), errors
     reform = run.kind("reform")
     # (a loaded machine may time out another collective later: that re-forms again, the same way)
     assert (reform[0]["generation"], reform[0]["cause"], reform[0]["step"]) == (0, "collective_error", 2)
@@ -45,7 +41,7 @@ def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path):
     assert all(p["pipelines"] == plans[0]["pipelines"] for p in plans)  # the same members, the same stages
     assert {(tuple(e["rules"]), e["transfers"]) for e in run.kind("replan")} == {(("re-form",), 0)}
     assert run.kind("resumed")[0]["step"] == 2
-    assert sorted(run.params) == ["0", "1", "2", "3"]  # every member trained to the end
+    assert {n for p in plans[-1]["pipelines"] for n in p["nodes"]} == {f"node{i}" for i in range(1, 5)}
     board = DashboardState().apply_all(run.events)  # the dashboard reads the real log
     assert [(r.trigger, r.done) for r in board.recoveries] == [("reform", True)] * len(reform)
     assert board.recoveries[0].step == 2
@@ -53,22 +49,19 @@ def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path):
     assert any(line.kind == "collective_error" for line in board.log)
 
 
-def test_rank_hung_after_its_first_collective_is_named_and_evicted(tmp_path):
-    job = tiny_job("came", faults=[{"node": 1, "step": 2, "at": "wait:2", "do": "hang"}])
-    templates = tiny_templates(job)
-    run = run_elastic_local(job, plan_of(templates, [2, 2]), templates, tmp_path, f=1, timeouts=FAST,
-                            error_grace=ERROR_GRACE_S)
-    assert_matches_reference(run, job)
+def test_rank_hung_after_its_first_collective_is_named_and_evicted(tmp_path, templates_cache):
+    faults = [{"node": "node2", "step": 2, "at": "wait:2", "do": "hang"}]
+    run = run_job(tmp_path, tiny_recipe(optimizer="came", **FAST), templates_cache, faults=faults)
+    assert_matches_reference(run)
     assert [e["nodes"] for e in run.kind("collective_error")][:1] and run.kind("reform")
     lost = run.kind("node_lost")
-    assert [(e["node"], e["cause"]) for e in lost] == [("1", "hung")], lost
+    assert [(e["node"], e["cause"]) for e in lost] == [("node2", "hung")], lost
     assert re.match(r"did not leave generation \d+ within", lost[0]["detail"])  # 0, or 1 after a spurious re-form
     # named after its peers' collectives failed, the grace and the leave timeout; not before
     assert COLLECTIVE_S + ERROR_GRACE_S + LEAVE_S <= lost[0]["detection_seconds"] < COLLECTIVE_S + ERROR_GRACE_S + LEAVE_S + 5
     final = run.kind("plan")[-1]
     assert final["reason"] == "failure"
-    assert sorted(n for p in final["pipelines"] for n in p["nodes"]) == ["0", "2", "3"]
-    assert "1" not in run.params
+    assert sorted(n for p in final["pipelines"] for n in p["nodes"]) == ["node1", "node3", "node4"]
     board = DashboardState().apply_all(run.events)
-    assert [(r.trigger, r.nodes) for r in board.recoveries] == [("failure", ["1"])]  # the re-form named node 1
-    assert board.nodes["1"].state == "lost" and board.nodes["1"].cause == "hung"
+    assert [(r.trigger, r.nodes) for r in board.recoveries] == [("failure", ["node2"])]  # the re-form named node2
+    assert board.nodes["node2"].state == "lost" and board.nodes["node2"].cause == "hung"

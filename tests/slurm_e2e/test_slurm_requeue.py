@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from oobleck_slurm.cluster.slurm import parse_scontrol_records
-from oobleck_slurm.engine.reference import train_reference
+from reference import train_reference  # tests/reference.py
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.events import read_events
 

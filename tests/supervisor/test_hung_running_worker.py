@@ -1,5 +1,5 @@
 """A worker that hangs inside a step while it stays runnable (a deadlock, not SIGSTOP): its agent sees
-a live process. Hung before its first collective of the step, per-rank progress (`node/{id}/step`)
+a live process. Hung before its first collective of the step, per-rank progress (`worker/{id}/step`)
 names it; hung after it (every rank reached the same step), its peers' collectives fail, the members
 re-form and it is the one that never leaves the aborted generation. Real supervisor, agents and workers
 on the local backend."""
@@ -7,19 +7,15 @@ on the local backend."""
 from __future__ import annotations
 
 import contextlib
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from oobleck_slurm.cluster.jobdir import create_job_dir
 from oobleck_slurm.events import read_events
 from oobleck_slurm.recipe import load_recipe
-from oobleck_slurm.supervisor.main import FAULTS_FILE
+from oobleck_slurm.submission import prepare_job, start_local
 
 from job_events import wait_for  # noqa: E402 - tests/supervisor helper
 
@@ -32,17 +28,18 @@ HANG_STEP = 4
 
 
 @contextlib.contextmanager
-def supervised_job(tmp_path: Path, at: str) -> Iterator[Path]:
+def supervised_job(tmp_path: Path, at: str, cache: Path) -> Iterator[Path]:
     """A local-backend job whose node3 hangs at `at` of step HANG_STEP, under a real supervisor."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 100000\n"
                       f"fault_tolerance:\n  checkpoint_interval: 0\n  step_timeout: {STEP_TIMEOUT_S}\n"
                       f"  collective_timeout: {COLLECTIVE_S}\n  heartbeat_lease: {LEASE_S}\n"
                       "  reconfiguration_timeout: 60\n  replacement: none\n")
-    job = create_job_dir(load_recipe(recipe), tmp_path / "jobs").path
-    (job / FAULTS_FILE).write_text(json.dumps([{"node": "node3", "step": HANG_STEP, "at": at, "do": "hang"}]))
-    sup = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job), "--backend", "local"],
-                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    faults = [{"node": "node3", "step": HANG_STEP, "at": at, "do": "hang"}]
+    handle = prepare_job(load_recipe(recipe), cache_dir=cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs",
+                         faults=faults)
+    job = handle.path
+    sup = start_local(handle)
     try:
         yield job
     finally:
@@ -60,8 +57,8 @@ def assert_recovers_without(job: Path, node: str) -> None:
     assert sorted(n for p in plan["pipelines"] for n in p["nodes"]) == sorted({"node1", "node2", "node3", "node4"} - {node})
 
 
-def test_hung_running_worker_is_named_and_evicted(tmp_path: Path) -> None:
-    with supervised_job(tmp_path, "start") as job:
+def test_hung_running_worker_is_named_and_evicted(tmp_path: Path, templates_cache: Path) -> None:
+    with supervised_job(tmp_path, "start", templates_cache) as job:
         lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 90)
         assert [(e["node"], e["cause"]) for e in lost] == [("node3", "hung")], lost
         assert "behind" not in lost[0]["detail"] and f"collective of step {HANG_STEP - 1}, its peers of step {HANG_STEP}" in lost[0]["detail"]
@@ -70,8 +67,8 @@ def test_hung_running_worker_is_named_and_evicted(tmp_path: Path) -> None:
         assert_recovers_without(job, "node3")
 
 
-def test_worker_hung_after_its_first_collective_is_named_by_the_reform(tmp_path: Path) -> None:
-    with supervised_job(tmp_path, "wait:2") as job:
+def test_worker_hung_after_its_first_collective_is_named_by_the_reform(tmp_path: Path, templates_cache: Path) -> None:
+    with supervised_job(tmp_path, "wait:2", templates_cache) as job:
         lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 90)
         assert [(e["node"], e["cause"]) for e in lost] == [("node3", "hung")], lost
         assert "did not leave generation" in lost[0]["detail"]

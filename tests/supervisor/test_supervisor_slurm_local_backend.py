@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from oobleck_slurm.cluster.jobdir import create_job_dir
 from oobleck_slurm.events import read_events
 from oobleck_slurm.recipe import load_recipe
+from oobleck_slurm.submission import prepare_job, start_local
 from oobleck_slurm.supervisor.client import live_status
 from oobleck_slurm.supervisor.server import connect
 
@@ -23,13 +23,14 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path) -> None:
+def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path, templates_cache: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 100000\n"
                       "fault_tolerance:\n  checkpoint_interval: 0\n  step_timeout: 5\n  reconfiguration_timeout: 60\n")
-    job = create_job_dir(load_recipe(recipe), tmp_path / "jobs").path
-    sup = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job), "--backend", "local"],
-                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    handle = prepare_job(load_recipe(recipe), cache_dir=templates_cache, estimate_gpu="A100-40",
+                         job_root=tmp_path / "jobs")
+    job = handle.path
+    sup = start_local(handle)
     try:
         wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
         port = live_status(job)  # authenticated status works
@@ -58,6 +59,7 @@ def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path) ->
         assert sorted(n for p in final["pipelines"] for n in p["nodes"]) == ["node1", "r1", "r2", "r3"]
         assert all(e["ok"] for e in read_events(job / "events.jsonl", "health_check"))
     finally:
+        children = psutil.Process(sup.pid).children(recursive=True)
         sup.terminate()
         sup.wait(30)
-    time.sleep(1.0)  # agents see the supervisor gone, kill their workers and exit
+        psutil.wait_procs(children, timeout=10)  # agents see the supervisor gone, kill their workers and exit

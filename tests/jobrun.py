@@ -1,0 +1,109 @@
+"""Run a job the way `submit` runs it (oobleck_slurm.submission: prepare_job + start_local: supervisor,
+agents, workers as real processes) and read what it produced: its events and its final checkpoint.
+
+A recipe is given as a dict (written to YAML and loaded like a user's file). Tests use `--estimate`-style
+profiles (`estimate`) so that plans are the same on every machine, and one templates cache per session.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from oobleck_slurm.cluster.jobdir import JobDir
+from oobleck_slurm.engine.spec import JobSpec
+from oobleck_slurm.events import events_path, read_events
+from oobleck_slurm.recipe import load_recipe
+from oobleck_slurm.submission import prepare_job, start_local
+
+LOG_TAIL_CHARS = 2500
+
+
+def tiny_recipe(*, nodes: int = 4, workers: int = 1, steps: int = 5, f: int = 1, optimizer: str = "adamw",
+                precision: str = "fp64", memory: str | None = None, **fault_tolerance: Any) -> dict[str, Any]:
+    """The tiny GPT (6 layers) on the shipped text: 8 microbatches of 2 per step."""
+    cluster: dict[str, Any] = {"backend": "local", "nodes": nodes, "workers_per_node": workers, "cpus_per_node": workers}
+    if memory is not None:
+        cluster["memory_per_device"] = memory
+    return {
+        "name": "t", "cluster": cluster, "model": {"size": "tiny"},
+        "training": {"global_batch_size": 16, "microbatch_size": 2, "steps": steps, "precision": precision,
+                     "optimizer": {"name": optimizer, "lr": 3.0e-3, "weight_decay": 0.1},
+                     "lr_schedule": {"warmup_steps": 2}},
+        "fault_tolerance": {"f": f, "checkpoint_interval": 0, "replacement": "none", **fault_tolerance},
+    }
+
+
+@dataclass
+class JobRun:
+    job: JobDir
+    exit_code: int
+    events: list[dict[str, Any]]
+
+    def kind(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] == kind]
+
+    def losses(self) -> dict[int, float]:
+        """The last reported loss of each step (a replayed step reports again)."""
+        return {e["step"]: e["loss"] for e in self.kind("step")}
+
+    def spec(self) -> JobSpec:
+        return JobSpec.from_json((self.job.path / "job.json").read_text())
+
+    def final_params(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The final checkpoint's parameters, by layer key then parameter name."""
+        steps = self.spec().train.steps
+        out = {}
+        for path in sorted((self.job.path / "checkpoints" / f"step{steps}").glob("*.pt")):
+            payload = torch.load(path, weights_only=True)  # tensors the job itself wrote
+            out[path.stem] = {k[len("param."):]: v for k, v in payload.items() if k.startswith("param.")}
+        return out
+
+    def log_tails(self) -> str:
+        tails = []
+        for path in sorted((self.job.path / "logs").glob("*.log")):
+            text = path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+            tails.append(f"--- {path.name} ---\n{text}")
+        return "\n".join(tails)
+
+
+def run_job(tmp_path: Path, recipe: dict[str, Any], cache_dir: Path, *, faults: list[dict[str, Any]] | None = None,
+            estimate: str | None = "A100-40", timeout: float = 300.0, expect_exit: int | None = 0) -> JobRun:
+    """Submit `recipe` on the local backend and wait for the job to end (or `timeout`: it is stopped
+    and the test fails with the logs)."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    job = prepare_job(load_recipe(path), cache_dir=cache_dir, estimate_gpu=estimate, job_root=tmp_path / "jobs",
+                      faults=faults)
+    process = start_local(job)
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        run = JobRun(job, -1, read_events(events_path(job.path)))
+        raise AssertionError(f"job did not finish within {timeout:g} s\n{run.log_tails()}") from None
+    run = JobRun(job, code, read_events(events_path(job.path)))
+    if expect_exit is not None:
+        assert code == expect_exit, f"job exited {code}, expected {expect_exit}\n{run.log_tails()}"
+    return run
+
+
+def wait_for(condition: Any, timeout: float, what: str, poll: float = 0.05) -> Any:
+    """Poll `condition()` until it returns something truthy (returned), or fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(poll)
