@@ -38,7 +38,11 @@ def tiny_recipe(*, nodes: int = 4, workers: int = 1, steps: int = 5, f: int = 1,
         "training": {"global_batch_size": 16, "microbatch_size": 2, "steps": steps, "precision": precision,
                      "optimizer": {"name": optimizer, "lr": 3.0e-3, "weight_decay": 0.1},
                      "lr_schedule": {"warmup_steps": 2}},
-        "fault_tolerance": {"f": f, "checkpoint_interval": 0, "replacement": "none", **fault_tolerance},
+        # Generous collective timeouts: the tests share 2 cores with other work, and a spurious collective
+        # timeout re-forms the members (correct, but it shifts generation numbers); kills are detected
+        # by their process exits, not by timeouts.
+        "fault_tolerance": {"f": f, "checkpoint_interval": 0, "replacement": "none", "collective_timeout": 10.0,
+                            "heartbeat_lease": 12.0, "step_timeout": 60.0, **fault_tolerance},
     }
 
 

@@ -1,15 +1,16 @@
 """`kill-node JOB NODE [--how ...]`: fault injection for drills. The supervisor is told first (so that
 detection times are measured from the injection), then:
 
-    agent    the node's agent is killed with SIGKILL (its worker dies with it)
-    worker   the node's worker is killed with SIGKILL
-    hang     the node's worker is SIGSTOPped (a hung worker: only the step timeout finds it)
-    down     `scontrol update nodename=NODE state=down` (an admin, or slurmctld, takes it out)
+    agent    the node's agent is killed with SIGKILL (its workers die with it)
+    worker   one worker of the node (`--worker I`, default 0) is killed with SIGKILL
+    hang     one worker of the node is SIGSTOPped (a hung worker)
+    down     `scontrol update nodename=NODE state=down` (an admin, or slurmctld, takes it out; Slurm only)
     freeze   every process of this job on the node is SIGSTOPped (a frozen machine: heartbeats stop)
     node     every process of this job on the node is SIGKILLed (a crashed machine)
 
-`freeze` and `node` act on the processes they can see: run them on the node itself (or on a lab
-where every virtual node runs on this machine).
+`freeze` and `node` act on the processes they can see: under Slurm, the job's processes on the node
+(by their Slurm environment: run on the node itself, or on a lab where every virtual node runs on
+this machine); on the local backend, the virtual node's agent and its workers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("job", help="job folder, or a job id under --job-root")
     parser.add_argument("node", help="node name (Slurm's, or the job's id of a replacement such as r1)")
     parser.add_argument("--how", choices=HOWS, default="agent", help="what to do to the node (default: agent)")
+    parser.add_argument("--worker", type=int, default=0, help="which worker of the node, for worker and hang (default 0)")
     parser.add_argument("--job-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
 
 
@@ -46,6 +48,19 @@ def job_processes(node: str, slurm_job_ids: set[str]) -> list:
     return found
 
 
+def local_node_processes(agent_pid: int | None) -> list:
+    """A local virtual node's processes: its agent and everything it started (its workers)."""
+    import psutil
+
+    if agent_pid is None:
+        return []
+    try:
+        agent = psutil.Process(agent_pid)
+        return [agent, *agent.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
     from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
@@ -57,10 +72,15 @@ def run(args: argparse.Namespace) -> int:
         job = find_job(args.job, args.job_root)
     except JobNotFound as err:
         return fail(str(err))
+    local = job.meta().get("backend") == "local"
+    if args.how == "down" and local:
+        return fail(f"{job.job_id}: --how down needs Slurm (scontrol); this job runs on the local backend")
+    if args.worker < 0:
+        return fail(f"--worker must be >= 0, got {args.worker}")
     try:
         live = live_status(job.path)
         slurm_node = live["node_of"].get(args.node, args.node)
-        reply = notify_fault(job.path, args.node, args.how)
+        reply = notify_fault(job.path, args.node, args.how, worker=args.worker)
     except SupervisorUnreachable as err:
         return fail(f"{job.job_id}: {err}", EXIT_FAILED)
     if not reply.get("ok", False):
@@ -71,10 +91,15 @@ def run(args: argparse.Namespace) -> int:
         except SlurmError as err:
             return fail(str(err), EXIT_FAILED)
     elif args.how in ("freeze", "node"):
-        ids = set(slurm_job_ids(job.meta(), read_events(events_path(job.path), "replacement_requested")))
-        procs = job_processes(slurm_node, ids)
-        if not procs:
-            return fail(f"no process of job(s) {sorted(ids)} on {slurm_node} is visible from here", EXIT_FAILED)
+        if local:
+            procs = local_node_processes(live.get("agent_pids", {}).get(slurm_node))
+            if not procs:
+                return fail(f"{job.job_id}: no live agent for {args.node}", EXIT_FAILED)
+        else:
+            ids = set(slurm_job_ids(job.meta(), read_events(events_path(job.path), "replacement_requested")))
+            procs = job_processes(slurm_node, ids)
+            if not procs:
+                return fail(f"no process of job(s) {sorted(ids)} on {slurm_node} is visible from here", EXIT_FAILED)
         for sig in ((signal.SIGSTOP,) if args.how == "freeze" else (signal.SIGSTOP, signal.SIGKILL)):
             for proc in procs:
                 try:

@@ -58,6 +58,7 @@ class AgentConn:
     lock: threading.Lock = field(default_factory=threading.Lock)
     replacement: str | None = None
     health: queue.Queue = field(default_factory=queue.Queue)
+    pid: int | None = None  # the agent's process id on its node (local drills find the node's processes by it)
 
     def send(self, message: dict[str, Any]) -> bool:
         try:
@@ -293,7 +294,8 @@ class AgentNodes:
                     channel.close()
                     return
                 self.node_of[token], self.id_of[node] = node, token
-            self.agents[node] = AgentConn(node, channel, replacement=token)
+            pid = message.get("pid")
+            self.agents[node] = AgentConn(node, channel, replacement=token, pid=pid if isinstance(pid, int) else None)
             self.log.emit("node", node=self.id_of.get(node, node), slurm_node=node,
                           state="joining" if token else ("spare" if node in self.spares else "healthy"),
                           agent_pid=message.get("pid"))
@@ -452,4 +454,4 @@ class AgentNodes:
         with self._lock:
             return {"type": "status", "members": list(self.members), "agents": sorted(self.agents),
                     "watched": sorted(self.membership.watched), "node_of": dict(self.node_of),
-                    "requests": dict(self.requests)}
+                    "requests": dict(self.requests), "agent_pids": {n: a.pid for n, a in self.agents.items()}}

@@ -42,10 +42,12 @@ def request(job_dir: str | os.PathLike[str], message: dict[str, Any], timeout: f
         channel.close()
 
 
-def notify_fault(job_dir: str | os.PathLike[str], node: str, how: str, t: float | None = None) -> dict[str, Any]:
+def notify_fault(job_dir: str | os.PathLike[str], node: str, how: str, t: float | None = None,
+                 worker: int = 0) -> dict[str, Any]:
     """Tell the supervisor a drill injects `how` into `node` now (it relays agent/worker/hang drills to
-    the node's agent, and measures detection times from `t`)."""
-    return request(job_dir, {"type": "fault", "node": node, "how": how, "t": time.time() if t is None else t})
+    the node's agent, for its worker `worker`, and measures detection times from `t`)."""
+    return request(job_dir, {"type": "fault", "node": node, "how": how, "worker": worker,
+                             "t": time.time() if t is None else t})
 
 
 def live_status(job_dir: str | os.PathLike[str]) -> dict[str, Any]:

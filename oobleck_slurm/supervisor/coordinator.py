@@ -41,7 +41,13 @@ from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.events import EventLog
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
-from oobleck_slurm.planning.reconfigure import Reconfiguration, RecoveryImpossible, reconfigure, stage_devices
+from oobleck_slurm.planning.reconfigure import (
+    Reconfiguration,
+    RecoveryImpossible,
+    plan_copies,
+    reconfigure,
+    stage_devices,
+)
 from oobleck_slurm.planning.templates import PipelineTemplate
 from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S, Preemption
 
@@ -294,8 +300,12 @@ class Coordinator:
         holders = {(n, local): frozenset(reports[keys.worker_id(n, local)]["layers"])
                    for n in self.members if n not in lost_set
                    for local in range(self.cfg.devices_per_node) if keys.worker_id(n, local) in reports}
-        if not lost_set and not joined:  # every member left in time: the same plan, nothing to copy
-            change = Reconfiguration(self.plan, (), ("re-form",), 0.0)
+        if not lost_set and not joined:  # every member left in time: the same plan, and copies only of
+            try:                           # what an interrupted recovery left missing (a join's copy)
+                change = Reconfiguration(self.plan, plan_copies(self.plan, holders, self.layer_bytes),
+                                         ("re-form",), 0.0)
+            except RecoveryImpossible as e:
+                return self._fallback(f"re-form of generation {g}: {e}", lost_set)
         else:
             try:
                 change = reconfigure(self.plan, sorted(lost_set), joined, self.templates, self.cfg.f,
@@ -307,7 +317,10 @@ class Coordinator:
                       survivor_steps={w: r["step"] for w, r in reports.items() if r["layers"]})
         self._publish(change.plan, "memory", resume, "join" if joined and not lost_set else
                       "failure" if lost_set else "reform", change)
-        self.recovery = _Recovery(self.gen, t_kill or t_detect, resume, joined=tuple(joined))
+        # A join whose recovery was interrupted (a re-form, a failure) completes with this one.
+        unfinished = self.recovery.joined if self.recovery is not None else ()
+        joining = tuple(dict.fromkeys(n for n in (*unfinished, *joined) if n not in lost_set))
+        self.recovery = _Recovery(self.gen, t_kill or t_detect, resume, joined=joining)
         for _ in sorted(lost_set) if self.cfg.replacement else ():  # one replacement per lost node
             node = self.backend.new_node()
             if node is None:
@@ -393,6 +406,9 @@ class Coordinator:
                 continue
         if plan is None:
             raise CoordinatorError(f"cannot continue: {reason}; {len(live)} live node(s) cannot hold the model")
+        # Stopping the old workers is asynchronous (their agents kill them): skip a generation, so that
+        # none of them, waiting for the next config, joins the restarted workers' group rendezvous.
+        self.gen += 1
         self._publish(plan, "checkpoint", step, "failure", checkpoint={"root": str(root), "step": step})
         self.recovery = _Recovery(self.gen, t_kill, step)
         for n in self.members:

@@ -75,7 +75,7 @@ def test_bf16_within_its_tolerance_of_the_fp32_reference(tmp_path, templates_cac
 
 
 def test_tied_embeddings_are_refused_with_the_reason():
-    tied = JobSpec(ModelSpec(gpt_config("tiny", tie_embeddings=True)), DataSpec("random"), OptimSpec("adamw"),
+    tied = JobSpec(ModelSpec(gpt_config("tiny", tie_embeddings=True)), DataSpec("random", num_samples=8), OptimSpec("adamw"),
                    TrainSpec(steps=1, microbatch_size=1, num_microbatches=1))
     with pytest.raises(NotImplementedError, match="tie_embeddings=True is not supported by the engine"):
         check_supported(tied)
