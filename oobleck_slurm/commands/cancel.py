@@ -8,6 +8,8 @@ import os
 import signal
 from pathlib import Path
 
+from rich.markup import escape
+
 from oobleck_slurm.commands.common import EXIT_FAILED, EXIT_OK, console, fail
 
 
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             run_slurm(["scancel", *ids])
         except SlurmError as err:
             return fail(str(err), EXIT_FAILED)
-        console.print(f"cancelled Slurm job(s) {', '.join(ids)} of {job.job_id}", highlight=False)
+        console.print(f"cancelled Slurm job(s) {escape(', '.join(ids))} of {escape(job.job_id)}", highlight=False)
         return EXIT_OK
     # `submit` records the job's process group; a supervisor started by hand records only itself
     # (its agents exit, and kill their workers, when it is gone).
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         kill(int(pid), signal.SIGTERM)
     except ProcessLookupError:
-        console.print(f"{job.job_id} is not running", highlight=False)
+        console.print(f"{escape(job.job_id)} is not running", highlight=False)
         return EXIT_OK
-    console.print(f"stopped {job.job_id} (process group {pid})", highlight=False)
+    console.print(f"stopped {escape(job.job_id)} (process group {pid})", highlight=False)
     return EXIT_OK

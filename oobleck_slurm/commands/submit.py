@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rich.markup import escape
+
 from oobleck_slurm.commands.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -65,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
                                start_new_session=True)
     log_file.close()
     job.update_meta(pid=process.pid)
-    console.print(f"job [bold]{job.job_id}[/] submitted (local backend, pid {process.pid})")
-    console.print(f"folder: {job.path}")
+    console.print(f"job [bold]{escape(job.job_id)}[/] submitted (local backend, pid {process.pid})")
+    console.print(f"folder: {escape(str(job.path))}")
     if args.detach:
         return EXIT_OK
     try:
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     code = process.wait()
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {job.path / 'logs'}[/]")
+        console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 
@@ -114,7 +116,7 @@ def _print_event(event: dict) -> None:
                       f"{event.get('samples_per_s', 0):,.1f} samples/s", highlight=False)
     elif kind in ("job_started", "job_finished", "failure", "resumed", "checkpoint_fallback"):
         fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("t", "kind"))
-        console.print(f"[bold]{kind}[/] {fields}", highlight=False)
+        console.print(f"[bold]{escape(kind)}[/] {escape(fields)}", highlight=False)  # event text: no markup
 
 
 def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001 - JobDir, Recipe
@@ -133,17 +135,17 @@ def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001
     except Exception as err:  # noqa: BLE001 - sbatch's refusal (bad partition, account...) is the user's to fix
         return fail(f"sbatch refused the job: {str(err).strip()}", EXIT_FAILED)
     job.update_meta(slurm_job_id=slurm_job.job_id)
-    console.print(f"job [bold]{job.job_id}[/] submitted (Slurm job {slurm_job.job_id})")
-    console.print(f"folder: {job.path}")
+    console.print(f"job [bold]{escape(job.job_id)}[/] submitted (Slurm job {escape(str(slurm_job.job_id))})")
+    console.print(f"folder: {escape(str(job.path))}")
     if args.detach:
         return EXIT_OK
     try:
         code = _follow_slurm(job.path, slurm_job.job_id, dashboard=console.is_terminal and not args.no_dashboard)
     except KeyboardInterrupt:
-        console.print(f"[yellow]stopped following; the job goes on (cancel it with: cancel {job.job_id})[/]")
+        console.print(f"[yellow]stopped following; the job goes on (cancel it with: cancel {escape(job.job_id)})[/]")
         return 130
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {job.path / 'logs'}[/]")
+        console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 
@@ -156,7 +158,7 @@ def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
     finished = read_events(events_path(job_dir), "job_finished")
     if finished:
         return int(finished[-1].get("exit_code") or 0)
-    console.print(f"[red]Slurm job {slurm_job_id} ended without a supervisor record (lost batch node, "
+    console.print(f"[red]Slurm job {escape(slurm_job_id)} ended without a supervisor record (lost batch node, "
                   "cancelled, or it never started); see the submitit/ folder[/]")
     return EXIT_FAILED
 
