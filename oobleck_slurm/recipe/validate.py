@@ -221,8 +221,10 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     if t.lr_schedule.min_lr > opt.lr:
         add(("training", "lr_schedule", "min_lr"), f"min_lr {t.lr_schedule.min_lr:g} exceeds optimizer.lr {opt.lr:g}")
 
+    # `model:` with nothing after it is None in the tree (all defaults), not a mapping.
+    model_tree = source.tree.get("model") if isinstance(source.tree.get("model"), dict) else {}
     shape_keys = [k for k in ("size", "n_layer", "d_model", "n_head", "seq_len", "vocab_size")
-                  if k in source.tree.get("model", {}) and source.tree["model"][k] is not None]
+                  if model_tree.get(k) is not None]
     if m.factory and shape_keys:
         add(("model", "factory"), f"a factory builds its own model; remove model.{shape_keys[0]} or the factory")
     if m.kwargs and not m.factory:

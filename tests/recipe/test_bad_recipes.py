@@ -142,3 +142,9 @@ def test_contradictions_are_reported_beside_unknown_keys_but_not_beside_bad_valu
     with pytest.raises(RecipeError) as caught:
         load_recipe(path)
     assert [i.message for i in caught.value.issues] == ["expected an integer, got str 'x'"]
+
+
+def test_empty_section_is_all_defaults(tmp_path: Path) -> None:
+    """`model:` with nothing under it once crashed the cross-checks (TypeError on None); found by fuzzing."""
+    recipe = load_recipe(write(tmp_path, "name: x\nmodel:\ntraining:\n"))
+    assert recipe.model.size == "tiny"
