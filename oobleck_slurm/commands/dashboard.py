@@ -30,5 +30,5 @@ def run(args: argparse.Namespace) -> int:
     live = not args.once and is_interactive()
     state = run_dashboard(job_dir, live=live, console=console, refresh_s=args.refresh)
     if live:
-        console.print(job_summary(state, job_dir), highlight=False)
+        console.print(job_summary(state, job_dir), markup=False, highlight=False)  # job ids and paths are text
     return EXIT_OK

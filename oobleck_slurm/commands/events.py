@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(event, separators=(",", ":")))
             else:
-                console.print(format_event(event, t0), highlight=False, soft_wrap=True)
+                # Event text is the job's (exception messages such as gloo's "[/path/pair.cc:553]"): no markup.
+                console.print(format_event(event, t0), markup=False, highlight=False, soft_wrap=True)
             if args.follow and event["kind"] == "job_finished":
                 return EXIT_OK
         if not args.follow:

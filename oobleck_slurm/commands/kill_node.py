@@ -106,5 +106,5 @@ def run(args: argparse.Namespace) -> int:
                     proc.send_signal(sig)
                 except Exception:  # noqa: BLE001 - already gone
                     pass
-    console.print(f"{args.how}: {args.node} ({slurm_node}) of {job.job_id}", highlight=False)
+    console.print(f"{args.how}: {args.node} ({slurm_node}) of {job.job_id}", markup=False, highlight=False)
     return EXIT_OK

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.markup import escape
+
 from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, fail, load_recipe_or_report
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
 
@@ -76,7 +78,8 @@ def show(profile, source, request, templates, plan, status) -> None:  # noqa: AN
     from rich.table import Table
 
     gib = 2**30
-    console.print(f"profile: {profile.device_name} ({source}), {profile.num_layers} layers, "
+    # The device name comes from a profile file: text, never markup.
+    console.print(f"profile: {escape(profile.device_name)} ({escape(source)}), {profile.num_layers} layers, "
                   f"{profile.devices_per_node} devices per node; templates cache: {status}")
     table = Table(title=f"pipeline templates (optimised for {request.num_microbatches} microbatches)")
     for col in ("nodes", "stages", "layers per stage", "devices per stage", "iteration s", "bottleneck ms",

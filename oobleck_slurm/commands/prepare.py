@@ -6,6 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
+from rich.markup import escape
+
 from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, console, fail
 
 
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     console.print(
         f"[bold green]✓[/] wrote [bold]{meta.num_tokens:,}[/] tokens ({meta.dtype}, vocabulary "
-        f"{meta.vocab_size:,}, tokenizer {meta.tokenizer}) to {args.out} in {seconds:.2f} s",
+        f"{meta.vocab_size:,}, tokenizer {escape(str(meta.tokenizer))}) to {escape(str(args.out))} in {seconds:.2f} s",
         highlight=False,
     )
     return EXIT_OK

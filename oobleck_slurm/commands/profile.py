@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.markup import escape
+
 from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, fail, load_recipe_or_report
 
 if TYPE_CHECKING:
@@ -66,7 +68,7 @@ def resolve_profile(args: argparse.Namespace, recipe, progress: PlanningProgress
     cache = TemplateCache(args.cache)
     result = recipe_profile(recipe, cache, profile_file=args.profile, estimate_gpu=args.estimate, progress=progress)
     for problem in cache.problems:
-        console.print(f"[yellow]warning:[/] {problem}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(problem)}", highlight=False)
     return result
 
 
@@ -93,14 +95,16 @@ def run(args: argparse.Namespace) -> int:
 def show_profile(profile, source: str) -> None:  # noqa: ANN001
     from rich.table import Table
 
-    table = Table(title=f"profile: {profile.device_name}, {profile.devices_per_node} per node, "
-                        f"microbatch {profile.microbatch_size}, {profile.dtype}, {profile.optimizer} ({source})")
+    # Names and labels come from a profile file (`--profile FILE`): escaped, a table cell or title is markup.
+    table = Table(title=f"profile: {escape(profile.device_name)}, {profile.devices_per_node} per node, "
+                        f"microbatch {profile.microbatch_size}, {escape(profile.dtype)}, {escape(profile.optimizer)} "
+                        f"({escape(source)})")
     for col in ("layer", "fwd ms", "bwd ms", "params MiB", "optim MiB", "act MiB/mb", "out MiB/mb"):
         table.add_column(col, justify="right" if col != "layer" else "left")
     mib = 2**20
     for layer in profile.layers:
         table.add_row(
-            layer.name, f"{layer.forward_s * 1e3:.3f}", f"{layer.backward_s * 1e3:.3f}",
+            escape(layer.name), f"{layer.forward_s * 1e3:.3f}", f"{layer.backward_s * 1e3:.3f}",
             f"{layer.param_bytes / mib:.2f}", f"{layer.optimizer_bytes / mib:.2f}",
             f"{layer.activation_bytes / mib:.2f}", f"{layer.output_bytes / mib:.3f}",
         )
@@ -109,6 +113,6 @@ def show_profile(profile, source: str) -> None:  # noqa: ANN001
     for col in ("link", "latency us", "bandwidth GB/s"):
         links.add_column(col)
     for name, link in profile.links.items():
-        links.add_row(name, f"{link.latency_s * 1e6:.1f}", f"{link.bandwidth_Bps / 1e9:.2f}")
+        links.add_row(escape(name), f"{link.latency_s * 1e6:.1f}", f"{link.bandwidth_Bps / 1e9:.2f}")
     console.print(links)
-    console.print(f"device memory {profile.device_memory_bytes / 2**30:.1f} GiB; key {profile.key[:16]}")
+    console.print(f"device memory {profile.device_memory_bytes / 2**30:.1f} GiB; key {escape(profile.key[:16])}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rich.markup import escape
+
 from oobleck_slurm.commands.common import EXIT_OK, console, fail
 
 
@@ -27,5 +29,5 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(err))
     except OSError as err:
         return fail(f"cannot write the report: {err}")
-    console.print(f"[green]✓[/] report written: {index}", highlight=False)
+    console.print(f"[green]✓[/] report written: {escape(str(index))}", highlight=False)
     return EXIT_OK

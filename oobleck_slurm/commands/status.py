@@ -95,13 +95,16 @@ def _slurm_state(job_id: str) -> str:
 
 
 def _print(s: dict[str, Any]) -> None:
-    console.print(f"job [bold]{s['job_id']}[/] ({s.get('backend') or '?'}): [bold]{s['state']}[/]"
+    # Everything here comes from the job folder (event text, error messages, node names): escaped.
+    console.print(f"job [bold]{escape(str(s['job_id']))}[/] ({escape(str(s.get('backend') or '?'))}): "
+                  f"[bold]{escape(str(s['state']))}[/]"
                   + (f", exit {s['exit_code']}" if s.get("exit_code") is not None else ""), highlight=False)
-    console.print(f"folder: {s['folder']}", highlight=False)
+    console.print(f"folder: {escape(str(s['folder']))}", highlight=False)
     if s.get("slurm_job_id"):
-        console.print(f"slurm job {s['slurm_job_id']}: {s.get('slurm_state', '?')}", highlight=False)
+        console.print(f"slurm job {escape(str(s['slurm_job_id']))}: {escape(str(s.get('slurm_state', '?')))}",
+                      highlight=False)
     if s.get("error"):
-        console.print(f"[red]error:[/] {s['error']}", highlight=False)
+        console.print(f"[red]error:[/] {escape(str(s['error']))}", highlight=False)
     if "step" in s:
         console.print(f"step {s['step']} (generation {s.get('generation')}), loss {s.get('loss', float('nan')):.4f}",
                       highlight=False)
@@ -122,8 +125,9 @@ def _print(s: dict[str, Any]) -> None:
             cells = [f"{r[p]:.3f}" if isinstance(r.get(p), (int, float)) else "" for p in PHASES]
             if r.get("detection_s") is not None:
                 cells[0] = f"{r['detection_s']:.3f}"
-            table.add_row(",".join(r["nodes"]), str(r.get("cause")), *cells, str(r.get("resumed_step", "")))
+            table.add_row(escape(",".join(map(str, r["nodes"]))), escape(str(r.get("cause"))), *cells,
+                          escape(str(r.get("resumed_step", ""))))
         console.print(table)
     for rep in s["replacements"]:
         fields = " ".join(f"{k}={v}" for k, v in rep.items() if k not in ("kind", "detail"))
-        console.print(f"{rep['kind']}: {fields}", highlight=False)
+        console.print(f"{rep['kind']}: {fields}", markup=False, highlight=False)

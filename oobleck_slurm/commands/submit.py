@@ -105,7 +105,7 @@ def _print_event(event: dict) -> None:
                       f"{event.get('samples_per_s', 0):,.1f} samples/s", highlight=False)
     elif kind in ("job_started", "job_finished", "failure", "resumed", "checkpoint_fallback"):
         fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("t", "kind"))
-        console.print(f"[bold]{kind}[/] {escape(fields)}", highlight=False)
+        console.print(f"[bold]{escape(kind)}[/] {escape(fields)}", highlight=False)  # event text: no markup
 
 
 def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001 - JobDir, Recipe
@@ -117,7 +117,7 @@ def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001
         slurm_job_id = submit_slurm(job, recipe)
     except Exception as err:  # noqa: BLE001 - sbatch's refusal (bad partition, account...) is the user's to fix
         return fail(f"sbatch refused the job: {str(err).strip()}", EXIT_FAILED)
-    console.print(f"job [bold]{escape(job.job_id)}[/] submitted (Slurm job {slurm_job_id})")
+    console.print(f"job [bold]{escape(job.job_id)}[/] submitted (Slurm job {escape(slurm_job_id)})")
     console.print(f"folder: {escape(str(job.path))}")
     if args.detach:
         return EXIT_OK
@@ -140,7 +140,7 @@ def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
     finished = read_events(events_path(job_dir), "job_finished")
     if finished:
         return int(finished[-1].get("exit_code") or 0)
-    console.print(f"[red]Slurm job {slurm_job_id} ended without a supervisor record (lost batch node, "
+    console.print(f"[red]Slurm job {escape(slurm_job_id)} ended without a supervisor record (lost batch node, "
                   "cancelled, or it never started); see the submitit/ folder[/]")
     return EXIT_FAILED
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.markup import escape
 from rich.tree import Tree
 
 from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, load_recipe_or_report
@@ -25,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(values, indent=2))
         return EXIT_OK
-    tree = Tree(f"[bold green]✓[/] [bold]{recipe.name}[/]  [dim]{recipe.source}[/]")
+    # Names, paths and values are the user's text (setup lines, descriptions): escaped, never markup.
+    tree = Tree(f"[bold green]✓[/] [bold]{escape(recipe.name)}[/]  [dim]{escape(recipe.source)}[/]")
     _add_branch(tree, {k: v for k, v in values.items() if k not in ("name", "source")})
     model = recipe.model.resolve() if not recipe.model.factory else None
     console.print(tree)
@@ -37,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
 def _add_branch(tree: Tree, values: dict) -> None:
     for key, value in values.items():
         if isinstance(value, dict) and value:
-            _add_branch(tree.add(f"[bold cyan]{key}[/]"), value)
+            _add_branch(tree.add(f"[bold cyan]{escape(str(key))}[/]"), value)
         else:
-            tree.add(f"[cyan]{key}[/]: {value!r}" if value not in (None, {}, []) else f"[cyan]{key}[/]: [dim]{value!r}[/]")
+            shown = escape(repr(value))
+            tree.add(f"[cyan]{escape(str(key))}[/]: {shown}" if value not in (None, {}, [])
+                     else f"[cyan]{escape(str(key))}[/]: [dim]{shown}[/]")

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -172,7 +173,8 @@ def pipelines_panel(state: DashboardState) -> Panel:
         body: Text | Group = Text(WAITING if not state.has_events else "no plan yet", "dim")
     else:
         body = Group(*[_pipeline_lines(p) for p in state.pipelines])
-    title = f"pipelines gen {_num(state.generation, 'd')} ({state.plan_reason or '-'})"
+    # The plan's reason is event text (a node name, an error): a panel title is markup, so escape it.
+    title = f"pipelines gen {_num(state.generation, 'd')} ({escape(state.plan_reason or '-')})"
     return Panel(body, title=title, title_align="left", border_style="magenta")
 
 

@@ -38,6 +38,14 @@ from typing import Any
 PROFILE_FORMAT = "oobleck-slurm-profile"
 PROFILE_VERSION = 1
 LINK_NAMES = ("intra_node", "inter_node", "allreduce_intra", "allreduce_inter")
+# Bounds on what a profile file may hold, so that a wrong or hostile file is refused with a message
+# instead of exhausting memory or the planner's time. Real profiles: ~100 layers, 8 devices per node,
+# layer times of milliseconds, state of gigabytes, files of kilobytes.
+MAX_PROFILE_BYTES = 8 << 20
+MAX_PROFILE_LAYERS = 4096
+MAX_DEVICES_PER_NODE = 64
+MAX_PROFILE_SECONDS = 1e6  # per layer and microbatch, or per message: 11 days is already no device
+MAX_PROFILE_BYTES_VALUE = 2**60  # bytes of one layer or one device: an exbibyte
 
 
 class ProfileError(ValueError):
@@ -149,18 +157,22 @@ def profile_from_dict(data: Any, where: str = "profile") -> Profile:
             f"{where}: key 'version' is {data.get('version')!r}; this oobleck-slurm reads version {PROFILE_VERSION}"
         )
 
-    def get(obj: dict, key: str, kind: type | tuple, path: str, positive: bool = False) -> Any:
+    def get(obj: dict, key: str, kind: type | tuple, path: str, positive: bool = False,
+            limit: float | None = None) -> Any:
         if key not in obj:
             raise ProfileError(f"{where}: missing key '{path}{key}'")
         value = obj[key]
         ok = isinstance(value, kind) and not isinstance(value, bool)
         if ok and isinstance(value, (int, float)):
-            ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+            # A float too big for an int or an int too big for a float are both out of any limit.
+            ok = (math.isfinite(value) if isinstance(value, float) else True) and (value > 0 if positive else value >= 0)
+            if ok and limit is not None and value > limit:
+                raise ProfileError(f"{where}: key '{path}{key}' must be at most {limit:g}, got {value!r}")
         if not ok:
             want = "a positive number" if positive else (
                 "a non-negative number" if kind in ((int, float), int) else f"a {getattr(kind, '__name__', kind)}"
             )
-            raise ProfileError(f"{where}: key '{path}{key}' must be {want}, got {value!r}")
+            raise ProfileError(f"{where}: key '{path}{key}' must be {want}, got {_short(value)}")
         return value
 
     links_raw = get(data, "links", dict, "")
@@ -168,32 +180,39 @@ def profile_from_dict(data: Any, where: str = "profile") -> Profile:
     for name in LINK_NAMES:
         link = get(links_raw, name, dict, "links.")
         links[name] = Link(
-            latency_s=float(get(link, "latency_s", (int, float), f"links.{name}.")),
-            bandwidth_Bps=float(get(link, "bandwidth_Bps", (int, float), f"links.{name}.", positive=True)),
+            latency_s=float(get(link, "latency_s", (int, float), f"links.{name}.", limit=MAX_PROFILE_SECONDS)),
+            bandwidth_Bps=float(get(link, "bandwidth_Bps", (int, float), f"links.{name}.", positive=True,
+                                    limit=MAX_PROFILE_BYTES_VALUE)),
         )
     layers_raw = get(data, "layers", list, "")
     if not layers_raw:
         raise ProfileError(f"{where}: key 'layers' is empty; a profile needs at least one layer")
+    if len(layers_raw) > MAX_PROFILE_LAYERS:
+        raise ProfileError(f"{where}: key 'layers' has {len(layers_raw)} layers; at most {MAX_PROFILE_LAYERS}")
     layers = []
     for i, raw in enumerate(layers_raw):
         path = f"layers[{i}]."
         if not isinstance(raw, dict):
-            raise ProfileError(f"{where}: key 'layers[{i}]' must be an object, got {raw!r}")
-        values: dict[str, Any] = {"name": str(raw.get("name", f"layer{i}"))}
+            raise ProfileError(f"{where}: key 'layers[{i}]' must be an object, got {_short(raw)}")
+        name = raw.get("name", f"layer{i}")
+        if not isinstance(name, str):
+            raise ProfileError(f"{where}: key 'layers[{i}].name' must be a string, got {_short(name)}")
+        values: dict[str, Any] = {"name": name}
         for f in fields(LayerProfile):
             if f.name == "name":
                 continue
             if f.type == "int":
-                values[f.name] = int(get(raw, f.name, (int, float), path))
+                values[f.name] = int(get(raw, f.name, (int, float), path, limit=MAX_PROFILE_BYTES_VALUE))
             else:
-                values[f.name] = float(get(raw, f.name, (int, float), path))
+                values[f.name] = float(get(raw, f.name, (int, float), path, limit=MAX_PROFILE_SECONDS))
         layers.append(LayerProfile(**values))
     return Profile(
         layers=tuple(layers),
         device_name=str(get(data, "device_name", str, "")),
-        device_memory_bytes=int(get(data, "device_memory_bytes", (int, float), "", positive=True)),
-        devices_per_node=int(get(data, "devices_per_node", int, "", positive=True)),
-        microbatch_size=int(get(data, "microbatch_size", int, "", positive=True)),
+        device_memory_bytes=int(get(data, "device_memory_bytes", (int, float), "", positive=True,
+                                    limit=MAX_PROFILE_BYTES_VALUE)),
+        devices_per_node=int(get(data, "devices_per_node", int, "", positive=True, limit=MAX_DEVICES_PER_NODE)),
+        microbatch_size=int(get(data, "microbatch_size", int, "", positive=True, limit=MAX_PROFILE_BYTES_VALUE)),
         dtype=str(get(data, "dtype", str, "")),
         optimizer=str(get(data, "optimizer", str, "")),
         links=links,
@@ -206,18 +225,35 @@ def profile_from_dict(data: Any, where: str = "profile") -> Profile:
 def load_profile(path: str | Path) -> Profile:
     """Read a profile JSON file; a ProfileError names the file and the bad key."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a directory, or a FIFO that would block the read
+        raise ProfileError(f"{path}: not a profile file ({'a directory' if path.is_dir() else 'not a regular file'})")
     try:
-        text = path.read_text()
+        with path.open("rb") as file:
+            data_bytes = file.read(MAX_PROFILE_BYTES + 1)
     except OSError as err:
         raise ProfileError(f"{path}: cannot read profile file: {err.strerror or err}") from None
+    if len(data_bytes) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{path}: larger than {MAX_PROFILE_BYTES} bytes: not a profile file")
     try:
-        data = json.loads(text)
+        data = json.loads(data_bytes.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ProfileError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except json.JSONDecodeError as err:
         raise ProfileError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+    except RecursionError:  # json's C parser refuses deep nesting with this; no profile nests deeply
+        raise ProfileError(f"{path}: JSON nested too deeply: not a profile file") from None
+    except ValueError as err:  # e.g. an integer of more than 4300 digits (Python's int conversion limit)
+        raise ProfileError(f"{path}: not a usable JSON document: {err}") from None
     profile = profile_from_dict(data, where=str(path))
     if not profile.key:  # hand-written file: key it by its content, so caches never mix files
         profile = _with_key(profile, profile.content_hash())
     return profile
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr() for a message, cut: a bad value may be a whole nested document."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:

@@ -6,6 +6,7 @@ that involve several fields live in `validate.cross_checks`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,10 @@ _FACTORY = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 _SLURM_TIME = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2})$")
 _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+# A job's name starts its folder name and its Slurm job name: no path separators, spaces or markup.
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+MAX_NAME_CHARS = 100  # job folder names stay well under NAME_MAX (255) with the timestamp added
+MAX_NODES = 100_000  # above the largest machines (Frontier: 9,408 nodes); lists of node names are built
 # Options the submitter sets itself from other keys; setting them twice would silently conflict.
 RESERVED_SBATCH = {
     "nodes": "cluster.nodes", "time": "cluster.time", "partition": "cluster.partition",
@@ -48,11 +53,41 @@ def slurm_time(value: str) -> str | None:
 
 
 def sbatch_options(value: Mapping[str, str]) -> str | None:
-    for key in value:
+    for key, option in value.items():
         if not _SBATCH_KEY.match(key):
             return f"option {key!r} is not an sbatch long option name (e.g. 'mail-type', without '--')"
         if key in RESERVED_SBATCH:
             return f"option {key!r} is set by oobleck-slurm; use {RESERVED_SBATCH[key]} instead"
+        if isinstance(option, str) and ("\n" in option or "\r" in option):  # one #SBATCH line each
+            return f"option {key!r}: the value must be one line, got {option!r}"
+    return None
+
+
+def job_name(value: str) -> str | None:
+    if len(value) > MAX_NAME_CHARS:
+        return f"at most {MAX_NAME_CHARS} characters, got {len(value)}"
+    if _JOB_NAME.match(value):
+        return None
+    return f"expected letters, digits, '.', '_', '+' or '-' (it names the job folder), got {value!r}"
+
+
+def node_count(value: int) -> str | None:
+    return positive(value) or (None if value <= MAX_NODES else f"must be at most {MAX_NODES}, got {value}")
+
+
+def json_values(value: Mapping[str, Any]) -> str | None:
+    """Factory kwargs travel to every worker as JSON: only JSON's own types (no dates, bytes, sets)."""
+    stack: list[tuple[str, Any]] = [(str(k), v) for k, v in value.items()]
+    while stack:
+        key, item = stack.pop()
+        if isinstance(item, dict):
+            stack += [(f"{key}.{k}", v) for k, v in item.items()]
+        elif isinstance(item, (list, tuple)):
+            stack += [(f"{key}[{i}]", v) for i, v in enumerate(item)]
+        elif isinstance(item, float) and not math.isfinite(item):
+            return f"{key}: JSON has no {item!r}"
+        elif item is not None and not isinstance(item, (str, int, float, bool)):
+            return f"{key}: expected a JSON value (text, number, true/false, list, mapping), got {type(item).__name__}"
     return None
 
 
@@ -94,7 +129,7 @@ class ClusterConfig:
     """Where the job runs: a real Slurm allocation or virtual nodes as local processes."""
 
     backend: Literal["local", "slurm"] = "local"
-    nodes: int = field(default=4, metadata=check(positive))
+    nodes: int = field(default=4, metadata=check(node_count))
     gpus_per_node: int = field(default=0, metadata=check(non_negative))
     cpus_per_node: int = field(default=1, metadata=check(positive))
     # Worker processes per node: one per GPU; on CPU-only nodes as many as given (default 1), each
@@ -103,7 +138,8 @@ class ClusterConfig:
     # The planner's memory budget per device (worker), instead of the profiled device's: headroom on
     # GPUs, or a GPU's constraint reproduced on CPU virtual nodes (pipelines then span nodes).
     memory_per_device: str | None = field(default=None, metadata=check(optional(byte_size)))
-    spare_nodes: int = field(default=0, metadata=check(non_negative))
+    spare_nodes: int = field(default=0, metadata=check(lambda v: non_negative(v) or (
+        None if v <= MAX_NODES else f"must be at most {MAX_NODES}, got {v}")))
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -137,7 +173,7 @@ class ModelConfig:
     seq_len: int | None = field(default=None, metadata=check(optional(positive)))
     vocab_size: int | None = field(default=None, metadata=check(optional(positive)))
     factory: str | None = field(default=None, metadata=check(factory_string))
-    kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), metadata=check(json_values))
 
     def resolve(self) -> GPTConfig:
         """The model's shape: the preset with this recipe's overrides applied."""
@@ -214,7 +250,7 @@ class FaultToleranceConfig:
 class Recipe:
     """A whole training job. Built only through `load_recipe`, which validates everything."""
 
-    name: str = "job"
+    name: str = field(default="job", metadata=check(job_name))
     description: str = ""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

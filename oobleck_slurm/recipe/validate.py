@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from collections import abc
 import typing
 from types import MappingProxyType, UnionType
@@ -18,6 +20,9 @@ _SECTIONS = typing.get_type_hints(schema.Recipe)
 
 
 UNKNOWN_KEY = "unknown key"
+# Integers beyond 64 bits fit no seed, count or C library call downstream; refuse them here.
+MAX_RECIPE_INT = 2**63 - 1
+_UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
 class _Invalid(Exception):
@@ -28,7 +33,8 @@ def build_recipe(source: Source) -> schema.Recipe:
     """Validate `source` and return the Recipe, or raise RecipeError listing every issue found."""
     issues: list[RecipeIssue] = []
     tree = dict(source.tree)
-    tree.setdefault("name", Path(source.root_file).stem or "job")
+    # The name becomes part of a folder name: a default made from the file name keeps only safe characters.
+    tree.setdefault("name", _UNSAFE_NAME_CHARS.sub("-", Path(source.root_file).stem).strip("-.") or "job")
     recipe = _build(schema.Recipe, tree, (), source, issues)
     # Contradictions are judged on valid values only: a bad value was replaced by its default, and a
     # message about that default would mislead. Unknown keys change no value.
@@ -91,17 +97,27 @@ def _convert(tp: Any, value: Any, path: KeyPath, source: Source, issues: list[Re
         raise _Invalid(f"expected true or false, got {_describe(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_RECIPE_INT:
+                raise _Invalid(f"integer out of range (more than 64 bits): {value}")
             return value
         raise _Invalid(f"expected an integer, got {_describe(value)}")
     if tp is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
+            except OverflowError:  # an integer too big for a float
+                raise _Invalid(f"number out of range: {value}") from None
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                number = float(value)
             except ValueError:
                 pass
-        raise _Invalid(f"expected a number, got {_describe(value)}")
+        if number is None:
+            raise _Invalid(f"expected a number, got {_describe(value)}")
+        if not math.isfinite(number):  # .inf, 1e400, nan: no rate, timeout or clip means that
+            raise _Invalid(f"expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -205,8 +221,10 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     if t.lr_schedule.min_lr > opt.lr:
         add(("training", "lr_schedule", "min_lr"), f"min_lr {t.lr_schedule.min_lr:g} exceeds optimizer.lr {opt.lr:g}")
 
+    # `model:` with nothing after it is None in the tree (all defaults), not a mapping.
+    model_tree = source.tree.get("model") if isinstance(source.tree.get("model"), dict) else {}
     shape_keys = [k for k in ("size", "n_layer", "d_model", "n_head", "seq_len", "vocab_size")
-                  if k in source.tree.get("model", {}) and source.tree["model"][k] is not None]
+                  if model_tree.get(k) is not None]
     if m.factory and shape_keys:
         add(("model", "factory"), f"a factory builds its own model; remove model.{shape_keys[0]} or the factory")
     if m.kwargs and not m.factory:

@@ -67,8 +67,10 @@ class Channel:
         self._recv_seq += 1
         try:
             message = json.loads(payload)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ProtocolError(f"authenticated frame is not JSON: {err}") from None
+        except ValueError as err:  # not UTF-8, not JSON, or an integer over Python's 4300-digit limit
+            raise ProtocolError(f"authenticated frame is not JSON: {str(err)[:200]}") from None
+        except RecursionError:  # json's parser on deep nesting ("[[[[..."); no message nests deeply
+            raise ProtocolError("authenticated frame nests JSON too deeply") from None
         if not isinstance(message, dict) or not isinstance(message.get("type"), str):
             raise ProtocolError("message must be a JSON object with a string 'type'")
         return message

@@ -110,15 +110,21 @@ def test_issue_in_extended_file_names_that_file(tmp_path: Path) -> None:
     assert issue.file == str(tmp_path / "centre.yaml") and issue.line == 3
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00bad", b""])
-def test_binary_or_empty_file(tmp_path: Path, content: bytes) -> None:
+@pytest.mark.parametrize(("content", "words"), [
+    (b"\xff\xfe\x00bad", "not UTF-8"),
+    (b"", "the recipe is empty"),
+    (b"# only a comment\n\n", "the recipe is empty"),
+])
+def test_binary_or_empty_file(tmp_path: Path, content: bytes, words: str) -> None:
     path = tmp_path / "r.yaml"
     path.write_bytes(content)
-    if content:
-        with pytest.raises(RecipeError, match="not UTF-8"):
-            load_recipe(path)
-    else:  # an empty recipe is all defaults
-        assert load_recipe(path).cluster.nodes == 4
+    with pytest.raises(RecipeError, match=words) as caught:
+        load_recipe(path)
+    assert caught.value.issues[0].file == str(path)
+
+
+def test_explicit_empty_mapping_is_all_defaults(tmp_path: Path) -> None:
+    assert load_recipe(write(tmp_path, "{}\n")).cluster.nodes == 4
 
 
 def test_missing_recipe_file(tmp_path: Path) -> None:
@@ -136,3 +142,9 @@ def test_contradictions_are_reported_beside_unknown_keys_but_not_beside_bad_valu
     with pytest.raises(RecipeError) as caught:
         load_recipe(path)
     assert [i.message for i in caught.value.issues] == ["expected an integer, got str 'x'"]
+
+
+def test_empty_section_is_all_defaults(tmp_path: Path) -> None:
+    """`model:` with nothing under it once crashed the cross-checks (TypeError on None); found by fuzzing."""
+    recipe = load_recipe(write(tmp_path, "name: x\nmodel:\ntraining:\n"))
+    assert recipe.model.size == "tiny"

@@ -87,3 +87,51 @@ def test_validate_command_prints_resolved_recipe() -> None:
 def test_help_lists_commands() -> None:
     result = run_cli("--help")
     assert result.returncode == 0 and "validate" in result.stdout
+
+
+# Centre recipes and the data-sheet GPU that `plan --estimate` uses for each (planning/gpus.py).
+CENTRE_GPUS = {
+    "cscs-alps-gh200.yaml": "GH200", "isambard-ai.yaml": "GH200", "juwels-booster.yaml": "A100-40",
+    "jureca-dc-gpu.yaml": "A100-40", "perlmutter-gpu.yaml": "A100-40", "olcf-frontier.yaml": "MI250X",
+    "lumi-g.yaml": "MI250X",
+    "leonardo-booster.yaml": "A100-40",  # its A100s have 64 GB; A100-40 is the closest known below
+}
+CENTRES = sorted((REPO / "recipes" / "centres").glob("*.yaml"))
+
+
+def test_every_centre_recipe_has_a_gpu_to_plan_with() -> None:
+    from oobleck_slurm.planning.gpus import GPUS
+
+    assert {p.name for p in CENTRES} == set(CENTRE_GPUS)
+    assert set(CENTRE_GPUS.values()) <= set(GPUS)
+
+
+@pytest.mark.parametrize("path", CENTRES, ids=[p.name for p in CENTRES])
+def test_centre_recipe_cites_its_sources(path: Path) -> None:
+    """Every hardware value carries a comment: a URL with what it says, or that it is unconfirmed."""
+    lines = path.read_text().splitlines()
+    assert any("https://" in line for line in lines if line.lstrip().startswith("#")), "no source URL"
+    for i, line in enumerate(lines):
+        key = line.strip().split(":", 1)[0]
+        if key in ("partition", "gpus_per_node", "cpus_per_node", "qos", "constraint") and not line.lstrip().startswith("#"):
+            commented = "#" in line or lines[i - 1].lstrip().startswith("#")
+            assert commented, f"{path.name}:{i + 1}: {key} has no comment saying where it comes from"
+
+
+@pytest.mark.parametrize("path", CENTRES, ids=[p.name for p in CENTRES])
+def test_centre_recipe_validates_and_plans(path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from oobleck_slurm.cli import main
+
+    assert main(["validate", str(path), "--json"]) == 0, capsys.readouterr().err
+    values = json.loads(capsys.readouterr().out)
+    assert values["cluster"]["backend"] == "slurm" and values["cluster"]["gpus_per_node"] >= 1
+    # A job on the centre, as a user writes it: plan it with the centre GPU's data-sheet figures.
+    job = tmp_path / "job.yaml"
+    job.write_text(f"extends: {path}\nname: centre-job\ncluster:\n  nodes: 4\n  account: test\nmodel:\n  size: 350m\n"
+                   "training:\n  global_batch_size: 64\n  microbatch_size: 2\nfault_tolerance:\n  f: 1\n")
+    code = main(["plan", str(job), "--estimate", CENTRE_GPUS[path.name], "--cache", str(tmp_path / "cache"), "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    plan = json.loads(out.out)
+    assert plan["profile"]["devices_per_node"] == values["cluster"]["gpus_per_node"]
+    assert len(plan["plan"]["pipelines"]) >= 2
