@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
+import re
 import signal
 import sys
 import time
@@ -55,19 +57,23 @@ FAULT_ACTIONS = ("kill", "hang", "pause")
 
 
 def load_faults(path: Path) -> list[dict[str, Any]]:
-    """A drill's fault list (see the module doc), checked: a bad entry names the file, the entry and the key."""
+    """A drill's fault list (see the module doc), checked: a bad entry names the file, the entry and the
+    key, and every fault accepted is one a worker can carry out."""
     try:
         faults = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a JSON list of faults: {err}") from None
+    except (OSError, ValueError, RecursionError) as err:  # deep nesting: RecursionError
+        raise ValueError(f"{path}: not a JSON list of faults: {type(err).__name__}: {err}") from None
     if not isinstance(faults, list):
         raise ValueError(f"{path}: must be a JSON list of faults, got {type(faults).__name__}")
     for i, f in enumerate(faults):
         where = f"{path}: fault {i}"
-        if not isinstance(f, dict) or "node" not in f or not isinstance(f.get("step"), int):
+        step = f.get("step") if isinstance(f, dict) else None
+        if not isinstance(f, dict) or "node" not in f or isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"{where}: needs 'node' and an integer 'step', got {f!r}")
+        if step < 0:
+            raise ValueError(f"{where}: 'step' must be >= 0, got {step}")
         at = f.get("at", "start")
-        if at not in FAULT_POINTS and not (isinstance(at, str) and at.startswith("wait:") and at[5:].isdigit()):
+        if at not in FAULT_POINTS and not (isinstance(at, str) and re.fullmatch(r"wait:[0-9]+", at)):
             raise ValueError(f"{where}: 'at' must be one of {', '.join(FAULT_POINTS)} or wait:K, got {at!r}")
         if f.get("do", "kill") not in FAULT_ACTIONS:
             raise ValueError(f"{where}: 'do' must be one of {', '.join(FAULT_ACTIONS)}, got {f.get('do')!r}")
@@ -75,8 +81,9 @@ def load_faults(path: Path) -> list[dict[str, Any]]:
         if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
             raise ValueError(f"{where}: 'worker' must be a worker index >= 0, got {worker!r}")
         seconds = f.get("seconds")
-        if f.get("do") == "pause" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
-            raise ValueError(f"{where}: 'pause' needs 'seconds' > 0, got {seconds!r}")
+        if f.get("do") == "pause" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                       or not math.isfinite(seconds) or seconds <= 0):
+            raise ValueError(f"{where}: 'pause' needs 'seconds' > 0 (finite), got {seconds!r}")
     return faults
 
 
