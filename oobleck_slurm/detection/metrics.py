@@ -308,6 +308,11 @@ def read_metrics(path: str | os.PathLike[str], max_bytes: int = DEFAULT_READ_LIM
                                            "limit; cut it (e.g. head -n) or raise the limit")
     samples: dict[float, Sample] = {}
     with open(path, "rb") as file:
+        head = file.read(4096)  # a binary file is named as such at once, not as a bad first row
+        if b"\0" in head:
+            line = head[:head.index(b"\0")].count(b"\n") + 1
+            raise MetricsFileError(path, line, "binary data (NUL byte); expected a CSV text file")
+        file.seek(0)
         for lineno, raw in enumerate(file, start=1):
             if live and not raw.endswith(b"\n"):
                 break
