@@ -2,15 +2,24 @@
 
     lease       heartbeat leases: a member not heard from within its lease is lost
     progress    step progress: a worker whose step does not advance within the step timeout is hung
-    minder      Minder-style faulty-machine detection from monitoring metrics (peer distance over time)
+    minder      Minder-style faulty-machine detection from monitoring metrics (peers, over time)
     straggler   MegaScale-style straggler detection from compute-only segment timings
+    metrics     the per-node metrics sampler (psutil, NVML) and the job folder's metrics.csv store
 
-Nothing here reads clocks, sockets or files: callers pass `now` and the observations.
+Apart from `metrics` (which reads the machine's counters and files), nothing here reads clocks,
+sockets or files: callers pass `now`/`t` and the observations.
 """
 
 from oobleck_slurm.detection.lease import LeaseTable
-from oobleck_slurm.detection.minder import MinderDetector
+from oobleck_slurm.detection.metrics import (
+    HEADER, METRICS_FILE, MetricsFileError, MetricsSampler, MetricsWriter, bucket, metrics_files, read_metrics,
+)
+from oobleck_slurm.detection.minder import DetectorConfig, Flag, MinderDetector, detect
 from oobleck_slurm.detection.progress import ProgressWatch
-from oobleck_slurm.detection.straggler import find_stragglers
+from oobleck_slurm.detection.straggler import Straggler, StragglerWatch, find_stragglers
 
-__all__ = ["LeaseTable", "MinderDetector", "ProgressWatch", "find_stragglers"]
+__all__ = [
+    "HEADER", "METRICS_FILE", "DetectorConfig", "Flag", "LeaseTable", "MetricsFileError", "MetricsSampler",
+    "MetricsWriter", "MinderDetector", "ProgressWatch", "Straggler", "StragglerWatch", "bucket", "detect",
+    "find_stragglers", "metrics_files", "read_metrics",
+]

@@ -1,80 +1,312 @@
-"""Minder-style faulty-machine detection from monitoring metrics.
+"""Minder-style faulty-machine detection from monitoring metrics (pure: no clock, no I/O).
 
-Machines of one training job run the same work, so their metrics (CPU, memory, network, GPU
-utilisation, power, temperature, step compute time) move together; a faulty machine's metrics
-drift away from its peers' before the job halts. For each metric and sample, values are normalised
-across nodes and each node's median distance to its peers is taken; its median over the recent
-window, summed over metrics, is the node's score. A node whose score is the largest and stands
-out (by `threshold` times the median node's) is a suspect; a suspect for `continuity` consecutive observations is reported faulty. Continuity is what makes it
-precise: one noisy sample makes no alarm.
+The machines of one training job run the same work in lock step, so their metrics move together:
+compute and communication phases, step boundaries, checkpoints, even a recovery where every machine
+idles. A faulty machine's metrics drift away from its peers' (often for a while before the job
+halts). Following Minder's principles, per sample:
+
+1. **Machine-level similarity.** For each metric, every node's value is compared with the median of
+   all nodes at the same instant, in units of the nodes' spread (a robust z-score: median absolute
+   deviation, with floors so that a moment when all nodes happen to agree cannot inflate it). Whatever
+   the whole job does at once (a rhythm, a dip) moves the median too and scores nothing.
+2. **Per-metric denoising.** The z-scores are clipped and averaged over a short window without
+   its most extreme reading: one wild reading counts for nothing, and a node whose phase lags its peers' a little (pipeline
+   stages) gets opposite deviations at the two phase edges, which cancel. Each node also keeps a slow
+   average of its own lasting offset from its peers (up to `offset_cap`), so a node that always runs
+   a little warmer or holds a little more memory is its own normal, while a fault still stands out.
+3. **Metric prioritisation.** Each metric's score is weighted (`priorities`; 0 switches one off);
+   a node's score is its worst metric's, so a fault seen in a single metric counts fully, and the
+   metrics behind a flag are reported most deviant first.
+4. **Continuity.** A node is flagged only when its score stays over `threshold` for `continuity`
+   seconds in a row. Slow-onset faults are caught once they cross the threshold; intermittent ones
+   because the window average bridges their gaps.
+
+A node is not judged during its first `grace` seconds (a replacement loading its layers behaves
+unlike its peers for a moment), nor while fewer than `min_nodes` nodes report.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
+_MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
+_ABS_FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    """The detector's knobs; times in seconds (converted to samples with `interval`)."""
+
+    interval: float = 1.0  # time between samples
+    window: float = 5.0  # denoising window: z-scores are averaged over it
+    continuity: float = 2.0  # how long a node's score must stay over the threshold
+    threshold: float = 4.5  # robust z-score (in units of the nodes' spread) that counts as deviating
+    clip: float = 12.0  # a single reading's z-score is clipped to +-clip before averaging
+    # The spread is at least this fraction of the metric's median: a deviation of under ~2% x
+    # threshold of a metric's level is no machine fault, however alike the nodes happen to be.
+    rel_floor: float = 0.02
+    grace: float = 10.0  # a node that just appeared is not judged for this long
+    baseline: float = 120.0  # time constant of each node's own average offset from its peers
+    offset_cap: float = 3.0  # the largest lasting offset (in z) accepted as a node's normal
+    min_nodes: int = 4
+    priorities: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        problems = [name for name, ok in (
+            ("interval > 0", self.interval > 0), ("window >= interval", self.window >= self.interval),
+            ("continuity >= interval", self.continuity >= self.interval), ("threshold > 0", self.threshold > 0),
+            ("clip >= threshold", self.clip >= self.threshold), ("grace >= 0", self.grace >= 0),
+            ("baseline >= 0", self.baseline >= 0), ("offset_cap >= 0", self.offset_cap >= 0), ("rel_floor >= 0", self.rel_floor >= 0),
+            ("min_nodes >= 3", self.min_nodes >= 3),
+            ("priorities >= 0", all(w >= 0 for w in self.priorities.values()))) if not ok]
+        if problems:
+            raise ValueError("bad detector config: need " + ", ".join(problems))
+
+    @classmethod
+    def from_recipe(cls, section: object) -> DetectorConfig:
+        """The detector's knobs from a recipe's `detection:` section (recipe.schema.DetectionConfig)."""
+        return cls(**{name: getattr(section, name) for name in
+                      ("interval", "window", "continuity", "threshold", "grace", "min_nodes", "priorities")})
+
+    @property
+    def window_samples(self) -> int:
+        return max(1, round(self.window / self.interval))
+
+    @property
+    def continuity_samples(self) -> int:
+        return max(1, round(self.continuity / self.interval))
+
+    def weight(self, metric: str) -> float:
+        """A metric's priority: by full name (`gpu0.temp_c`), then its kind (`temp_c`), then its
+        group (`gpu0`); 1 when not named."""
+        p = self.priorities
+        for key in (metric, metric.rsplit(".", 1)[-1], metric.split(".", 1)[0]):
+            if key in p:
+                return float(p[key])
+        return 1.0
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A node judged faulty: when (`time`), since when it deviated (`since`), and on which metrics."""
+
+    node: Hashable
+    time: float
+    since: float
+    metrics: tuple[str, ...]  # most deviant first
+    score: float  # the node's score when flagged (robust z, weighted)
+
 
 class MinderDetector:
-    def __init__(self, window: int = 8, continuity: int = 4, threshold: float = 3.0, min_nodes: int = 4) -> None:
-        if window < 2 or continuity < 1 or threshold <= 1 or min_nodes < 3:
-            raise ValueError("need window >= 2, continuity >= 1, threshold > 1, min_nodes >= 3")
-        self.window, self.continuity, self.threshold, self.min_nodes = window, continuity, threshold, min_nodes
-        self._history: dict[tuple[Hashable, str], deque[float]] = {}
-        self._suspect: Hashable | None = None
-        self._streak = 0
+    """Feed one sample per interval with `observe(t, {node: {metric: value}})`; it returns the nodes
+    newly judged faulty. `scores()` gives every node's current score (for a dashboard)."""
 
-    def observe(self, sample: Mapping[Hashable, Mapping[str, float]]) -> Hashable | None:
-        """Add one sample `{node: {metric: value}}`; return a node once it is judged faulty."""
-        for node, metrics in sample.items():
-            for metric, value in metrics.items():
-                self._history.setdefault((node, metric), deque(maxlen=self.window)).append(float(value))
-        suspect = self._suspect_now(list(sample))
-        if suspect is not None and suspect == self._suspect:
-            self._streak += 1
+    def __init__(self, config: DetectorConfig | None = None, **overrides: object) -> None:
+        base = config or DetectorConfig()
+        self.config = DetectorConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **overrides})
+        self._nodes: dict[Hashable, int] = {}  # node -> slot
+        self._free: list[int] = []
+        self._metrics: dict[str, int] = {}
+        self._weights = np.zeros(0)
+        cap = 8
+        w = self.config.window_samples
+        self._z = np.full((w, cap, 0), np.nan)  # ring of clipped z-scores: window x slot x metric
+        self._pos = 0
+        self._base = np.zeros((cap, 0))  # each node's own lasting offset (z)
+        self._spread = np.full(0, np.nan)  # slow average of each metric's spread across nodes
+        self._streak = np.zeros(cap, dtype=int)
+        self._since = np.zeros(cap)
+        self._first_seen = np.zeros(cap)
+        self._age = np.zeros(cap)  # samples seen per slot
+        self._flagged = np.zeros(cap, dtype=bool)
+        self._score = np.zeros(cap)
+        self._metric_score = np.zeros((cap, 0))
+        self._present = np.zeros(cap, dtype=bool)
+        self._hold_until = -np.inf
+        self.flags: list[Flag] = []  # every flag so far, in order
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+
+    def _slot(self, node: Hashable, t: float) -> int:
+        slot = self._nodes.get(node)
+        if slot is not None:
+            return slot
+        if self._free:
+            slot = self._free.pop()
         else:
-            self._suspect, self._streak = suspect, int(suspect is not None)
-        return suspect if suspect is not None and self._streak >= self.continuity else None
+            slot = len(self._nodes)
+            if slot >= self._streak.shape[0]:
+                self._grow_nodes(2 * self._streak.shape[0])
+        self._nodes[node] = slot
+        self._reset_slot(slot)
+        self._first_seen[slot] = t
+        return slot
+
+    def _grow_nodes(self, cap: int) -> None:
+        def grow(a: np.ndarray, axis: int, fill: float) -> np.ndarray:
+            shape = list(a.shape)
+            shape[axis] = cap - a.shape[axis]
+            return np.concatenate([a, np.full(shape, fill, dtype=a.dtype)], axis=axis)
+
+        self._z = grow(self._z, 1, np.nan)
+        self._base, self._metric_score = grow(self._base, 0, 0.0), grow(self._metric_score, 0, 0.0)
+        self._streak, self._since = grow(self._streak, 0, 0), grow(self._since, 0, 0.0)
+        self._first_seen, self._score = grow(self._first_seen, 0, 0.0), grow(self._score, 0, 0.0)
+        self._age = grow(self._age, 0, 0.0)
+        self._flagged, self._present = grow(self._flagged, 0, False), grow(self._present, 0, False)
+
+    def _metric(self, name: str) -> int:
+        idx = self._metrics.get(name)
+        if idx is None:
+            idx = self._metrics[name] = len(self._metrics)
+            self._z = np.concatenate([self._z, np.full((*self._z.shape[:2], 1), np.nan)], axis=2)
+            self._base = np.concatenate([self._base, np.zeros((self._base.shape[0], 1))], axis=1)
+            self._metric_score = np.concatenate([self._metric_score, np.zeros((self._base.shape[0], 1))], axis=1)
+            self._spread = np.append(self._spread, np.nan)
+            self._weights = np.append(self._weights, self.config.weight(name))
+        return idx
+
+    def _reset_slot(self, slot: int) -> None:
+        self._z[:, slot, :] = np.nan
+        self._base[slot] = 0.0
+        self._metric_score[slot] = 0.0
+        self._streak[slot], self._score[slot], self._age[slot] = 0, 0.0, 0.0
+        self._flagged[slot] = self._present[slot] = False
 
     def forget(self, node: Hashable) -> None:
-        """Drop an evicted node's history so that it does not skew its peers' normalisation."""
-        for key in [k for k in self._history if k[0] == node]:
-            del self._history[key]
-        if self._suspect == node:
-            self._suspect, self._streak = None, 0
+        """Drop a node (evicted, or left the job): its history no longer counts; its slot is reused."""
+        slot = self._nodes.pop(node, None)
+        if slot is not None:
+            self._reset_slot(slot)
+            self._free.append(slot)
 
-    def scores(self, nodes: list[Hashable]) -> dict[Hashable, float]:
-        """Each node's distance to its peers, summed over metrics (larger = more unlike the others)."""
-        metrics = sorted({metric for (_, metric) in self._history})
-        total = np.zeros(len(nodes))
-        for metric in metrics:
-            series = [self._history.get((node, metric)) for node in nodes]
-            if any(s is None or len(s) < self.window for s in series):
-                continue
-            x = np.array([list(s) for s in series])  # nodes x window
-            # Normalise by the spread across nodes and time, so metrics in % and in bytes weigh alike.
-            scale = x.std()
-            if scale == 0:
-                continue
-            x = (x - x.mean()) / scale
-            # Per sample, each node's median distance to its peers: a healthy node is close to most
-            # of its peers even when one of them is far off, so only the odd one out scores high.
-            gaps = np.abs(x[:, None, :] - x[None, :, :])  # nodes x nodes x window
-            peers = ~np.eye(len(nodes), dtype=bool)
-            per_sample = np.median(gaps[peers].reshape(len(nodes), len(nodes) - 1, -1), axis=1)
-            # Median over the window: a deviation must last, a single glitchy reading does not count.
-            total += np.median(per_sample, axis=1)
-        return dict(zip(nodes, total.tolist()))
+    def hold(self, until: float) -> None:
+        """Judge no node before time `until` (samples are still taken in). For the runtime to call
+        during a recovery, when some nodes copy state and others wait: uneven, but not a fault."""
+        self._hold_until = max(self._hold_until, until)
+        self._streak[:] = 0
 
-    def _suspect_now(self, nodes: list[Hashable]) -> Hashable | None:
-        if len(nodes) < self.min_nodes:
-            return None
-        scores = self.scores(nodes)
-        ranked = sorted(scores.items(), key=lambda item: -item[1])
-        top_node, top = ranked[0]
-        typical = float(np.median([s for _, s in ranked[1:]]))
-        if top <= 0 or top < self.threshold * max(typical, 1e-12):
-            return None
-        return top_node
+    # ---- observing --------------------------------------------------------------------------------
+
+    def observe(self, t: float, sample: Mapping[Hashable, Mapping[str, float]]) -> list[Flag]:
+        """One sample of every reporting node; returns the nodes flagged at this sample (usually none).
+
+        A node missing from the sample, or a metric missing for a node, is simply not compared this
+        time. Non-finite values count as missing.
+        """
+        slots = [self._slot(node, t) for node in sample]
+        per_node = [(slot, [(self._metric(m), v) for m, v in metrics.items()]) for slot, metrics in zip(slots, sample.values())]
+        values = np.full((self._streak.shape[0], len(self._metrics)), np.nan)
+        for slot, pairs in per_node:
+            if pairs:
+                idx, vals = zip(*pairs)
+                values[slot, list(idx)] = np.asarray(vals, dtype=float)
+        return self._step(t, values, np.asarray(slots, dtype=int))
+
+    def observe_array(self, t: float, nodes: Sequence[Hashable], metrics: Sequence[str], values: np.ndarray) -> list[Flag]:
+        """The same as `observe` for a dense `values[node, metric]` array (NaN = missing): no dicts."""
+        slots = np.asarray([self._slot(node, t) for node in nodes], dtype=int)
+        cols = np.asarray([self._metric(m) for m in metrics], dtype=int)
+        full = np.full((self._streak.shape[0], len(self._metrics)), np.nan)
+        full[np.ix_(slots, cols)] = values
+        return self._step(t, full, slots)
+
+    def _step(self, t: float, x: np.ndarray, slots: np.ndarray) -> list[Flag]:
+        cfg = self.config
+        present = np.zeros(x.shape[0], dtype=bool)
+        present[slots] = True
+        self._present = present
+        x = np.where(present[:, None] & np.isfinite(x), x, np.nan)
+        counts = np.sum(~np.isnan(x), axis=0)
+        usable = counts >= max(3, cfg.min_nodes)  # a median of fewer nodes says nothing
+        z = np.full_like(x, np.nan)
+        if usable.any():
+            xu = x[:, usable]
+            med = np.nanmedian(xu, axis=0)
+            spread = _MAD_TO_SIGMA * np.nanmedian(np.abs(xu - med), axis=0)
+            slow = self._spread[usable]
+            # The spread's slow average stands in when the nodes agree unusually well for a moment.
+            alpha = 1.0 / max(1.0, cfg.baseline / cfg.interval)
+            self._spread[usable] = np.where(np.isnan(slow), spread, slow + alpha * (spread - slow))
+            scale = np.maximum.reduce([spread, 0.5 * self._spread[usable], cfg.rel_floor * np.abs(med),
+                                       np.full_like(med, _ABS_FLOOR)])
+            z[:, usable] = np.clip((xu - med) / scale, -cfg.clip, cfg.clip)
+        self._z[self._pos] = z
+        self._pos = (self._pos + 1) % self._z.shape[0]
+
+        # Denoise: the mean of the window's clipped z-scores without the most extreme one (where at
+        # least half the window has a value). Dropping one reading makes a lone glitch count for
+        # nothing and two glitches in a row for clip / (window - 1) at most, while a lasting
+        # deviation keeps its full size.
+        valid = np.sum(~np.isnan(self._z), axis=0)
+        total = np.nansum(self._z, axis=0)
+        if self._z.shape[0] >= 3:
+            worst = np.argmax(np.nan_to_num(np.abs(self._z), nan=-1.0), axis=0)
+            extreme = np.take_along_axis(self._z, worst[None], axis=0)[0]
+            trim = valid >= 3
+            total = np.where(trim, total - np.nan_to_num(extreme), total)
+            valid = np.where(trim, valid - 1, valid)
+        enough = valid * 2 >= self._z.shape[0] - 1
+        smooth = np.where(enough & (valid > 0), total / np.maximum(valid, 1), np.nan)
+        dev = smooth - self._base
+        if cfg.baseline > 0:
+            # A running mean while the node is young (its offset is learnt within seconds, not
+            # minutes), then a moving average over `baseline`; capped, so a fault never becomes normal.
+            self._age += present
+            beta = np.maximum(1.0 / np.maximum(self._age, 1), 1.0 / max(1.0, cfg.baseline / cfg.interval))[:, None]
+            target = np.clip(smooth, -cfg.offset_cap, cfg.offset_cap)
+            self._base = np.where(np.isnan(smooth), self._base, self._base + beta * (target - self._base))
+        metric_score = np.nan_to_num(np.abs(dev) * self._weights[None, :], nan=0.0)
+        metric_score[~present] = 0.0
+        self._metric_score = metric_score
+        score = metric_score.max(axis=1) if metric_score.shape[1] else np.zeros(x.shape[0])
+        self._score = score
+
+        judged = (present & (t - self._first_seen >= cfg.grace) & ~self._flagged
+                  & (len(slots) >= cfg.min_nodes) & (t >= self._hold_until))
+        hit = judged & (score >= cfg.threshold)
+        starting = hit & (self._streak == 0)
+        self._since = np.where(starting, t, self._since)
+        self._streak = np.where(hit, self._streak + 1, 0)
+        new = np.flatnonzero(self._streak >= cfg.continuity_samples)
+        if not len(new):
+            return []
+        names = list(self._metrics)
+        slot_node = {slot: node for node, slot in self._nodes.items()}
+        flags = []
+        for slot in new:
+            order = np.argsort(-metric_score[slot])
+            behind = tuple(names[i] for i in order if metric_score[slot, i] >= cfg.threshold)
+            flags.append(Flag(slot_node[slot], float(t), float(self._since[slot]), behind, float(score[slot])))
+            self._flagged[slot] = True
+            self._streak[slot] = 0
+        self.flags.extend(flags)
+        return flags
+
+    # ---- for dashboards ---------------------------------------------------------------------------
+
+    def scores(self) -> dict[Hashable, float]:
+        """Every known node's score at the last sample (weighted robust z of its worst metric)."""
+        return {node: float(self._score[slot]) for node, slot in self._nodes.items()}
+
+    def metric_scores(self, node: Hashable) -> dict[str, float]:
+        """One node's score per metric at the last sample."""
+        slot = self._nodes[node]
+        return {m: float(self._metric_score[slot, i]) for m, i in self._metrics.items()}
+
+    def is_flagged(self, node: Hashable) -> bool:
+        slot = self._nodes.get(node)
+        return slot is not None and bool(self._flagged[slot])
+
+
+def detect(trace: Sequence[tuple[float, Mapping[Hashable, Mapping[str, float]]]],
+           config: DetectorConfig | None = None) -> list[Flag]:
+    """Run a detector over a whole recorded trace `[(t, sample)]`; every flag, in time order."""
+    detector = MinderDetector(config)
+    for t, sample in trace:
+        detector.observe(t, sample)
+    return detector.flags

@@ -246,6 +246,45 @@ class FaultToleranceConfig:
     checkpoint_interval: int = field(default=100, metadata=check(non_negative))  # steps; 0 = never
 
 
+def at_least_three(value: int) -> str | None:
+    return None if value >= 3 else f"must be >= 3 (a median of fewer nodes says nothing), got {value}"
+
+
+def above_one(value: float) -> str | None:
+    return None if value > 1 else f"must be > 1 (a ratio to the peers' compute time), got {value}"
+
+
+def metric_weights(value: Mapping[str, float]) -> str | None:
+    for key, weight in value.items():
+        if weight < 0:
+            return f"weight of {key!r} must be >= 0 (0 switches the metric off), got {weight}"
+    return None
+
+
+@dataclass(frozen=True)
+class DetectionConfig:
+    """Gray failures from monitoring metrics (Minder-style) and stragglers (MegaScale-style).
+
+    Times in seconds. A machine is flagged when its metrics stay `threshold` spreads away from its
+    peers' for `continuity` seconds (after averaging over `window`); see detection/minder.py.
+    """
+
+    enabled: bool = True
+    interval: float = field(default=1.0, metadata=check(positive))  # metrics sampling period
+    window: float = field(default=5.0, metadata=check(positive))  # denoising window
+    continuity: float = field(default=2.0, metadata=check(positive))  # how long a deviation must last
+    threshold: float = field(default=4.5, metadata=check(positive))  # robust z-score
+    grace: float = field(default=10.0, metadata=check(non_negative))  # a newly joined node is not judged
+    min_nodes: int = field(default=4, metadata=check(at_least_three))
+    priorities: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}),
+                                            metadata=check(metric_weights))  # metric -> weight (0 = ignore)
+    evict: bool = True  # act on a flagged machine like on a lost node (evict, replace)
+    stragglers: Literal["rebalance", "evict", "off"] = "rebalance"
+    straggler_threshold: float = field(default=1.3, metadata=check(above_one))  # slowdown vs peers
+    straggler_window: int = field(default=20, metadata=check(positive))  # recent microbatches per rank
+    metrics_max_mb: float = field(default=64.0, metadata=check(positive))  # metrics.csv cap (all rotations)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A whole training job. Built only through `load_recipe`, which validates everything."""
@@ -257,4 +296,5 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    detection: DetectionConfig = field(default_factory=DetectionConfig)
     source: str = field(default="", metadata={"internal": True})  # the file it was loaded from

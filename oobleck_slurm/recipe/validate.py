@@ -133,7 +133,9 @@ def _convert(tp: Any, value: Any, path: KeyPath, source: Source, issues: list[Re
             raise _Invalid(f"expected a mapping, got {_describe(value)}")
         value_type = get_args(tp)[1]
         if value_type is not Any:
-            value = {k: _convert(value_type, _scalar_text(v), (*path, k), source, issues) for k, v in value.items()}
+            # sbatch values are strings Slurm reads (`exclusive: true` -> ''); numeric maps keep numbers.
+            value = {k: _convert(value_type, _scalar_text(v) if value_type is str else v, (*path, k), source, issues)
+                     for k, v in value.items()}
         return MappingProxyType(dict(value))  # read-only, like the frozen dataclass that holds it
     if tp is Any:
         return value
@@ -202,6 +204,11 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     if not ft.heartbeat_interval < ft.heartbeat_lease:
         add(("fault_tolerance", "heartbeat_lease"),
             f"must exceed heartbeat_interval ({ft.heartbeat_interval:g} s), got {ft.heartbeat_lease:g} s")
+
+    det = recipe.detection
+    for key in ("window", "continuity"):
+        if getattr(det, key) < det.interval:
+            add(("detection", key), f"must be at least detection.interval ({det.interval:g} s), got {getattr(det, key):g} s")
 
     opt = t.optimizer
     want_betas, want_eps = {"adamw": (2, 1), "came": (3, 2)}[opt.name]
