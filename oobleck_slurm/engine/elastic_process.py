@@ -83,7 +83,7 @@ def load_faults(path: Path) -> list[dict[str, Any]]:
         seconds = f.get("seconds")
         if f.get("do") == "pause" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                        or not math.isfinite(seconds) or seconds <= 0):
-            raise ValueError(f"{where}: 'pause' needs 'seconds' > 0 (finite), got {seconds!r}")
+            raise ValueError(f"{where}: 'pause' needs 'seconds' > 0, got {seconds!r} (a finite number)")
     return faults
 
 
