@@ -1,104 +1,127 @@
-"""Engine throughput against plain DDP and torch.distributed.pipelining, predicted vs measured step
-time, optimizer-state bytes per parameter, and the loss curve of the embedded default.
+"""Engine throughput against plain PyTorch DDP and torch.distributed.pipelining, predicted vs measured
+step time and the loss of the embedded default, optimizer-state bytes per parameter.
 
     python benchmarks/bench_engine.py [--workers 4] [--preset mini] [--steps 12] [--loss-steps 300]
+                                      [--device cpu|cuda]
 
-1. One set of `--workers` processes (gloo, one thread each) runs, in turn and on the same model and
-   global batch: the engine with one 1-stage pipeline per worker (data parallel), the engine with a
-   heterogeneous plan, plain PyTorch DDP (same microbatches per rank, no_sync accumulation, AdamW,
-   global-norm clip), the engine with one `--workers`-stage pipeline, and torch.distributed.
-   pipelining's Schedule1F1B on the same partition. Medians of per-step wall time (rank 0, first two
-   steps dropped); ratios engine / reference in samples/s.
-2. The default recipe through `train_local`: the planner's predicted step time vs the measured
+Every figure of OUR engine comes from a job started the way `submit` starts one
+(oobleck_slurm.submission: prepare_job + start_local: supervisor, agents, one worker process per
+device) and read from its events.jsonl (rank 0's `step` events). The references are plain PyTorch
+run by a small harness in this file (they are the baseline, not our runtime), on the same model,
+the same token file, the same global batch and microbatches, and the same number of worker
+processes (gloo, one thread each on CPU):
+1. engine_dp: `--workers` nodes x 1 worker; the planner's 1-stage pipelines (data parallel), against
+   DDP on `--workers` processes (same microbatches per rank, no_sync accumulation, AdamW, global-norm
+   clip).
+2. engine_span: 2 nodes x 2 workers with a `cluster.memory_per_device` found so that the pipeline
+   spans both nodes (4 stages), against DDP on 4 processes and torch.distributed.pipelining's
+   Schedule1F1B on the same 4-stage partition.
+   Medians of per-step seconds, the first `--drop` steps left out; ratios engine / reference in
+   samples/s (> 1: the engine is faster).
+3. The embedded default recipe (measured profile): the planner's predicted step time vs the measured
    median; with `--loss-steps` steps, the loss at the start and at the end.
-3. Optimizer-state bytes per parameter, AdamW vs CAME, measured on the real per-layer optimizers
-   after one step.
+4. Optimizer-state bytes per parameter, AdamW vs CAME, on the real per-layer optimizers after one step.
 Writes benchmarks/results/bench_engine.json.
+
+`--device cuda` (NOT RUN ON A GPU YET: written and checked on a CPU-only machine, where it stops with
+a clear error): the same jobs with `cluster.gpus_per_node` (one worker per GPU, nccl, bf16 by
+default): engine_dp on 1 node x `--gpus` GPUs against DDP on `--gpus` GPUs and a plain single-GPU
+loop of the same model and global batch (gradient accumulation over the same microbatches), with
+samples/s and MFU = 6 * params * tokens/s / (GPUs * peak bf16 FLOP/s, oobleck_slurm/planning/gpus.py;
+`--gpu NAME` when the device name does not say which). engine_span and pipelining are CPU-only here:
+virtual nodes on one machine would pin the same GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime as dt
 import json
 import os
 import platform
-import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from oobleck_slurm.engine.batches import StepBatches, open_dataset
-from oobleck_slurm.engine.comm import Generation, Timeouts, connect_store
-from oobleck_slurm.engine.layer_optim import make_layer_optimizer
-from oobleck_slurm.engine.layout import ExecPlan, make_plan
-from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
-from oobleck_slurm.engine.worker import Worker
-from oobleck_slurm.models.config import gpt_config
-from oobleck_slurm.models.gpt import build_layers, lm_loss
-from oobleck_slurm.optim import optimizer_state_tensors
+from _jobs import (budget_for_span, default_recipe_dict, drop_warmup, load, median, plan_summary, planned,
+                   recipe_dict, run_job)
 
 RESULTS = Path(__file__).parent / "results" / "bench_engine.json"
-TIMEOUTS = Timeouts(collective=300.0, connect=300.0)
-DROP = 2  # warm-up steps left out of the medians
+BASELINE_TIMEOUT_S = 1800
 
 
-def even_bounds(num_layers: int, stages: int) -> list[int]:
-    return [round(i * num_layers / stages) for i in range(stages + 1)]
+# ---- the references: plain PyTorch, one process per rank --------------------------------------------
 
-
-def median_s(times: list[float]) -> float:
-    return statistics.median(times[DROP:] if len(times) > DROP + 1 else times)
-
-
-# ---- worker side --------------------------------------------------------------------------------
-
-def _ddp_steps(job: JobSpec, rank: int, world: int, steps: int) -> list[float]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _batches(job: Any) -> Any:
+    from oobleck_slurm.engine.batches import StepBatches, open_dataset
 
     t = job.train
-    model = torch.nn.Sequential(*build_layers(job.model.gpt, t.seed))
-    ddp = DDP(model)
+    return StepBatches(open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size),
+                       t.global_batch_size, t.microbatch_size, t.seed)
+
+
+def _autocast(device: torch.device, precision: str) -> Any:
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ddp_steps(job: Any, rank: int, world: int, steps: int, device: torch.device) -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from oobleck_slurm.models.gpt import build_layers, lm_loss
+
+    t = job.train
+    model = torch.nn.Sequential(*build_layers(job.model.gpt, t.seed)).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay,
-                            foreach=False)
-    batches = StepBatches(open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size),
-                          t.global_batch_size, t.microbatch_size, t.seed)
+                            foreach=device.type == "cuda")
+    batches = _batches(job)
     per_rank = t.num_microbatches // world
     times = []
     for step in range(steps):
+        _sync(device)
         t0 = time.perf_counter()
         opt.zero_grad()
         for m in range(per_rank):
-            x, y = batches.microbatch(step, rank * per_rank + m)
+            x, y = (v.to(device) for v in batches.microbatch(step, rank * per_rank + m))
             sync = m == per_rank - 1  # all-reduce once, on the last microbatch
-            with contextlib.nullcontext() if sync else ddp.no_sync():
-                (lm_loss(ddp(x), y) / t.num_microbatches).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            with contextlib.nullcontext() if sync else ddp.no_sync(), _autocast(device, t.precision):
+                loss = lm_loss(ddp(x), y) / t.num_microbatches
+            loss.backward()
+        if t.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return times
 
 
-def _pipelining_steps(job: JobSpec, rank: int, world: int, steps: int, bounds: list[int]) -> list[float]:
+def _pipelining_steps(job: Any, rank: int, world: int, steps: int, bounds: list[int]) -> list[float]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from oobleck_slurm.models.gpt import build_layers, lm_loss
 
     t = job.train
     sub = torch.nn.Sequential(*build_layers(job.model.gpt, t.seed, bounds[rank], bounds[rank + 1]))
     stage = PipelineStage(sub, rank, world, torch.device("cpu"))
     sched = Schedule1F1B(stage, n_microbatches=t.num_microbatches, loss_fn=lm_loss)
-    opt = torch.optim.AdamW(sub.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay,
-                            foreach=False)
-    batches = StepBatches(open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size),
-                          t.global_batch_size, t.microbatch_size, t.seed)
+    opt = torch.optim.AdamW(sub.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay, foreach=False)
+    batches = _batches(job)
     times = []
     for step in range(steps):
         xs, ys = zip(*(batches.microbatch(step, m) for m in range(t.num_microbatches)))
@@ -116,62 +139,129 @@ def _pipelining_steps(job: JobSpec, rank: int, world: int, steps: int, bounds: l
     return times
 
 
-def worker_main(rank: int, port: int, config_path: str) -> None:
-    torch.set_num_threads(1)
+def _single_gpu_steps(job: Any, steps: int) -> list[float]:
+    """One GPU, no distribution: the same model, global batch and microbatches (accumulation)."""
+    from oobleck_slurm.models.gpt import build_layers, lm_loss
+
+    device = torch.device("cuda", 0)
+    t = job.train
+    model = torch.nn.Sequential(*build_layers(job.model.gpt, t.seed)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay, foreach=True)
+    batches = _batches(job)
+    times = []
+    for step in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        for m in range(t.num_microbatches):
+            x, y = (v.to(device) for v in batches.microbatch(step, m))
+            with _autocast(device, t.precision):
+                loss = lm_loss(model(x), y) / t.num_microbatches
+            loss.backward()
+        if t.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def baseline_worker(kind: str, rank: int, world: int, port: int, config_path: str) -> None:
+    import torch.distributed as dist
+
+    from oobleck_slurm.engine.spec import JobSpec
+
     c = json.loads(Path(config_path).read_text())
-    world, steps = c["world"], c["steps"]
     job = JobSpec.from_json(c["job"])
-    store = connect_store("127.0.0.1", port, TIMEOUTS)
-    out: dict[str, list[float]] = {}
-    for g, (name, plan_json) in enumerate(c["engine_plans"]):
-        plan = ExecPlan.from_json(plan_json)
-        worker = Worker(job, rank)
-        gen = Generation(store, g, rank, world, plan, TIMEOUTS)
-        worker.rebuild(plan, gen)
-        out[name] = [worker.train_step().seconds for _ in range(steps)]
-        gen.wait(gen.world.barrier())
-    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=rank, world_size=world,
-                            timeout=dt.timedelta(seconds=TIMEOUTS.collective))
-    out["ddp"] = _ddp_steps(job, rank, world, steps)
-    dist.barrier()
-    out["pipelining_1f1b"] = _pipelining_steps(job, rank, world, steps, c["pp_bounds"])
-    dist.barrier()
+    cuda = c["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if kind == "single":
+        times = _single_gpu_steps(job, c["steps"])
+    else:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=300))
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
+                                timeout=dt.timedelta(seconds=300))
+        if kind == "ddp":
+            times = _ddp_steps(job, rank, world, c["steps"], device)
+        else:
+            times = _pipelining_steps(job, rank, world, c["steps"], c["bounds"])
+        dist.barrier()
+        dist.destroy_process_group()
     if rank == 0:
-        Path(c["out"]).write_text(json.dumps(out))
-    dist.destroy_process_group()
+        Path(c["out"]).write_text(json.dumps(times))
 
 
-# ---- driver side --------------------------------------------------------------------------------
+def run_baseline(kind: str, job: Any, world: int, steps: int, device: str, bounds: list[int] | None = None) -> list[float]:
+    """`world` processes of the plain-PyTorch reference `kind` (ddp, pipelining, single); rank 0's step times."""
+    import torch.distributed as dist
 
-def run_workers(job: JobSpec, world: int, steps: int, plans: dict[str, ExecPlan], pp_bounds: list[int]) -> dict:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=TIMEOUTS.store))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
     with tempfile.TemporaryDirectory() as tmp:
-        cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
-        cfg_path.write_text(json.dumps({
-            "world": world, "steps": steps, "job": job.to_json(), "out": str(out_path),
-            "engine_plans": [[k, p.to_json()] for k, p in plans.items()], "pp_bounds": pp_bounds,
-        }))
+        cfg, out = Path(tmp) / "config.json", Path(tmp) / "out.json"
+        cfg.write_text(json.dumps({"job": job.to_json(), "steps": steps, "bounds": bounds, "out": str(out),
+                                   "device": device}))
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(store.port), str(cfg_path)],
-                                  env=env) for r in range(world)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--baseline-worker", kind, str(r), str(world),
+                                   str(store.port), str(cfg)], env=env) for r in range(world)]
         try:
             for p in procs:
-                if p.wait(timeout=1800) != 0:
-                    raise RuntimeError(f"benchmark worker exited with {p.returncode}")
+                if p.wait(timeout=BASELINE_TIMEOUT_S) != 0:
+                    raise SystemExit(f"{kind} reference: a worker exited with {p.returncode}")
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        return json.loads(out_path.read_text())
+        return json.loads(out.read_text())
+
+
+# ---- our engine: jobs through the production start path ----------------------------------------------
+
+def engine_job(name: str, d: dict[str, Any], root: Path, cache: Path, estimate: str | None, drop: int,
+               timeout: float) -> dict[str, Any]:
+    from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for
+
+    run = run_job(d, root, cache, estimate=estimate, timeout=timeout)
+    steps = run.kind("step")
+    plans = run.kind("plan")
+    if len(plans) != 1:
+        raise SystemExit(f"{name}: expected one plan (no failure), got {len(plans)}: {run.job.path}")
+    times = [e["seconds"] for e in steps]
+    kept = drop_warmup(times, drop)
+    recipe = load(d, root / "recipes")
+    spec = job_from_recipe(recipe, token_file_for(recipe, root / "data"))
+    return {
+        "name": name, "recipe": d, "plan": plans[0], "partition": plan_summary(plans[0]),
+        "ranks": plans[0]["ranks"], "step_times_s": times, "median_step_s": median(kept),
+        "samples_per_s": recipe.training.global_batch_size / median(kept),
+        "losses": [e["loss"] for e in steps], "job_wall_s": run.wall_s, "spec": spec, "job": str(run.job.path),
+    }
+
+
+def reference(name: str, times: list[float], global_batch: int, drop: int, partition: str, ranks: int) -> dict[str, Any]:
+    kept = drop_warmup(times, drop)
+    return {"name": name, "partition": partition, "ranks": ranks, "step_times_s": times,
+            "median_step_s": median(kept), "samples_per_s": global_batch / median(kept)}
+
+
+def stage_bounds(plan_event: dict[str, Any]) -> list[int]:
+    stages = plan_event["pipelines"][0]["stages"]
+    return [stages[0]["layers"][0]] + [s["layers"][1] for s in stages]
 
 
 def state_bytes_per_param(name: str) -> float:
-    cfg = gpt_config("mini")
-    layers = build_layers(cfg, 0)
+    from oobleck_slurm.engine.layer_optim import make_layer_optimizer
+    from oobleck_slurm.engine.spec import OptimSpec
+    from oobleck_slurm.models.config import gpt_config
+    from oobleck_slurm.models.gpt import build_layers
+    from oobleck_slurm.optim import optimizer_state_tensors
+
     total_bytes = total_params = 0
-    for layer in layers:
+    for layer in build_layers(gpt_config("mini"), 0):
         opt = make_layer_optimizer(layer, OptimSpec(name, lr=1e-3))
         for p in layer.parameters():
             p.grad = torch.randn_like(p)
@@ -181,99 +271,188 @@ def state_bytes_per_param(name: str) -> float:
     return total_bytes / total_params
 
 
-def predicted_vs_measured(steps: int, cache_dir: Path) -> dict:
-    from oobleck_slurm.engine.local import local_plan, train_local
-    from oobleck_slurm.recipe import load_recipe
-
-    recipe = load_recipe()
-    recipe = dataclasses.replace(recipe, training=dataclasses.replace(recipe.training, steps=steps))
-    plan = local_plan(recipe, cache_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        run = train_local(recipe, Path(tmp) / "job", plan=plan, cache_dir=cache_dir)
-    losses = [s["loss"] for s in run.steps]
-    measured = median_s([s["seconds"] for s in run.steps])
+def predicted_vs_measured(steps: int, root: Path, cache: Path, drop: int, timeout: float) -> dict[str, Any]:
+    """The embedded default recipe with `steps` steps, planned with the measured profile (as `submit`)."""
+    d = default_recipe_dict(steps=steps)
+    warmup = d["training"].get("lr_schedule", {}).get("warmup_steps", 0)
+    if warmup >= steps:  # a short smoke run: the recipe refuses more warm-up steps than steps
+        d["training"]["lr_schedule"] = {**d["training"]["lr_schedule"], "warmup_steps": max(0, steps // 4)}
+    run = run_job(d, root, cache, estimate=None, timeout=timeout)
+    plan = planned(load(d, root / "recipes"), cache, None)  # the cache now holds the measured profile
+    steps_ev = run.kind("step")
+    losses = [e["loss"] for e in steps_ev]
+    measured = median(drop_warmup([e["seconds"] for e in steps_ev], drop))
     return {
-        "recipe": "embedded default", "nodes": recipe.cluster.nodes, "steps": steps,
-        "pipelines": [len(p.nodes) for p in plan.pipelines],
+        "recipe": "embedded default", "nodes": d["cluster"]["nodes"], "steps": steps,
+        "pipelines": [len(p.nodes) for p in plan.pipelines], "partition": plan_summary(run.kind("plan")[0]),
         "predicted_step_s": plan.step_time_s, "measured_step_s": measured,
         "measured_over_predicted": measured / plan.step_time_s,
-        "samples_per_s_median": statistics.median(s["samples_per_s"] for s in run.steps),
-        "loss_first": losses[0], "loss_last10_mean": statistics.fmean(losses[-10:]),
+        "samples_per_s_median": median([e["samples_per_s"] for e in steps_ev]),
+        "loss_first": losses[0], "loss_last10_mean": sum(losses[-10:]) / len(losses[-10:]),
+        "job_wall_s": run.wall_s,
     }
 
+
+def peak_flops(gpu: str | None) -> tuple[str, float]:
+    from oobleck_slurm.planning.gpus import GPUS, gpu_spec
+
+    if gpu is not None:
+        spec = gpu_spec(gpu)
+        return spec.name, spec.bf16_tflops * 1e12
+    name = torch.cuda.get_device_name(0).upper().replace(" ", "")
+    for key in sorted(GPUS, key=len, reverse=True):  # H200 before H100, A100-80 before A100-40
+        base, _, mem = key.upper().partition("-")
+        if base in name and (not mem or f"{mem}GB" in name):
+            return key, GPUS[key].bf16_tflops * 1e12
+    for key in GPUS:
+        if key.upper().partition("-")[0] in name:
+            return key, GPUS[key].bf16_tflops * 1e12
+    raise SystemExit(f"no peak FLOP/s known for {torch.cuda.get_device_name(0)!r}: pass --gpu (one of {', '.join(GPUS)})")
+
+
+# ---- main -----------------------------------------------------------------------------------------
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--preset", default="mini")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--microbatches", type=int, default=8)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--workers", type=int, default=4, help="engine_dp nodes = DDP processes (CPU)")
+    ap.add_argument("--preset", default="mini", help="GPT size (tiny, mini, 100m, ...)")
+    ap.add_argument("--steps", type=int, default=12, help="steps per throughput run")
+    ap.add_argument("--drop", type=int, default=2, help="warm-up steps left out of the medians")
+    ap.add_argument("--microbatches", type=int, default=8, help="microbatches per step (global batch / microbatch size)")
     ap.add_argument("--microbatch-size", type=int, default=4)
-    ap.add_argument("--loss-steps", type=int, default=300)
-    ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "oobleck_bench_templates"))
+    ap.add_argument("--loss-steps", type=int, default=300, help="steps of the embedded default (0: skip)")
+    ap.add_argument("--estimate", default="A100-40",
+                    help="plan the throughput jobs with this GPU's estimated profile (the default recipe "
+                         "always uses the measured one); 'none' for the measured profile")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--gpus", type=int, default=None, help="--device cuda: GPUs (default: all visible)")
+    ap.add_argument("--gpu", default=None, help="--device cuda: GPU name for the peak FLOP/s (default: detected)")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default: fp32 on CPU, bf16 on CUDA")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per job before it is killed")
+    ap.add_argument("--keep-jobs", action="store_true")
+    ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args()
-    console = Console()
-    w, cfg = args.workers, gpt_config(args.preset)
-    num_layers = cfg.n_layer + 2
-    job = JobSpec(ModelSpec(cfg), DataSpec("random", num_samples=4096, seed=1), OptimSpec("adamw", lr=1e-3),
-                  TrainSpec(steps=args.steps, microbatch_size=args.microbatch_size,
-                            num_microbatches=args.microbatches, seed=0))
-    m = args.microbatches
-    if m % w:
-        raise SystemExit(f"--microbatches {m} must be a multiple of --workers {w} (DDP splits them evenly)")
-    pp_bounds = even_bounds(num_layers, w)
-    hetero_shapes = [[0, num_layers]] * (w - 2) + [even_bounds(num_layers, 2)]
-    hetero_mbs = [m // w] * (w - 2) + [m - (m // w) * (w - 2)]
-    plans = {
-        "engine_dp": make_plan(num_layers, [[0, num_layers]] * w, [m // w] * w),
-        "engine_hetero": make_plan(num_layers, hetero_shapes, hetero_mbs),
-        "engine_pp": make_plan(num_layers, [pp_bounds], [m]),
-    }
-    console.print(f"[bold]engine vs DDP vs pipelining[/]: {w} workers, {args.preset}, {m} x {args.microbatch_size} samples/step")
-    times = run_workers(job, w, args.steps, plans, pp_bounds)
-    samples = m * args.microbatch_size
-    rows = {k: {"median_step_s": median_s(v), "samples_per_s": samples / median_s(v)} for k, v in times.items()}
-    ratios = {
-        "engine_dp_over_ddp": rows["engine_dp"]["samples_per_s"] / rows["ddp"]["samples_per_s"],
-        "engine_pp_over_pipelining_1f1b": rows["engine_pp"]["samples_per_s"] / rows["pipelining_1f1b"]["samples_per_s"],
-    }
-    table = Table(title="samples/s (median of steps, rank 0)")
-    for col in ("run", "partition", "median step s", "samples/s"):
-        table.add_column(col)
-    parts = {"engine_dp": f"{w} x 1 stage", "ddp": f"{w} x 1 stage", "engine_hetero": "+".join(str(len(s) - 1) for s in hetero_shapes) + " stages",
-             "engine_pp": f"1 x {w} stages {pp_bounds}", "pipelining_1f1b": f"1 x {w} stages {pp_bounds}"}
-    for k in ("engine_dp", "ddp", "engine_hetero", "engine_pp", "pipelining_1f1b"):
-        table.add_row(k, parts[k], f"{rows[k]['median_step_s']:.4f}", f"{rows[k]['samples_per_s']:.1f}")
-    console.print(table)
-    for k, v in ratios.items():
-        console.print(f"{k}: [bold]{v:.3f}[/]")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this machine (torch.cuda.is_available() is "
+                         f"False; torch {torch.__version__}, CUDA build {torch.version.cuda}); run without "
+                         "--device cuda for the CPU benchmark")
+    precision = args.precision or ("bf16" if cuda else "fp32")
+    if not cuda and precision == "bf16":
+        ap.error("--precision bf16 needs --device cuda (bf16 autocast is a GPU setting)")
+    estimate = None if args.estimate.lower() == "none" else args.estimate
+    m, mbs = args.microbatches, args.microbatch_size
+    gbs = m * mbs
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    root = Path(tempfile.mkdtemp(prefix="bench_engine_"))
+    cache = root / "templates_cache"
+    out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                       "torch": torch.__version__, "device": args.device}}
+    common = {"size": args.preset, "steps": args.steps, "global_batch": gbs, "microbatch": mbs,
+              "precision": precision, "f": 0, "warmup_steps": 1}
+    try:
+        rows: list[dict[str, Any]] = []
+        ratios: dict[str, float] = {}
+        if cuda:
+            gpus = args.gpus or torch.cuda.device_count()
+            if m % gpus:
+                ap.error(f"--microbatches {m} must be a multiple of --gpus {gpus} (DDP splits them evenly)")
+            console.print(f"[bold]engine vs DDP vs one GPU[/]: {gpus} GPU(s), {args.preset}, {m} x {mbs} samples/step, {precision}")
+            dp = engine_job("engine_dp", recipe_dict(nodes=1, gpus_per_node=gpus, name="eng-dp", **common),
+                            root, cache, estimate, args.drop, args.timeout)
+            spec = dp.pop("spec")
+            ddp = reference("ddp", run_baseline("ddp", spec, gpus, args.steps, "cuda"), gbs, args.drop,
+                            f"{gpus} x 1 stage", gpus)
+            single = reference("single_gpu", run_baseline("single", spec, 1, args.steps, "cuda"), gbs, args.drop,
+                               "1 GPU, accumulation", 1)
+            rows = [dp, ddp, single]
+            gpu_name, peak = peak_flops(args.gpu)
+            params = sum(p.numel() for p in torch.nn.Sequential(*__import__(
+                "oobleck_slurm.models.gpt", fromlist=["build_layers"]).build_layers(spec.model.gpt, 0)).parameters())
+            seq = spec.model.gpt.seq_len
+            for r in rows:
+                r["tokens_per_s"] = r["samples_per_s"] * seq
+                r["mfu"] = 6 * params * r["tokens_per_s"] / (peak * r["ranks"])
+            ratios = {"engine_dp_over_ddp": dp["samples_per_s"] / ddp["samples_per_s"],
+                      "engine_dp_over_single_gpu": dp["samples_per_s"] / single["samples_per_s"]}
+            out["mfu"] = {"gpu": gpu_name, "peak_flops_per_gpu": peak, "parameters": params, "seq_len": seq}
+        else:
+            w = args.workers
+            if m % w or m % 4:
+                ap.error(f"--microbatches {m} must be a multiple of --workers {w} and of 4 (DDP splits them evenly)")
+            console.print(f"[bold]engine vs DDP vs pipelining[/]: {args.preset}, {m} x {mbs} samples/step, {precision}")
+            console.print(f"  engine_dp: {w} nodes x 1 worker ...")
+            dp = engine_job("engine_dp", recipe_dict(nodes=w, workers=1, name="eng-dp", **common),
+                            root, cache, estimate, args.drop, args.timeout)
+            span_d = recipe_dict(nodes=2, workers=2, name="eng-span", **common)
+            span_d["cluster"]["memory_per_device"] = budget_for_span(span_d, 2, cache, estimate, root / "recipes")
+            console.print(f"  engine_span: 2 nodes x 2 workers, memory_per_device {span_d['cluster']['memory_per_device']} ...")
+            span = engine_job("engine_span", span_d, root, cache, estimate, args.drop, args.timeout)
+            spec = dp.pop("spec")
+            span.pop("spec")
+            ddp_runs = {}
+            for world in sorted({w, 4}):
+                console.print(f"  ddp: {world} processes ...")
+                ddp_runs[world] = reference(f"ddp_{world}", run_baseline("ddp", spec, world, args.steps, "cpu"),
+                                            gbs, args.drop, f"{world} x 1 stage", world)
+            bounds = stage_bounds(span["plan"])
+            console.print(f"  pipelining_1f1b: {len(bounds) - 1} stages {bounds} ...")
+            pp = reference("pipelining_1f1b", run_baseline("pipelining", spec, len(bounds) - 1, args.steps, "cpu", bounds),
+                           gbs, args.drop, f"1 x {len(bounds) - 1} stages {bounds}", len(bounds) - 1)
+            rows = [dp, ddp_runs[w], span] + ([ddp_runs[4]] if w != 4 else []) + [pp]
+            ratios = {f"engine_dp_over_ddp_{w}": dp["samples_per_s"] / ddp_runs[w]["samples_per_s"],
+                      "engine_span_over_ddp_4": span["samples_per_s"] / ddp_runs[4]["samples_per_s"],
+                      "engine_span_over_pipelining_1f1b": span["samples_per_s"] / pp["samples_per_s"]}
+        table = Table(title=f"samples/s (median of rank 0's steps, first {args.drop} dropped)")
+        for col in ("run", "ranks", "partition", "median step s", "samples/s") + (("MFU",) if cuda else ()):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(r["name"], str(r["ranks"]), r["partition"], f"{r['median_step_s']:.4f}",
+                          f"{r['samples_per_s']:.2f}", *((f"{r['mfu']:.3f}",) if cuda else ()))
+        console.print(table)
+        t_ratio = Table(title="ratios (samples/s, engine / reference)")
+        t_ratio.add_column("ratio")
+        t_ratio.add_column("value")
+        for k, v in ratios.items():
+            t_ratio.add_row(k, f"{v:.3f}")
+        console.print(t_ratio)
+        out.update(config={"workers": args.workers, "preset": args.preset, "steps": args.steps, "drop": args.drop,
+                           "microbatches": m, "microbatch_size": mbs, "precision": precision, "estimate": estimate},
+                   throughput={r["name"]: {k: v for k, v in r.items() if k not in ("recipe",)} for r in rows},
+                   ratios=ratios)
 
-    console.print("[bold]optimizer state bytes per parameter[/] (mini, fp32, after one step)")
-    state = {name: state_bytes_per_param(name) for name in ("adamw", "came")}
-    console.print(f"adamw {state['adamw']:.3f}  came {state['came']:.3f}  ratio {state['came'] / state['adamw']:.3f}")
+        state = {name: state_bytes_per_param(name) for name in ("adamw", "came")}
+        t_state = Table(title="optimizer state bytes per parameter (mini, fp32, after one step)")
+        for col in ("adamw", "came", "came / adamw"):
+            t_state.add_column(col)
+        t_state.add_row(f"{state['adamw']:.3f}", f"{state['came']:.3f}", f"{state['came'] / state['adamw']:.3f}")
+        console.print(t_state)
+        out["optimizer_state_bytes_per_param"] = state
 
-    console.print(f"[bold]embedded default via train_local[/], {args.loss_steps} steps")
-    pvm = predicted_vs_measured(args.loss_steps, Path(args.cache_dir))
-    t2 = Table(title="predicted vs measured (default recipe)")
-    for col in ("pipelines (nodes)", "predicted step s", "measured step s", "measured/predicted", "loss first", "loss last-10 mean"):
-        t2.add_column(col)
-    t2.add_row(str(pvm["pipelines"]), f"{pvm['predicted_step_s']:.4f}", f"{pvm['measured_step_s']:.4f}",
-               f"{pvm['measured_over_predicted']:.2f}", f"{pvm['loss_first']:.3f}", f"{pvm['loss_last10_mean']:.3f}")
-    console.print(t2)
-
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "config": {"workers": w, "preset": args.preset, "steps": args.steps, "microbatches": m,
-                   "microbatch_size": args.microbatch_size, "pp_bounds": pp_bounds},
-        "throughput": rows, "ratios": ratios, "step_times_s": times,
-        "optimizer_state_bytes_per_param": state, "default_recipe": pvm,
-    }, indent=2))
-    console.print(f"wrote {RESULTS}")
+        if args.loss_steps > 0 and not cuda:
+            console.print(f"[bold]embedded default[/] (measured profile), {args.loss_steps} steps ...")
+            pvm = predicted_vs_measured(args.loss_steps, root, cache, args.drop, args.timeout)
+            t2 = Table(title="predicted vs measured (default recipe)")
+            for col in ("partition", "predicted step s", "measured step s", "measured/predicted", "samples/s",
+                        "loss first", "loss last-10 mean"):
+                t2.add_column(col)
+            t2.add_row(pvm["partition"], f"{pvm['predicted_step_s']:.4f}", f"{pvm['measured_step_s']:.4f}",
+                       f"{pvm['measured_over_predicted']:.2f}", f"{pvm['samples_per_s_median']:.1f}",
+                       f"{pvm['loss_first']:.3f}", f"{pvm['loss_last10_mean']:.3f}")
+            console.print(t2)
+            out["default_recipe"] = pvm
+    finally:
+        if not args.keep_jobs:
+            shutil.rmtree(root, ignore_errors=True)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    console.print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        worker_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    if len(sys.argv) == 7 and sys.argv[1] == "--baseline-worker":
+        baseline_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     else:
         main()
