@@ -19,7 +19,9 @@ Fitting (`fit_calibration`), from the events the runtime writes (oobleck_slurm/e
 - copy_overhead_s: median `state_copy.seconds` of copies that moved 0 bytes
 - copy_Bps:        median bytes / (seconds - overhead) of copies that moved bytes
 - replay_factor:   median `replay.seconds` / the median step time of the generation it resumed
-- checkpoint_s:    median `checkpoint.seconds` (the runtime's asynchronous snapshot stall)
+- checkpoint_steps: median `checkpoint.seconds` / the log's median step time: the asynchronous
+                   snapshot's stall as a share of a step (the simulator also charges at least the
+                   device-to-host copy of the largest shard, `scenario.SNAPSHOT_BPS`)
 
 DEFAULT_CALIBRATION is `fit_calibration` of the three recorded logs in tests/dashboard/logs
 (failure.jsonl, join.jsonl, healthy.jsonl: tiny GPT, 4 local nodes, f=1, a worker kill and an agent
@@ -47,7 +49,7 @@ class Calibration:
     copy_overhead_s: float
     copy_Bps: float | None  # None: the profile's inter-node link bandwidth
     replay_factor: float
-    checkpoint_s: float
+    checkpoint_steps: float
     restart_s: float = 60.0  # checkpoint fallback: relaunch the job (design brief §6: ~1 min in-job restart)
     source: str = "default"
 
@@ -67,7 +69,7 @@ class Calibration:
 
 DEFAULT_CALIBRATION = Calibration(
     detection_s=0.041, agreement_s=0.147, replan_s=0.0011, rebuild_s=0.0134, copy_overhead_s=0.0001,
-    copy_Bps=None, replay_factor=1.04, checkpoint_s=0.016,
+    copy_Bps=None, replay_factor=1.04, checkpoint_steps=0.05,
     source="tests/dashboard/logs (failure, join, healthy): 2 failures, 1 join, 3 checkpoints",
 )
 
@@ -98,8 +100,8 @@ def fit_calibration(logs: Iterable[Sequence[dict[str, Any]]], *, base: Calibrati
         for r in records:
             kind = r["kind"]
             sec = r.get("seconds")
-            if kind == "checkpoint" and isinstance(sec, (int, float)):
-                ckpt.append(float(sec))
+            if kind == "checkpoint" and isinstance(sec, (int, float)) and steps:
+                ckpt.append(float(sec) / statistics.median(steps.values()))
             if kind not in ("detection", "replan", "group_rebuild", "state_copy", "replay", "resumed"):
                 continue
             gen = int(r.get("generation", -1))
@@ -134,5 +136,5 @@ def fit_calibration(logs: Iterable[Sequence[dict[str, Any]]], *, base: Calibrati
         base, detection_s=_median(det, base.detection_s), agreement_s=_median(agree, base.agreement_s),
         replan_s=_median(rep, base.replan_s), rebuild_s=_median(reb, base.rebuild_s), copy_overhead_s=overhead,
         copy_Bps=_median(rates, 0.0) or base.copy_Bps, replay_factor=_median(replay, base.replay_factor),
-        checkpoint_s=_median(ckpt, base.checkpoint_s), source=source,
+        checkpoint_steps=_median(ckpt, base.checkpoint_steps), source=source,
     )

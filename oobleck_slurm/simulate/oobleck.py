@@ -90,9 +90,9 @@ class OobleckSystem:
             self._sync[key] = cost.sync_time(self.sc.profile, grads, len(pipes))
         return self._sync[key]
 
-    def _checkpoint_s(self, pipes: Pipes) -> float:
+    def _checkpoint_s(self, pipes: Pipes, step_s: float) -> float:
         state = max((self.sc.stage_state_bytes(t) for t in {id(t): t for t, _ in pipes}.values()), default=0.0)
-        return max(self.cal.checkpoint_s, state / SNAPSHOT_BPS)
+        return max(self.cal.checkpoint_steps * step_s, state / SNAPSHOT_BPS)
 
     def fresh_plan(self, nodes: Sequence[str]) -> tuple[Pipes, list[str], float, int] | None:
         """instantiate on `nodes` with the largest f <= the scenario's that fits; None if none fits."""
@@ -202,7 +202,7 @@ class OobleckSystem:
             notes.append(f"the initial {len(trace.initial_nodes)} nodes survive only f={f} (asked {sc.f})")
         initial_rate = sc.batch_samples / step_s
         ledger.step_s = step_s
-        ledger.checkpoint_s = self._checkpoint_s(pipes)
+        ledger.checkpoint_s = self._checkpoint_s(pipes, ledger.step_s)
         idle_nodes: list[str] = []  # live nodes while no plan fits (after a fallback)
         pending: list[list[Any]] = []  # [category, seconds] still to spend before training resumes
         before: tuple[Pipes, list[str]] | None = None  # membership before the recovery in progress
@@ -238,7 +238,7 @@ class OobleckSystem:
             pipes, spares, step, f = fresh
             idle_nodes = []
             ledger.step_s = step
-            ledger.checkpoint_s = self._checkpoint_s(pipes)
+            ledger.checkpoint_s = self._checkpoint_s(pipes, ledger.step_s)
             pending.append(["fallback", cal.restart_s])
 
         events = list(trace.events)
@@ -263,7 +263,7 @@ class OobleckSystem:
                         pipes, spares, step, f = fresh
                         idle_nodes = []
                         ledger.step_s = step
-                        ledger.checkpoint_s = self._checkpoint_s(pipes)
+                        ledger.checkpoint_s = self._checkpoint_s(pipes, ledger.step_s)
                         pending.append(["fallback", cal.restart_s])
                 continue
             if pending and pending[0][0] == "fallback":  # a fallback restart in progress: restart it
@@ -292,7 +292,7 @@ class OobleckSystem:
             before = prev
             pipes, spares = new_pipes, new_spares
             ledger.step_s = out.step_s
-            ledger.checkpoint_s = self._checkpoint_s(pipes)
+            ledger.checkpoint_s = self._checkpoint_s(pipes, ledger.step_s)
             pending.clear()
             pending.append(["recovering", cal.recovery_s(out.copy_bytes, sc.link_Bps, out.step_s, join=not lost)])
             self.reconfigure_log.append({"t": ledger.t, "rules": list(out.rules), "bytes": out.bytes,
