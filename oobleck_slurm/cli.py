@@ -10,7 +10,7 @@ from oobleck_slurm import __version__
 
 # Order shown in --help. Modules import heavy dependencies (torch) inside run(), so --help is fast.
 COMMANDS = ("validate", "prepare", "profile", "plan", "submit", "dashboard", "report", "status", "events", "cancel",
-            "kill_node", "detect")
+            "kill_node", "detect", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:
