@@ -31,14 +31,15 @@ SUPERVISOR_LOG = "supervisor.log"
 def prepare_job(recipe: Recipe, *, cache_dir: str | os.PathLike[str] = "templates_cache",
                 profile_file: str | os.PathLike[str] | None = None, estimate_gpu: str | None = None,
                 job_root: str | os.PathLike[str] | None = None, faults: Sequence[dict[str, Any]] | None = None,
-                progress: Progress | None = None) -> JobDir:
+                drills: bool = True, progress: Progress | None = None) -> JobDir:
     """Plan before the job (so recovery never waits for planning) and create its folder.
 
+    `drills=False` leaves out the recipe's scripted drills (`submit --no-drills`).
     Raises PlanningError / ProfileError (a plan that cannot fit says so with its figures), and
     ValueError for a bad faults list, before anything starts."""
     pregenerate(recipe, cache_dir, profile_file=profile_file, estimate_gpu=estimate_gpu, progress=progress)
     job = create_job_dir(recipe, job_root)
-    job.update_meta(templates_cache=str(Path(cache_dir).resolve()), estimate_gpu=estimate_gpu)
+    job.update_meta(templates_cache=str(Path(cache_dir).resolve()), estimate_gpu=estimate_gpu, drills=drills)
     if profile_file is not None:
         shutil.copyfile(profile_file, job.path / PROFILE_FILE)
     if faults:

@@ -37,6 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--detach", action="store_true", help="print the job id and folder and return")
     parser.add_argument("--job-root", type=Path, default=None, help="where job folders go (default: cluster.job_root)")
     parser.add_argument("--no-dashboard", action="store_true", help="print step lines instead of the live dashboard")
+    parser.add_argument("--no-drills", action="store_true", help="leave out the recipe's scripted drills (drills:)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with planning_progress(console.is_terminal) as progress:
             job = prepare_job(recipe, cache_dir=args.cache, profile_file=args.profile, estimate_gpu=args.estimate,
-                              job_root=args.job_root, progress=progress)
+                              job_root=args.job_root, drills=not args.no_drills, progress=progress)
     except (PlanningError, ProfileError, KeyError) as err:
         return fail(str(err).strip("'\""))
     if recipe.cluster.backend == "slurm":
@@ -68,10 +69,50 @@ def run(args: argparse.Namespace) -> int:
         console.print("[yellow]interrupted: job stopped[/]")
         return 130
     code = process.wait()
+    print_summary(job.path)
     if code != 0:
         console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
         return EXIT_FAILED
     return EXIT_OK
+
+
+def run_summary(events: list[dict]) -> dict:
+    """What a finished run went through, from its event log (pure)."""
+    steps = [e["step"] for e in events if e["kind"] == "step"]
+    total = next((e.get("steps") for e in events if e["kind"] == "job_started"), None)
+    kinds = lambda k: [e for e in events if e["kind"] == k]  # noqa: E731
+    detection = [e["detection_seconds"] for e in kinds("node_lost") if e.get("detection_seconds") is not None]
+    return {
+        "failures": [n for e in kinds("failure") for n in e.get("nodes", [])],
+        "detection_s": detection or [e["seconds"] for e in kinds("detection") if e.get("known_kill_time")],
+        "recovery_s": [e["total_seconds"] for e in kinds("resumed")],
+        "steps_replayed": len(steps) - len(set(steps)),
+        "bytes_copied": sum(int(e.get("bytes") or 0) for e in kinds("state_copy")),
+        "joined": [e["node"] for e in kinds("node_joined")],
+        "checkpoint_fallbacks": len(kinds("checkpoint_fallback")),
+        "every_step_once": total is not None and sorted(set(steps)) == list(range(total)),
+        "status": next((e.get("status") for e in reversed(events) if e["kind"] == "job_finished"), None),
+    }
+
+
+def print_summary(job_dir: Path) -> None:
+    """The run in a few lines: failures, detection and recovery times, replayed steps, bytes copied,
+    whether training went on from the same step without a checkpoint, and the report command."""
+    from oobleck_slurm.events import events_path, read_events
+
+    s = run_summary(read_events(events_path(job_dir)))
+    secs = lambda xs: ", ".join(f"{x:.2f} s" for x in xs) or "-"  # noqa: E731
+    console.print(f"[bold]summary[/]: {s['status'] or 'not finished'}; {len(s['failures'])} failure(s) "
+                  f"{escape(str(s['failures'])) if s['failures'] else ''}", highlight=False)
+    if s["failures"]:
+        console.print(f"  detected in {secs(s['detection_s'])}; training resumed {secs(s['recovery_s'])} after the "
+                      f"fault; {s['steps_replayed']} step(s) replayed; {s['bytes_copied'] / 2**20:.1f} MiB of "
+                      f"parameters and optimizer state copied between replicas; joined: "
+                      f"{escape(', '.join(s['joined'])) or 'none'}", highlight=False)
+        continued = s["every_step_once"] and not s["checkpoint_fallbacks"]
+        console.print("  the trajectory went on unchanged: every step trained once, no checkpoint loaded" if continued
+                      else f"  {s['checkpoint_fallbacks']} checkpoint fallback(s): see the events", highlight=False)
+    console.print(f"  report: python -m oobleck_slurm report {escape(str(job_dir))}", highlight=False)
 
 
 def _follow(job_dir: Path, dashboard: bool, running: Callable[[], bool]) -> None:
@@ -126,6 +167,7 @@ def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001
     except KeyboardInterrupt:
         console.print(f"[yellow]stopped following; the job goes on (cancel it with: cancel {escape(job.job_id)})[/]")
         return 130
+    print_summary(job.path)
     if code != 0:
         console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
         return EXIT_FAILED

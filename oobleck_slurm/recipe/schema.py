@@ -286,6 +286,17 @@ class DetectionConfig:
 
 
 @dataclass(frozen=True)
+class DrillConfig:
+    """A scripted fault: when training reaches `step`, `how` is done to `node` (its worker `worker`),
+    exactly as `kill-node` does it: the first run shows a failure, the recovery and the join."""
+
+    step: int = field(default=1, metadata=check(positive))
+    node: str = "node2"
+    how: Literal["worker", "agent", "hang"] = "worker"  # a killed worker, a killed node agent, a SIGSTOP
+    worker: int = field(default=0, metadata=check(non_negative))
+
+
+@dataclass(frozen=True)
 class Recipe:
     """A whole training job. Built only through `load_recipe`, which validates everything."""
 
@@ -297,4 +308,5 @@ class Recipe:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     detection: DetectionConfig = field(default_factory=DetectionConfig)
+    drills: tuple[DrillConfig, ...] = ()  # off with `submit --no-drills`
     source: str = field(default="", metadata={"internal": True})  # the file it was loaded from

@@ -192,6 +192,14 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
         add(("cluster", "workers_per_node"),
             f"one worker runs per GPU: with gpus_per_node {c.gpus_per_node}, workers_per_node must be "
             f"{c.gpus_per_node} or left out, got {c.workers_per_node}")
+    nodes = {f"node{i + 1}" for i in range(c.nodes + c.spare_nodes)}
+    for drill in recipe.drills:
+        if c.backend == "local" and drill.node not in nodes:
+            add(("drills",), f"drill node {drill.node!r} is not a node of this job (node1 .. node{c.nodes + c.spare_nodes})")
+        if drill.step >= recipe.training.steps:
+            add(("drills",), f"drill at step {drill.step} never fires: training.steps is {recipe.training.steps}")
+        if drill.worker >= c.devices_per_node:
+            add(("drills",), f"drill worker {drill.worker} does not exist: {c.devices_per_node} worker(s) per node")
     if ft.replacement == "spare" and c.spare_nodes == 0:
         add(("fault_tolerance", "replacement"), "'spare' needs cluster.spare_nodes >= 1")
 

@@ -84,9 +84,11 @@ class BackendConfig:
 
 class AgentNodes:
     def __init__(self, secret: bytes, launcher: AgentLauncher, log: EventLog, config: BackendConfig,
-                 members: Sequence[str], spares: Sequence[str] = (), on_preempt: Any = None) -> None:
+                 members: Sequence[str], spares: Sequence[str] = (), on_preempt: Any = None,
+                 drills: Sequence[Any] = ()) -> None:
         self.launcher, self.log, self.cfg = launcher, log, config
         self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
+        self.drills = sorted(drills, key=lambda d: d.step)  # recipe DrillConfigs not yet run
         self.members, self.spares = list(members), list(spares)
         self.membership = Membership(config.heartbeat_lease, config.step_timeout)
         self.agents: dict[str, AgentConn] = {}  # Slurm node -> live connection
@@ -221,6 +223,27 @@ class AgentNodes:
             except Exception:  # noqa: BLE001 - only a measurement is lost
                 pass
 
+    def inject(self, node: str, how: str, worker: Any, t: float) -> tuple[bool, str]:
+        """A drill: note the fault time, and for the kinds a node's agent carries out (a killed worker
+        or agent, a SIGSTOPped worker) tell that agent. Returns (ok, detail)."""
+        self.note_fault(node, t, how)
+        if how not in RELAYED_DRILLS:
+            return True, ""  # kill-node does it itself (down, freeze, node)
+        with self._lock:
+            agent = self.agents.get(self.node_of.get(node, node))
+        if agent is None:
+            return False, f"no agent on {node}"
+        agent.send({"type": "drill", "how": how, "worker": worker if isinstance(worker, int) else 0})
+        return True, ""
+
+    def _run_drills(self, step: int) -> None:
+        """The recipe's scripted drills (`drills:`), each once, when training reaches its step."""
+        for drill in [d for d in self.drills if step >= d.step]:
+            self.drills.remove(drill)
+            ok, detail = self.inject(drill.node, drill.how, drill.worker, time.time())
+            self.log.emit("drill", node=drill.node, how=drill.how, worker=drill.worker, step=step, ok=ok,
+                          detail=detail)
+
     # ---- control messages (server threads) ---------------------------------------------------------
 
     def _on_message(self, channel: Channel, message: dict[str, Any]) -> None:
@@ -250,15 +273,9 @@ class AgentNodes:
             if agent is not None:
                 agent.health.put(message)
         elif kind == "fault":
-            how = str(message.get("how", ""))
-            self.note_fault(str(message["node"]), float(message["t"]), how)
-            if how in RELAYED_DRILLS:
-                with self._lock:
-                    agent = self.agents.get(self.node_of.get(str(message["node"]), str(message["node"])))
-                if agent is None:
-                    return {"type": "fault_result", "ok": False, "detail": f"no agent on {message['node']}"}
-                agent.send({"type": "drill", "how": how, "worker": message.get("worker")})
-            return {"type": "fault_result", "ok": True}
+            ok, detail = self.inject(str(message["node"]), str(message.get("how", "")), message.get("worker"),
+                                     float(message["t"]))
+            return {"type": "fault_result", "ok": ok, "detail": detail}
         elif kind == "preempt":
             self.log.emit("preempt_notice", node=self.id_of.get(str(message.get("node")), message.get("node")),
                           signal=message.get("signal"))
@@ -402,6 +419,8 @@ class AgentNodes:
             if current != gen:
                 self.membership.restart_progress(now)
             self.membership.step(step, now)
+        if self.drills and step >= 0:
+            self._run_drills(step)
         return current
 
     def _read_rank_steps(self, now: float) -> None:

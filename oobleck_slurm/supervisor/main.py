@@ -153,7 +153,8 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
         heartbeat_interval=ft.heartbeat_interval, heartbeat_lease=ft.heartbeat_lease, step_timeout=ft.step_timeout,
         replacement=ft.replacement, store_host=host, store_port=store.port,
         workers_per_node=cluster.devices_per_node, threads_per_worker=cluster.threads_per_worker,
-        device="cuda" if cluster.gpus_per_node else "cpu"), members, spares, on_preempt=on_preempt)
+        device="cuda" if cluster.gpus_per_node else "cpu"), members, spares, on_preempt=on_preempt,
+        drills=recipe.drills if meta.get("drills", True) and not requeued else ())
     nodes_backend.server.start()
     (job.path / SUPERVISOR_FILE).write_text(json.dumps({
         "host": host, "port": nodes_backend.port, "heartbeat_interval": ft.heartbeat_interval,

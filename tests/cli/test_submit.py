@@ -69,6 +69,34 @@ def test_submit_detach_returns_while_the_job_runs(tmp_path: Path) -> None:
     assert [e["status"] for e in read_events(job_dir / "events.jsonl", "job_finished")] == ["completed"]
 
 
+def test_default_submit_drills_a_failure_recovers_joins_and_summarises(tmp_path: Path) -> None:
+    """The first run a user makes: the embedded default's scripted drill kills node2's worker at step
+    100; the survivors recover from their replicas, a replacement joins, and the summary says so."""
+    result = submit(tmp_path, "--no-dashboard", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (job_dir,) = (tmp_path / "jobs").iterdir()
+    events = job_dir / "events.jsonl"
+    (drill,) = read_events(events, "drill")
+    assert (drill["node"], drill["how"], drill["ok"]) == ("node2", "worker", True) and drill["step"] >= 100
+    assert [e["nodes"] for e in read_events(events, "failure")] == [["node2"]]
+    assert [e["node"] for e in read_events(events, "node_joined")] == ["r1"]
+    out = " ".join(plain(result.stdout).split())
+    assert "summary: completed; 1 failure(s) ['node2']" in out, out
+    assert "the trajectory went on unchanged: every step trained once, no checkpoint loaded" in out
+    assert "joined: r1" in out and f"report: python -m oobleck_slurm report {job_dir}" in out
+
+
+def test_no_drills_leaves_the_scripted_failure_out(tmp_path: Path) -> None:
+    recipe = tmp_path / "short.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 8\n"
+                      "drills:\n  - {step: 3, node: node2, how: worker}\n")
+    result = submit(tmp_path, str(recipe), "--no-dashboard", "--no-drills")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (job_dir,) = (tmp_path / "jobs").iterdir()
+    assert not read_events(job_dir / "events.jsonl", "drill") and not read_events(job_dir / "events.jsonl", "failure")
+    assert "summary: completed; 0 failure(s)" in " ".join(plain(result.stdout).split())
+
+
 def test_submit_bad_recipe_exits_2_without_a_job(tmp_path: Path) -> None:
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("training:\n  microbatch_size: 0\n")
@@ -103,7 +131,15 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     while not [e for e in read_events(events, "step") if e["step"] >= 3]:
         assert time.monotonic() < deadline, "the job never reached step 3"
         time.sleep(0.1)
-    assert read_events(events, "plan")[0]["ranks"] == 8
+    first_plan = read_events(events, "plan")[0]
+    assert first_plan["ranks"] == 8
+    # `submit --estimate` plans the job exactly as `plan --estimate` shows it
+    shown = subprocess.run([sys.executable, "-m", "oobleck_slurm", "plan", str(recipe), "--estimate", "A100-40",
+                            "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    layers = lambda p: [[s["start"], s["stop"]] for s in p["template"]["stages"]]  # noqa: E731
+    assert [layers(p) for p in json.loads(shown.stdout)["plan"]["pipelines"]] == [
+        [s["layers"] for s in p["stages"]] for p in first_plan["pipelines"]]
 
     def workers() -> dict[tuple[str, str], int]:
         found = {}

@@ -15,6 +15,7 @@ from oobleck_slurm.recipe import load_recipe, recipe_to_dict
 def default_recipe(steps: int) -> dict:
     tree = recipe_to_dict(load_recipe())  # tiny GPT, shipped text, 4 local virtual nodes, f=1
     tree["training"]["steps"] = steps
+    tree["drills"] = []  # the default's scripted failure: tests/cli/test_submit.py
     tree["fault_tolerance"]["checkpoint_interval"] = 0
     return tree
 
