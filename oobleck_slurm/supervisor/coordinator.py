@@ -113,9 +113,11 @@ def plan_event(plan: Plan, generation: int, reason: str, members: list[str], wor
         "ranks": len(members) * workers_per_node,
         "pipelines": [
             {"id": i, "nodes": list(p.nodes), "microbatches": p.microbatches,
+             # memory_bytes: the planner's memory model of the stage, to set against the measured peak
+             # (the step event's peak_memory on GPUs)
              "stages": [{"layers": [ls.start, ls.stop], "node": dev[0], "worker": dev[1],
-                         "rank": index[dev[0]] * workers_per_node + dev[1]}
-                        for dev, ls in stage_devices(p)]}
+                         "rank": index[dev[0]] * workers_per_node + dev[1], "memory_bytes": stage.memory_bytes}
+                        for (dev, ls), stage in zip(stage_devices(p), p.template.stages)]}
             for i, p in enumerate(plan.pipelines)
         ],
         "spares": list(plan.spare_nodes),

@@ -81,3 +81,60 @@ def test_kill_down_freeze_each_recovers_and_refills(slurm_cluster, slurm_drill, 
     finally:
         cancel = cli(tmp_path, "cancel", str(job))
         print(cancel.stdout, cancel.stderr)
+
+
+TWO_WORKERS = """extends: {repo}/recipes/lab-slurm.yaml
+cluster:
+  workers_per_node: 2
+  cpus_per_node: 2
+  time: "00:15:00"
+training:
+  steps: 60
+  precision: fp64
+fault_tolerance:
+  heartbeat_lease: 2.5
+  collective_timeout: 2.0
+  step_timeout: 30
+  reconfiguration_timeout: 60
+  replacement: none
+  checkpoint_interval: 0
+"""
+
+
+def test_two_workers_per_node_on_slurm_survive_kill_9_of_one(slurm_cluster, tmp_path: Path) -> None:
+    """The lab with 2 workers per node (8 ranks over 4 srun steps): kill -9 of one worker takes its
+    node out, the other nodes' workers keep their processes, every step's loss equals the reference."""
+    from oobleck_slurm.engine.spec import JobSpec
+    from reference import train_reference  # tests/reference.py
+
+    recipe = tmp_path / "lab2.yaml"
+    recipe.write_text(TWO_WORKERS.format(repo=REPO))
+    done = cli(tmp_path, "submit", str(recipe), "--detach")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (job,) = (tmp_path / "jobs").iterdir()
+    try:
+        events = job / "events.jsonl"
+        import time
+
+        deadline = time.monotonic() + 180
+        while not [e for e in read_events(events, "step") if e["step"] >= 3]:
+            assert time.monotonic() < deadline, "no step 3"
+            time.sleep(0.2)
+        plan = read_events(events, "plan")[0]
+        assert plan["ranks"] == 8 and plan["workers_per_node"] == 2
+        victim = read_events(events, "job_started")[0]["nodes"][1]  # not the batch node (the supervisor's)
+        kill = cli(tmp_path, "kill-node", str(job), victim, "--how", "worker", "--worker", "1")
+        assert kill.returncode == 0, kill.stdout + kill.stderr
+        while not read_events(events, "job_finished"):
+            assert time.monotonic() < deadline + 300, "the job did not finish"
+            time.sleep(0.5)
+        (finished,) = read_events(events, "job_finished")
+        assert finished["status"] == "completed", finished
+        lost = read_events(events, "node_lost")
+        assert [(e["node"], e["cause"]) for e in lost] == [(victim, "process_exit")], lost
+        losses = {e["step"]: e["loss"] for e in read_events(events, "step")}
+        ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
+        assert sorted(losses) == list(range(60))
+        assert all(abs(losses[s] - r) <= 1e-5 * abs(r) for s, r in enumerate(ref)), (losses, ref)
+    finally:
+        print(cli(tmp_path, "cancel", str(job)).stdout)
