@@ -7,11 +7,13 @@ halts). Following Minder's principles, per sample:
 
 1. **Machine-level similarity.** For each metric, every node's value is compared with the median of
    all nodes at the same instant, in units of the nodes' spread (a robust z-score: median absolute
-   deviation, with floors so that a moment when all nodes happen to agree cannot inflate it). Whatever
+   deviation, with floors so that a moment when all nodes happen to agree cannot inflate it: the
+   metric's usual spread, in its units and relative to its level, and `rel_floor`). Whatever
    the whole job does at once (a rhythm, a dip) moves the median too and scores nothing.
 2. **Per-metric denoising.** The z-scores are clipped and averaged over a short window without
-   its most extreme reading: one wild reading counts for nothing, and a node whose phase lags its peers' a little (pipeline
-   stages) gets opposite deviations at the two phase edges, which cancel. Each node also keeps a slow
+   its most extreme reading, once the window is three quarters full: one wild reading counts for
+   nothing, and a node whose phase lags its peers' a little (pipeline stages) gets opposite
+   deviations at the two phase edges, which cancel. Each node also keeps a slow
    average of its own lasting offset from its peers (up to `offset_cap`), so a node that always runs
    a little warmer or holds a little more memory is its own normal, while a fault still stands out.
 3. **Metric prioritisation.** Each metric's score is weighted (`priorities`; 0 switches one off);
@@ -118,6 +120,7 @@ class MinderDetector:
         self._pos = 0
         self._base = np.zeros((cap, 0))  # each node's own lasting offset (z)
         self._spread = np.full(0, np.nan)  # slow average of each metric's spread across nodes
+        self._rel_spread = np.full(0, np.nan)  # the same relative to the metric's level (median)
         self._streak = np.zeros(cap, dtype=int)
         self._since = np.zeros(cap)
         self._first_seen = np.zeros(cap)
@@ -167,6 +170,7 @@ class MinderDetector:
             self._base = np.concatenate([self._base, np.zeros((self._base.shape[0], 1))], axis=1)
             self._metric_score = np.concatenate([self._metric_score, np.zeros((self._base.shape[0], 1))], axis=1)
             self._spread = np.append(self._spread, np.nan)
+            self._rel_spread = np.append(self._rel_spread, np.nan)
             self._weights = np.append(self._weights, self.config.weight(name))
         return idx
 
@@ -228,30 +232,47 @@ class MinderDetector:
             xu = x[:, usable]
             med = np.nanmedian(xu, axis=0)
             spread = _MAD_TO_SIGMA * np.nanmedian(np.abs(xu - med), axis=0)
-            slow = self._spread[usable]
-            # The spread's slow average stands in when the nodes agree unusually well for a moment.
+            # The spread's slow average stands in when the nodes agree unusually well for a moment
+            # (which, with a handful of nodes, is no rare luck: three of five agreeing closely make
+            # the MAD tiny). It is kept twice: in the metric's units, and relative to its level, for
+            # a metric whose level jumps while its spread scales with it (a checkpoint's disk writes:
+            # ~5 MB/s with +-1 between checkpoints, ~800 +-10% during one; the spread in units learnt
+            # between checkpoints would say nothing about the nodes' spread during one).
             alpha = 1.0 / max(1.0, cfg.baseline / cfg.interval)
+            slow = self._spread[usable]
             self._spread[usable] = np.where(np.isnan(slow), spread, slow + alpha * (spread - slow))
-            scale = np.maximum.reduce([spread, 0.5 * self._spread[usable], cfg.rel_floor * np.abs(med),
-                                       np.full_like(med, _ABS_FLOOR)])
+            level = np.abs(med)
+            has_level = level > _ABS_FLOOR
+            rel = np.minimum(spread / np.where(has_level, level, 1.0), 1.0)  # capped: a median near 0 says little
+            slow_rel = self._rel_spread[usable]
+            self._rel_spread[usable] = np.where(~has_level, slow_rel,
+                                                np.where(np.isnan(slow_rel), rel, slow_rel + alpha * (rel - slow_rel)))
+            scale = np.maximum.reduce([spread, 0.5 * self._spread[usable],
+                                       0.5 * np.nan_to_num(self._rel_spread[usable]) * level,
+                                       cfg.rel_floor * level, np.full_like(med, _ABS_FLOOR)])
             z[:, usable] = np.clip((xu - med) / scale, -cfg.clip, cfg.clip)
         self._z[self._pos] = z
         self._pos = (self._pos + 1) % self._z.shape[0]
 
-        # Denoise: the mean of the window's clipped z-scores without the most extreme one (where at
-        # least half the window has a value). Dropping one reading makes a lone glitch count for
-        # nothing and two glitches in a row for clip / (window - 1) at most, while a lasting
-        # deviation keeps its full size.
+        # Denoise: the mean of the window's clipped z-scores without the most extreme one, where at
+        # least three quarters of the window have a value. Dropping one reading makes a lone glitch
+        # count for nothing and two glitches in a row for clip / (window - 1) at most, while a lasting
+        # deviation keeps its full size. A window that is mostly empty is no average: after the
+        # metric could not be compared for a while (fewer than `min_nodes` reporting, until a
+        # replacement joins), two readings would make one phase edge of a lagging pipeline stage
+        # count for half, its opposite edge not yet there to cancel it.
+        w = self._z.shape[0]
         valid = np.sum(~np.isnan(self._z), axis=0)
         total = np.nansum(self._z, axis=0)
-        if self._z.shape[0] >= 3:
+        if w >= 3:
             worst = np.argmax(np.nan_to_num(np.abs(self._z), nan=-1.0), axis=0)
             extreme = np.take_along_axis(self._z, worst[None], axis=0)[0]
-            trim = valid >= 3
-            total = np.where(trim, total - np.nan_to_num(extreme), total)
-            valid = np.where(trim, valid - 1, valid)
-        enough = valid * 2 >= self._z.shape[0] - 1
-        smooth = np.where(enough & (valid > 0), total / np.maximum(valid, 1), np.nan)
+            enough = valid >= max(3, -(-3 * w // 4))
+            total = total - np.nan_to_num(extreme)
+            valid = valid - 1
+        else:
+            enough = valid >= 1
+        smooth = np.where(enough, total / np.maximum(valid, 1), np.nan)
         dev = smooth - self._base
         if cfg.baseline > 0:
             # A running mean while the node is young (its offset is learnt within seconds, not

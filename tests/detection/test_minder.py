@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from detection_traces import FAULT_KINDS, METRICS, make_trace
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from oobleck_slurm.detection import DetectorConfig, Flag, MinderDetector, detect
@@ -50,6 +50,12 @@ def test_single_metric_faults_name_that_metric() -> None:
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10**6), nodes=st.sampled_from([4, 5, 8, 16, 40]))
+# Found by hypothesis: 5 nodes, three of whose checkpoint write rates agree within 11 MB/s, so the
+# MAD is tiny and a healthy node writing 15% slower than the median looked like a fault.
+@example(seed=2551, nodes=5)
+# 4 nodes: 3 report from the recovery until the replacement joins; its first samples, in a nearly
+# empty window, made one phase edge of a lagging pipeline stage count for half.
+@example(seed=53, nodes=4)
 def test_healthy_rhythm_recovery_and_replacement_raise_no_flag(seed: int, nodes: int) -> None:
     # Step-periodic phases with stage lags, checkpoints, glitches, a recovery that idles every node,
     # a node lost and a replacement joining: none of it is a fault.
