@@ -84,8 +84,8 @@ def budget_for_span(d: dict[str, Any], span: int, cache_dir: str | os.PathLike[s
                     folder: str | os.PathLike[str], fs: Sequence[int] | None = None) -> str:
     """A `cluster.memory_per_device` for which every pipeline of the plan spans `span` nodes (the
     largest such budget: the least constrained), for each f in `fs` (default: the recipe's)."""
-    from oobleck_slurm.planning.pregenerate import recipe_profile
     from oobleck_slurm.planning.cache import TemplateCache
+    from oobleck_slurm.planning.pregenerate import recipe_profile
 
     profile, _ = recipe_profile(load(d, folder), TemplateCache(cache_dir), estimate_gpu=estimate)
     microbatches = d["training"]["global_batch_size"] // d["training"]["microbatch_size"]

@@ -49,11 +49,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _jobs import (
+    budget_for_span,
+    default_recipe_dict,
+    drop_warmup,
+    load,
+    median,
+    plan_summary,
+    planned,
+    recipe_dict,
+    run_job,
+)
 from rich.console import Console
 from rich.table import Table
-
-from _jobs import (budget_for_span, default_recipe_dict, drop_warmup, load, median, plan_summary, planned,
-                   recipe_dict, run_job)
 
 RESULTS = Path(__file__).parent / "results" / "bench_engine.json"
 BASELINE_TIMEOUT_S = 1800

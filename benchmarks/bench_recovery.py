@@ -39,10 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _jobs import budget_for_span, median, plan_summary, recipe_dict, run_job
 from rich.console import Console
 from rich.table import Table
-
-from _jobs import budget_for_span, median, plan_summary, recipe_dict, run_job
 
 RESULTS = Path(__file__).parent / "results" / "bench_recovery.json"
 SETTINGS = {  # steps, global batch, microbatch size, kill step
@@ -57,7 +56,6 @@ KILLED = {"node": "node2", "worker": 0, "at": "wait:3", "do": "kill"}
 
 def phases(run: Any) -> dict[str, Any]:
     """Recovery figures of the first failure, from the job's events."""
-    events = run.events
     failure, detection = run.first("failure"), run.first("detection")
     if failure is None or detection is None:
         raise SystemExit(f"job {run.job.path}: no failure was recorded (did the fault fire?)")
@@ -194,7 +192,7 @@ def print_tables(results: list[dict[str, Any]], console: Console) -> None:
         for mode in [x for x in ("memory", "checkpoint") if x in r]:
             m, tp = r[mode], r[mode]["throughput"]
             after = "after_restart" if mode == "checkpoint" else "degraded"
-            cell = lambda k: f"{fmt(tp.get(k), '.2f')} ({tp.get(k + '_steps', 0)})"  # noqa: E731
+            cell = lambda k, tp=tp: f"{fmt(tp.get(k), '.2f')} ({tp.get(k + '_steps', 0)})"  # noqa: E731
             t2.add_row(r["model"], mode, cell("before"), cell(after),
                        cell("after_join") if "after_join" in tp else "-",
                        m["plan_before"], "\n".join(m["plan_after"]))

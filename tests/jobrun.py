@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,15 +98,3 @@ def run_job(tmp_path: Path, recipe: dict[str, Any], cache_dir: Path, *, faults: 
     if expect_exit is not None:
         assert code == expect_exit, f"job exited {code}, expected {expect_exit}\n{run.log_tails()}"
     return run
-
-
-def wait_for(condition: Any, timeout: float, what: str, poll: float = 0.05) -> Any:
-    """Poll `condition()` until it returns something truthy (returned), or fail after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(poll)

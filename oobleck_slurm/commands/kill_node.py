@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
     from oobleck_slurm.commands.cancel import slurm_job_ids
     from oobleck_slurm.events import events_path, read_events
-    from oobleck_slurm.supervisor.client import SupervisorUnreachable, notify_fault, live_status
+    from oobleck_slurm.supervisor.client import SupervisorUnreachable, live_status, notify_fault
 
     try:
         job = find_job(args.job, args.job_root)

@@ -11,7 +11,14 @@ import json
 
 from rich.markup import escape
 
-from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, fail, load_recipe_or_report
+from oobleck_slurm.commands.common import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    add_recipe_argument,
+    console,
+    fail,
+    load_recipe_or_report,
+)
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
 
 

@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
-from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, fail, load_recipe_or_report
+from oobleck_slurm.commands.common import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    add_recipe_argument,
+    console,
+    fail,
+    load_recipe_or_report,
+)
 
 if TYPE_CHECKING:
     from oobleck_slurm.planning.pregenerate import Progress as PlanningProgress

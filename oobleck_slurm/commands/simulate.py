@@ -13,7 +13,14 @@ import argparse
 import json
 from pathlib import Path
 
-from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, fail, load_recipe_or_report
+from oobleck_slurm.commands.common import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    add_recipe_argument,
+    console,
+    fail,
+    load_recipe_or_report,
+)
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
 
 
@@ -43,7 +50,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _trace(args: argparse.Namespace, default_nodes: int):  # noqa: ANN202
-    from oobleck_slurm.simulate import TraceError, fixed_interval_trace, parse_duration, random_failure_trace, read_trace_csv
+    from oobleck_slurm.simulate import (
+        TraceError,
+        fixed_interval_trace,
+        parse_duration,
+        random_failure_trace,
+        read_trace_csv,
+    )
 
     chosen = [name for name in ("trace", "mtbf", "mttf_node") if getattr(args, name) is not None]
     if len(chosen) > 1:
@@ -73,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.planning.cache import TemplateCache
     from oobleck_slurm.planning.pregenerate import cached_templates, plan_request
     from oobleck_slurm.simulate import (
-        DEFAULT_CALIBRATION, SYSTEMS, TraceError, fit_calibration, job_events, scenario_from, simulate,
+        DEFAULT_CALIBRATION,
+        SYSTEMS,
+        TraceError,
+        fit_calibration,
+        job_events,
+        scenario_from,
+        simulate,
     )
 
     recipe = load_recipe_or_report(args.recipe)
@@ -185,7 +204,7 @@ def write_outputs(out: Path, report: dict, results: dict) -> None:
                    "checkpointing": "tab:purple", "fallback": "tab:brown", "lost": "tab:gray",
                    "redundant": "tab:olive", "idle": "tab:blue"}
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(results)))
-    for i, (name, r) in enumerate(results.items()):
+    for i, r in enumerate(results.values()):
         left = 0.0
         for cat in CATEGORIES:
             share = r.seconds[cat] / r.wall_s

@@ -112,7 +112,7 @@ def print_summary(job_dir: Path) -> None:
         continued = s["every_step_once"] and not s["checkpoint_fallbacks"]
         console.print("  the trajectory went on unchanged: every step trained once, no checkpoint loaded" if continued
                       else f"  {s['checkpoint_fallbacks']} checkpoint fallback(s): see the events", highlight=False)
-    console.print(f"  report: python -m oobleck_slurm report {escape(str(job_dir))}", highlight=False)
+    console.print(f"  report: python -m oobleck_slurm report {escape(str(job_dir))}", highlight=False, soft_wrap=True)
 
 
 def _follow(job_dir: Path, dashboard: bool, running: Callable[[], bool]) -> None:

@@ -81,7 +81,6 @@ def _broken_at_recoveries(state: DashboardState, points: list[tuple[float, float
 def plot_training(state: DashboardState, path: Path) -> Path:
     """Loss and samples/s against time since the start, with recovery bands."""
     plt = load_pyplot()
-    t0 = state.t_start or 0.0
     fig, (ax_loss, ax_tput) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     loss = _broken_at_recoveries(state, [(p.t, p.loss) for p in state.history if p.loss is not None])
     tput = _broken_at_recoveries(state, [(p.t, p.samples_per_s) for p in state.history if p.samples_per_s is not None])

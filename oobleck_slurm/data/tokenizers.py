@@ -49,7 +49,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise TokenizerError(f"tokenizer {spec!r}: cannot import module {module_name!r} ({e})")
+        raise TokenizerError(f"tokenizer {spec!r}: cannot import module {module_name!r} ({e})") from None
     factory = getattr(module, func_name, None)
     if not callable(factory):
         raise TokenizerError(
@@ -58,7 +58,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     try:
         tok = factory()
     except Exception as e:  # a user's factory: report it as bad tokenizer input, not a traceback
-        raise TokenizerError(f"tokenizer {spec!r}: {func_name}() raised {type(e).__name__}: {e}")
+        raise TokenizerError(f"tokenizer {spec!r}: {func_name}() raised {type(e).__name__}: {e}") from e
     vocab = getattr(tok, "vocab_size", None)
     if not callable(getattr(tok, "encode", None)) or not isinstance(vocab, int) or vocab < 1:
         raise TokenizerError(

@@ -12,7 +12,14 @@ sockets or files: callers pass `now`/`t` and the observations.
 
 from oobleck_slurm.detection.lease import LeaseTable
 from oobleck_slurm.detection.metrics import (
-    HEADER, METRICS_FILE, MetricsFileError, MetricsSampler, MetricsWriter, bucket, metrics_files, read_metrics,
+    HEADER,
+    METRICS_FILE,
+    MetricsFileError,
+    MetricsSampler,
+    MetricsWriter,
+    bucket,
+    metrics_files,
+    read_metrics,
 )
 from oobleck_slurm.detection.minder import DetectorConfig, Flag, MinderDetector, detect
 from oobleck_slurm.detection.progress import ProgressWatch

@@ -8,7 +8,9 @@ Pure logic (profile, cost, templates, instantiate, estimate) does no I/O; `measu
 `cache` writes `templates_cache/`. See README.md in this directory for the formulas.
 """
 
-from oobleck_slurm.planning.instantiate import Plan, PipelinePlan, choose_counts, distribute_batch, instantiate
+from oobleck_slurm.planning.estimate import estimate_profile
+from oobleck_slurm.planning.gpus import GPUS, gpu_spec
+from oobleck_slurm.planning.instantiate import PipelinePlan, Plan, choose_counts, distribute_batch, instantiate
 from oobleck_slurm.planning.profile import (
     LayerProfile,
     Link,
@@ -25,8 +27,6 @@ from oobleck_slurm.planning.templates import (
     explain_infeasible,
     generate_templates,
 )
-from oobleck_slurm.planning.estimate import estimate_profile
-from oobleck_slurm.planning.gpus import GPUS, gpu_spec
 
 __all__ = [
     "GPUS", "LayerProfile", "Link", "PipelinePlan", "PipelineTemplate", "Plan", "PlanningError", "Profile",

@@ -53,7 +53,7 @@ def profile_layers(
         param_ptrs = {p.data_ptr() for p in params}
         saved: dict[int, int] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor, param_ptrs: set[int] = param_ptrs, saved: dict[int, int] = saved) -> torch.Tensor:
             if t.data_ptr() not in param_ptrs:
                 saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.untyped_storage().nbytes())
             return t

@@ -5,11 +5,11 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections import abc
 import typing
-from types import MappingProxyType, UnionType
+from collections import abc
 from dataclasses import fields, is_dataclass
 from pathlib import Path
+from types import MappingProxyType, UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 from oobleck_slurm.recipe import schema

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from oobleck_slurm.planning import PipelineTemplate, PlanningError, StageTemplate, instantiate
+from oobleck_slurm.planning import PipelineTemplate, PlanningError, instantiate
 from oobleck_slurm.planning.cost import usable_memory
 from oobleck_slurm.simulate.core import Ledger, SystemResult, ledger_result
 from oobleck_slurm.simulate.scenario import Scenario

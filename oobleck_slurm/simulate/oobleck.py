@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from oobleck_slurm.planning import cost
-from oobleck_slurm.planning.instantiate import Plan, PipelinePlan, distribute_batch, instantiate
+from oobleck_slurm.planning.instantiate import PipelinePlan, Plan, distribute_batch, instantiate
 from oobleck_slurm.planning.reconfigure import RecoveryImpossible, plan_holders, reconfigure
 from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError
 from oobleck_slurm.simulate.calibration import Calibration

@@ -11,7 +11,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from oobleck_slurm.supervisor.protocol import DEFAULT_MAX_BYTES, Channel, ProtocolError, client_handshake, server_handshake
+from oobleck_slurm.supervisor.protocol import (
+    DEFAULT_MAX_BYTES,
+    Channel,
+    ProtocolError,
+    client_handshake,
+    server_handshake,
+)
 
 Handler = Callable[[Channel, dict[str, Any]], "dict[str, Any] | None"]
 RefusedCallback = Callable[[str, str], None]

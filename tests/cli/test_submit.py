@@ -114,14 +114,14 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     import time
 
     import psutil
+    from reference import train_reference
 
     from oobleck_slurm.engine.spec import JobSpec
-    from reference import train_reference
 
     recipe = tmp_path / "drill.yaml"
     recipe.write_text("name: drill\ncluster: {backend: local, nodes: 4, workers_per_node: 2, cpus_per_node: 2, "
                       "memory_per_device: 10MB}\nmodel: {size: tiny}\n"
-                      "training: {global_batch_size: 16, microbatch_size: 2, steps: 40, precision: fp64}\n"
+                      "training: {global_batch_size: 16, microbatch_size: 2, steps: 80, precision: fp64}\n"
                       "fault_tolerance: {f: 0, checkpoint_interval: 0, replacement: none}\n")
     result = submit(tmp_path, str(recipe), "--detach", "--estimate", "A100-40")
     assert result.returncode == 0, result.stderr
@@ -131,15 +131,6 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     while not [e for e in read_events(events, "step") if e["step"] >= 3]:
         assert time.monotonic() < deadline, "the job never reached step 3"
         time.sleep(0.1)
-    first_plan = read_events(events, "plan")[0]
-    assert first_plan["ranks"] == 8
-    # `submit --estimate` plans the job exactly as `plan --estimate` shows it
-    shown = subprocess.run([sys.executable, "-m", "oobleck_slurm", "plan", str(recipe), "--estimate", "A100-40",
-                            "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0, shown.stderr
-    layers = lambda p: [[s["start"], s["stop"]] for s in p["template"]["stages"]]  # noqa: E731
-    assert [layers(p) for p in json.loads(shown.stdout)["plan"]["pipelines"]] == [
-        [s["layers"] for s in p["stages"]] for p in first_plan["pipelines"]]
 
     def workers() -> dict[tuple[str, str], int]:
         found = {}
@@ -152,6 +143,16 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     before = workers()
     assert sorted(before) == [(f"node{n}", str(w)) for n in range(1, 5) for w in (0, 1)]
     psutil.Process(before[("node2", "1")]).send_signal(signal.SIGKILL)
+    first_plan = read_events(events, "plan")[0]
+    assert first_plan["ranks"] == 8
+    # `submit --estimate` plans the job exactly as `plan --estimate` shows it
+    shown = subprocess.run([sys.executable, "-m", "oobleck_slurm", "plan", str(recipe), "--estimate", "A100-40",
+                            "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    layers = lambda p: [[s["start"], s["stop"]] for s in p["template"]["stages"]]  # noqa: E731
+    assert [layers(p) for p in json.loads(shown.stdout)["plan"]["pipelines"]] == [
+        [s["layers"] for s in p["stages"]] for p in first_plan["pipelines"]]
+
     while not read_events(events, "job_finished"):
         assert time.monotonic() < deadline + 180, "the job did not finish after the kill"
         time.sleep(0.2)
@@ -162,7 +163,7 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     assert not read_events(events, "checkpoint_fallback")
     losses = {e["step"]: e["loss"] for e in read_events(events, "step")}
     ref, _ = train_reference(JobSpec.from_json((job_dir / "job.json").read_text()))
-    assert sorted(losses) == list(range(40))  # every step completed; none skipped
+    assert sorted(losses) == list(range(80))  # every step completed; none skipped
     assert all(abs(losses[s] - r) <= 1e-5 * abs(r) for s, r in enumerate(ref)), (losses, ref)
 
 

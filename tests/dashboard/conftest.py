@@ -6,8 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from dash_helpers import LOGS
+
 from oobleck_slurm.events import events_path
 
 

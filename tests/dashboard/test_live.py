@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import io
-import json
 import threading
 import time
 
+from dash_helpers import LOGS
 from rich.console import Console
 
 from oobleck_slurm.dashboard.keys import parse_keys
 from oobleck_slurm.dashboard.live import handle_keys, load_state, run_dashboard
 from oobleck_slurm.dashboard.panels import View
 from oobleck_slurm.events import events_path
-
-from dash_helpers import LOGS
 
 
 def _console() -> Console:

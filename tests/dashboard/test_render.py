@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from dash_helpers import RUNS, recorded, render, state_of
 
 from oobleck_slurm.dashboard.panels import View
 from oobleck_slurm.dashboard.state import DashboardState
-
-from dash_helpers import RUNS, recorded, render, state_of
 
 SIZES = [(100, 30), (160, 48)]
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from dash_helpers import recorded, render, state_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oobleck_slurm.dashboard.costs import time_split, useful_fraction
 from oobleck_slurm.dashboard.state import DashboardState
-
-from dash_helpers import recorded, render, state_of
 
 
 def test_healthy_run():

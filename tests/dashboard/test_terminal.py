@@ -10,11 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+from dash_helpers import LOGS
 
 from oobleck_slurm import cli
 from oobleck_slurm.events import events_path
-
-from dash_helpers import LOGS
 
 REPO = Path(__file__).resolve().parents[2]
 # Until `dashboard` is in cli.COMMANDS, run the command module through the same argparse wiring.

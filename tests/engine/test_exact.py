@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 import torch
-
 from jobrun import run_job, tiny_recipe
+from reference import train_reference
+
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import check_supported
 from oobleck_slurm.models.config import gpt_config
-from reference import train_reference
 
 pytestmark = pytest.mark.slow
 

@@ -66,12 +66,12 @@ def test_bad_plans_are_clear_errors(pipelines, match):
 def test_transfers_spread_over_holders_and_skip_held_layers():
     old = make_plan(4, [[0, 4], [0, 4]], [2, 2])  # ranks 0 and 1 hold everything
     new = make_plan(4, [[0, 2, 4], [0, 1, 4]], [2, 2], first_rank=2)  # ranks 2..5 hold nothing yet
-    holders = {l: list(old.holders(l)) for l in range(4)}
+    holders = {layer: list(old.holders(layer)) for layer in range(4)}
     transfers = plan_transfers(holders, new)
-    assert sorted((l, d) for l, _, d in transfers) == sorted(
+    assert sorted((layer, d) for layer, _, d in transfers) == sorted(
         [(0, 2), (1, 2), (2, 3), (3, 3), (0, 4), (1, 5), (2, 5), (3, 5)]
     )
-    by_layer0 = [s for l, s, _ in transfers if l == 0]
+    by_layer0 = [s for layer, s, _ in transfers if layer == 0]
     assert by_layer0 == [0, 1]  # two copies of layer 0 come from two different holders
     same = make_plan(4, [[0, 4], [0, 4]], [2, 2])
     assert plan_transfers(holders, same) == []

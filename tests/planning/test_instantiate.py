@@ -8,11 +8,11 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from planning_helpers import make_profile
 
 from oobleck_slurm.planning.bruteforce import best_counts_brute
 from oobleck_slurm.planning.instantiate import Plan, choose_counts, distribute_batch, fluid_time, instantiate
 from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, StageTemplate, generate_templates
-from planning_helpers import make_profile
 
 
 def fake_template(nodes: int, stage_times: list[float]) -> PipelineTemplate:

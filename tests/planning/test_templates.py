@@ -8,6 +8,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from planning_helpers import make_profile, random_profile
 
 from oobleck_slurm.planning import cost
 from oobleck_slurm.planning.bruteforce import best_template_brute
@@ -18,7 +19,6 @@ from oobleck_slurm.planning.templates import (
     generate_templates,
     template_from_stages,
 )
-from planning_helpers import make_profile, random_profile
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

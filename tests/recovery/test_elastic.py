@@ -6,7 +6,6 @@ tests/engine/test_exact.py), and each step's loss is reported once per generatio
 from __future__ import annotations
 
 import pytest
-
 from jobrun import run_job, tiny_recipe
 from reference import train_reference
 

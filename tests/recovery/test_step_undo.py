@@ -8,12 +8,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_helpers import tiny_job
 from oobleck_slurm.engine.comm import Generation, Timeouts
 from oobleck_slurm.engine.layout import make_plan
 from oobleck_slurm.engine.recovery import RollbackError, StepUndo
+from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
+from oobleck_slurm.models.config import gpt_config
 from oobleck_slurm.optim import optimizer_state_tensors
+
+
+def tiny_job(optimizer: str, steps: int) -> JobSpec:
+    return JobSpec(
+        model=ModelSpec(gpt_config("tiny")),  # 4 blocks, d=64, seq 64: 6 layers
+        data=DataSpec("random", num_samples=512, seed=1),
+        optim=OptimSpec(optimizer, lr=3e-3, weight_decay=0.1),
+        train=TrainSpec(steps=steps, microbatch_size=2, num_microbatches=8, seed=0, grad_clip=1.0,
+                        warmup_steps=2, precision="fp64"),
+    )
 
 
 def state_of(worker):

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from reference import train_reference  # tests/reference.py
 
 from oobleck_slurm.cluster.slurm import parse_scontrol_records
-from reference import train_reference  # tests/reference.py
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.events import read_events
 

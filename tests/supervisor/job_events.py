@@ -10,7 +10,7 @@ import pytest
 from oobleck_slurm.events import read_events
 
 
-def wait_for(job: Path, what: str, check, timeout: float = 60.0):  # noqa: ANN001, ANN201
+def wait_for(job: Path, what: str, check, timeout: float = 180.0):  # noqa: ANN001, ANN201
     """Poll `job`'s events until `check(events)` is truthy; fail with the last events after `timeout`."""
     deadline = time.monotonic() + timeout
     while not (found := check(read_events(job / "events.jsonl"))):

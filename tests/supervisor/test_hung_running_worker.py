@@ -12,12 +12,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from job_events import wait_for  # noqa: E402 - tests/supervisor helper
 
 from oobleck_slurm.events import read_events
 from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.submission import prepare_job, start_local
-
-from job_events import wait_for  # noqa: E402 - tests/supervisor helper
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +49,7 @@ def supervised_job(tmp_path: Path, at: str, cache: Path) -> Iterator[Path]:
 
 
 def assert_recovers_without(job: Path, node: str) -> None:
-    resumed = wait_for(job, "resumed", lambda ev: [e for e in ev if e["kind"] == "resumed"], 60)[-1]
+    resumed = wait_for(job, "resumed", lambda ev: [e for e in ev if e["kind"] == "resumed"], 180)[-1]
     assert resumed["step"] == HANG_STEP  # the stalled step is replayed by the survivors
     wait_for(job, "steps after", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] > HANG_STEP + 2])
     plan = read_events(job / "events.jsonl", "plan")[-1]
@@ -59,7 +58,7 @@ def assert_recovers_without(job: Path, node: str) -> None:
 
 def test_hung_running_worker_is_named_and_evicted(tmp_path: Path, templates_cache: Path) -> None:
     with supervised_job(tmp_path, "start", templates_cache) as job:
-        lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 90)
+        lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 180)
         assert [(e["node"], e["cause"]) for e in lost] == [("node3", "hung")], lost
         assert "behind" not in lost[0]["detail"] and f"collective of step {HANG_STEP - 1}, its peers of step {HANG_STEP}" in lost[0]["detail"]
         detection = read_events(job / "events.jsonl", "detection")[0]
@@ -69,7 +68,7 @@ def test_hung_running_worker_is_named_and_evicted(tmp_path: Path, templates_cach
 
 def test_worker_hung_after_its_first_collective_is_named_by_the_reform(tmp_path: Path, templates_cache: Path) -> None:
     with supervised_job(tmp_path, "wait:2", templates_cache) as job:
-        lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 90)
+        lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 180)
         assert [(e["node"], e["cause"]) for e in lost] == [("node3", "hung")], lost
         assert "did not leave generation" in lost[0]["detail"]
         events = read_events(job / "events.jsonl")

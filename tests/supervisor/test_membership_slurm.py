@@ -53,7 +53,7 @@ def test_a_worker_stopped_longer_than_the_lease_is_hung_without_waiting_for_the_
     assert (loss.node, loss.cause) == ("a", "hung") and "stopped for 2.10 s" in loss.detail
     m.heartbeat("b", 4.0, "stopped")
     assert m.check(4.0) == []  # b: stopped since 2.9 only
-    assert [(l.node, l.cause) for l in m.check(5.0)] == [("b", "hung")]
+    assert [(loss.node, loss.cause) for loss in m.check(5.0)] == [("b", "hung")]
     assert m.check(9.0) == []  # each loss once
 
 
