@@ -35,12 +35,16 @@ def agent_argv(job_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", AGENT_MODULE, str(job_dir), *extra]
 
 
-def srun_argv(job_dir: Path, node: str, cpus: int) -> list[str]:
+def srun_argv(job_dir: Path, node: str, cpus: int, gpus: int = 0) -> list[str]:
     """The step that runs one node's agent. `--no-kill --kill-on-bad-exit=0`: the loss of another
     node or task must not end this one (measured: `--kill-on-bad-exit=0` alone is not enough);
-    `--overlap`: the agent shares the node's CPUs with nothing else of ours but the batch step."""
+    `--overlap`: the agent shares the node's CPUs with nothing else of ours but the batch step.
+    With GPUs the step takes all of the node's (`--gpus-per-node`) with no per-task binding
+    (`--gpu-bind=none`): the agent starts one worker per GPU and pins each itself before CUDA
+    initialises, and every worker sees its peers' GPUs for NCCL's peer access (nccl-notes.md, 4.3)."""
+    gpu_args = [f"--gpus-per-node={gpus}", "--gpu-bind=none"] if gpus else []
     return ["srun", "--no-kill", "--kill-on-bad-exit=0", "--overlap", "-N1", "-n1", f"--nodelist={node}",
-            f"--cpus-per-task={cpus}", "--job-name=oobleck-agent", *agent_argv(job_dir)]
+            f"--cpus-per-task={cpus}", *gpu_args, "--job-name=oobleck-agent", *agent_argv(job_dir)]
 
 
 def replacement_script(job_dir: Path, token: str, setup: Sequence[str]) -> str:
@@ -75,7 +79,8 @@ class SrunLauncher:
     def launch(self, node: str) -> subprocess.Popen:
         out = open(self.job_dir / "logs" / f"agent-{node}.log", "ab")  # noqa: SIM115 - the child owns it
         try:
-            return subprocess.Popen(srun_argv(self.job_dir, node, self.cluster.cpus_per_node), stdout=out,
+            return subprocess.Popen(srun_argv(self.job_dir, node, self.cluster.cpus_per_node,
+                                              self.cluster.gpus_per_node), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         finally:
             out.close()
