@@ -30,6 +30,7 @@ or when no plan with at least f + 1 pipelines fits the live nodes.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Iterable, Sequence
@@ -78,16 +79,29 @@ class Reconfiguration:
         return out
 
 
+def _stage_layout(t: PipelineTemplate) -> list[tuple[int, int, range]]:
+    """(node position in the pipeline, device index within the node, layers) of each stage of `t`."""
+    dpn = t.devices_per_node
+    return [(s.first_device // dpn, s.first_device % dpn, range(s.start, s.stop)) for s in t.stages]
+
+
 def stage_devices(pipeline: PipelinePlan) -> list[tuple[Device, range]]:
     """Each stage's device and its layers, in stage order (stages of > 1 device: their first)."""
-    t = pipeline.template
-    return [((pipeline.nodes[s.first_device // t.devices_per_node], s.first_device % t.devices_per_node),
-             range(s.start, s.stop)) for s in t.stages]
+    nodes = pipeline.nodes
+    return [((nodes[i], d), layers) for i, d, layers in _stage_layout(pipeline.template)]
+
+
+def _layouts(plan: Plan) -> dict[int, list[tuple[int, int, frozenset[int]]]]:
+    """`_stage_layout` of each template of `plan` (by id), layers as sets: computed once per template,
+    not once per pipeline (1,000 pipelines share a handful of templates)."""
+    return {id(t): [(i, d, frozenset(layers)) for i, d, layers in _stage_layout(t)]
+            for t in {id(p.template): p.template for p in plan.pipelines}.values()}
 
 
 def plan_holders(plan: Plan) -> dict[Device, frozenset[int]]:
     """Which layers each device of `plan` holds."""
-    return {dev: frozenset(layers) for p in plan.pipelines for dev, layers in stage_devices(p)}
+    layouts = _layouts(plan)
+    return {(p.nodes[i], d): layers for p in plan.pipelines for i, d, layers in layouts[id(p.template)]}
 
 
 def _best_by_size(templates: Sequence[PipelineTemplate]) -> dict[int, PipelineTemplate]:
@@ -356,25 +370,72 @@ def plan_copies(plan: Plan, holders: dict[Device, frozenset[int]],
 
     Largest layers are placed first, each on the holder that sends the fewest bytes so far (ties:
     the first holder in device order), so no single replica carries the whole recovery.
+
+    At 1,024 nodes most stages already hold their layers and a layer has ~1,000 holders, so: a stage
+    is checked with one set inclusion, holders are listed only for the layers some device needs, and
+    the least loaded holder (load, then device order) is kept at the top of a heap per layer instead
+    of scanning every holder for every copy. Loads only grow (layer sizes are >= 0), so an entry whose
+    load is out of date is re-pushed when it comes to the top (a negative size, meaningless, takes
+    the scan).
     """
-    by_layer: dict[int, list[Device]] = {}
-    for dev in sorted(holders, key=repr):
-        for layer in holders[dev]:
-            by_layer.setdefault(layer, []).append(dev)
-    needed = [(layer, dev) for p in plan.pipelines for dev, layers in stage_devices(p)
-              for layer in layers if layer not in holders.get(dev, ())]
+    layouts = _layouts(plan)
+    needed = []
+    for p in plan.pipelines:
+        for i, d, layers in layouts[id(p.template)]:
+            dev = (p.nodes[i], d)
+            have = holders.get(dev, ())
+            if not layers.issubset(have):
+                needed += [(layer, dev) for layer in sorted(layers) if layer not in have]
+    if not needed:
+        return ()
     size = (lambda layer: int(layer_bytes[layer])) if layer_bytes is not None else (lambda layer: 1)
+    want = {layer for layer, _ in needed}
+    by_layer: dict[int, list[tuple[int, int, Device]]] = {}  # layer -> [(load, position, holder)]
+    for pos, dev in enumerate(sorted(holders, key=repr)):
+        for layer in want.intersection(holders[dev]):
+            by_layer.setdefault(layer, []).append((0, pos, dev))
+    scan = any(size(layer) < 0 for layer in want)
     load: dict[Device, int] = {}
     out = []
     for layer, dev in sorted(needed, key=lambda x: (-size(x[0]), x[0], repr(x[1]))):
-        sources = by_layer.get(layer)
-        if not sources:
+        heap = by_layer.get(layer)
+        if not heap:
             raise RecoveryImpossible("no_replica", f"layer {layer} has no surviving holder to copy it from",
                                      [layer])
-        src = min(sources, key=lambda s: load.get(s, 0))
+        if scan:
+            src = min((h[2] for h in heap), key=lambda s: load.get(s, 0))  # heap: in device order
+        else:
+            while heap[0][0] != load.get(heap[0][2], 0):  # out of date: the holder sent since
+                heapq.heapreplace(heap, (load.get(heap[0][2], 0), heap[0][1], heap[0][2]))
+            src = heap[0][2]
         load[src] = load.get(src, 0) + size(layer)
+        if not scan:
+            heapq.heapreplace(heap, (load[src], heap[0][1], src))
         out.append(LayerTransfer(layer, src, dev, size(layer)))
     return tuple(sorted(out, key=lambda t: (t.layer, repr(t.dst))))
+
+
+@functools.lru_cache(maxsize=64)
+def _replan(templates: tuple[PipelineTemplate, ...], n: int, f: int, batch: int,
+            ) -> tuple[float, tuple[tuple[int, tuple[int, ...]], ...], tuple[int, ...]] | None:
+    """The replan candidate on n live nodes: (predicted time, pipelines as (template position in
+    `templates`, node positions 0..n-1), spare positions), or None when `instantiate` finds no plan.
+
+    `instantiate` depends on the node ids only through their positions (pipelines take consecutive
+    nodes, spares last), so its plan on positions, renamed by live[position], is its plan on the live
+    nodes; templates are returned by position too, so that the caller gets its own template objects
+    (callers key on them), not equal ones from an earlier call. Memoised: a run at 1,024 nodes
+    reconfigures again and again with the same number of live nodes, and the DP of `instantiate`
+    (~50 ms there) was most of a reconfiguration once the join rule was fast; most of the time the
+    local fix is kept and the replan is only compared.
+    """
+    try:
+        plan = instantiate(list(templates), n, f, batch)
+    except PlanningError:
+        return None
+    position = {id(t): i for i, t in reversed(list(enumerate(templates)))}
+    pipelines = tuple((position[id(p.template)], tuple(p.nodes)) for p in plan.pipelines)
+    return _predicted_fast([p.template for p in plan.pipelines], batch), pipelines, tuple(plan.spare_nodes)
 
 
 def reconfigure(
@@ -428,15 +489,13 @@ def reconfigure(
     if len(pipelines) >= f + 1:
         candidates.append((_predicted_fast([t for t, _ in pipelines], batch), tuple(rules) or ("unchanged",),
                            pipelines, spares))
-    try:
-        fresh = instantiate(templates, live, f, batch, microbatch_size=current.microbatch_size)
-    except PlanningError:
-        fresh = None
+    listed = tuple(templates)
+    fresh = _replan(listed, len(live), f, batch)
     if fresh is not None:
-        replan = [(p.template, list(p.nodes)) for p in fresh.pipelines]
-        t_replan = _predicted_fast([t for t, _ in replan], batch)
+        t_replan, positions, spare_positions = fresh
         if not candidates or t_replan < candidates[0][0] * (1 - reoptimize_margin):
-            candidates.insert(0, (t_replan, ("replan",), replan, list(fresh.spare_nodes)))
+            replan = [(listed[t], [live[i] for i in nodes]) for t, nodes in positions]
+            candidates.insert(0, (t_replan, ("replan",), replan, [live[i] for i in spare_positions]))
     if not candidates:
         n0 = min(by_size)
         raise RecoveryImpossible(

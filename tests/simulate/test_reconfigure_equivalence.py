@@ -1,14 +1,19 @@
-"""`reconfigure` scores moves by shape counts (fast at 1,024 nodes); it must return exactly what the
-old algorithm returned. The old algorithm lives here only, as the reference: its `_local_fix`, which
-re-scored every candidate move with `_predicted` over the whole pipeline list, and `_predicted` for
-the local fix's and the replan's times. Hypothesis compares the two on random small plans with
-losses and joins (plan, rules, transfers, predicted time, or the same error), and compares the
-shape-count scoring with `_predicted` on random pipeline lists built to tie."""
+"""`reconfigure` is fast at 1,024 nodes (moves scored by shape counts, the replan memoised, copies
+planned with heaps); it must return exactly what the old algorithm returned. The old algorithm lives
+here only, as the reference, copied verbatim: its `_local_fix`, which re-scored every candidate move
+with `_predicted` over the whole pipeline list; its `reconfigure`, which ran `instantiate` on the
+live nodes every time and scored with `_predicted`; its `plan_holders` and `plan_copies`, which
+scanned every holder of a layer for every copy. Hypothesis compares the two on random small plans
+with losses, joins and interrupted recoveries (plan, rules, transfers, predicted time, or the same
+error), the copy plans on random holders, and the shape-count scoring with `_predicted` on random
+pipeline lists built to tie."""
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from unittest import mock
 
@@ -18,15 +23,21 @@ from hypothesis import strategies as st
 import oobleck_slurm.planning.reconfigure as rc
 from oobleck_slurm.planning import generate_templates
 from oobleck_slurm.planning.instantiate import NodeId, PipelinePlan, Plan, instantiate
+from oobleck_slurm.planning.reconfigure import (
+    Device,
+    LayerTransfer,
+    Reconfiguration,
+    RecoveryImpossible,
+    _assemble,
+    _best_by_size,
+    _predicted,
+)
 from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, StageTemplate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "planning"))
 from planning_helpers import make_profile  # noqa: E402
 
-_predicted = rc._predicted
-
-
-# -- the reference: the join rule as it was (O(pipelines) per candidate move) ---------------------------
+# -- the reference: the old algorithm, verbatim but for the names ------------------------------------
 
 def reference_local_fix(current: Plan, lost: set[NodeId], free: list[NodeId],
                         by_size: dict[int, PipelineTemplate], batch: int):
@@ -92,7 +103,7 @@ def reference_local_fix(current: Plan, lost: set[NodeId], free: list[NodeId],
             if size <= len(free):
                 cand = [t for t, _ in pipelines] + [by_size[size]]
                 best = min(best or (float("inf"), 0, 0), (_predicted(cand, batch), -1, size))
-        for i, (t, nodes) in enumerate(pipelines):
+        for i, (t, nodes) in enumerate(pipelines):  # noqa: B007 (verbatim)
             for size in by_size:
                 extra = size - len(nodes)
                 if 0 < extra <= len(free):
@@ -112,11 +123,114 @@ def reference_local_fix(current: Plan, lost: set[NodeId], free: list[NodeId],
     return pipelines, free, rules
 
 
-def reference_reconfigure(*args, **kwargs):
-    """`reconfigure` with the old join rule and the old scoring of the local fix and the replan."""
-    with mock.patch.object(rc, "_local_fix", reference_local_fix), \
-            mock.patch.object(rc, "_predicted_fast", _predicted):
-        return rc.reconfigure(*args, **kwargs)
+def reference_stage_devices(pipeline: PipelinePlan) -> list[tuple[Device, range]]:
+    """Each stage's device and its layers, in stage order (stages of > 1 device: their first)."""
+    t = pipeline.template
+    return [((pipeline.nodes[s.first_device // t.devices_per_node], s.first_device % t.devices_per_node),
+             range(s.start, s.stop)) for s in t.stages]
+
+
+def reference_plan_holders(plan: Plan) -> dict[Device, frozenset[int]]:
+    """Which layers each device of `plan` holds."""
+    return {dev: frozenset(layers) for p in plan.pipelines for dev, layers in reference_stage_devices(p)}
+
+
+def reference_plan_copies(plan: Plan, holders: dict[Device, frozenset[int]],
+                layer_bytes: Sequence[int] | None = None) -> tuple[LayerTransfer, ...]:
+    """The copies that give every device of `plan` the layers of its stage, spread over the holders.
+
+    Largest layers are placed first, each on the holder that sends the fewest bytes so far (ties:
+    the first holder in device order), so no single replica carries the whole recovery.
+    """
+    by_layer: dict[int, list[Device]] = {}
+    for dev in sorted(holders, key=repr):
+        for layer in holders[dev]:
+            by_layer.setdefault(layer, []).append(dev)
+    needed = [(layer, dev) for p in plan.pipelines for dev, layers in reference_stage_devices(p)
+              for layer in layers if layer not in holders.get(dev, ())]
+    size = (lambda layer: int(layer_bytes[layer])) if layer_bytes is not None else (lambda layer: 1)
+    load: dict[Device, int] = {}
+    out = []
+    for layer, dev in sorted(needed, key=lambda x: (-size(x[0]), x[0], repr(x[1]))):
+        sources = by_layer.get(layer)
+        if not sources:
+            raise RecoveryImpossible("no_replica", f"layer {layer} has no surviving holder to copy it from",
+                                     [layer])
+        src = min(sources, key=lambda s: load.get(s, 0))
+        load[src] = load.get(src, 0) + size(layer)
+        out.append(LayerTransfer(layer, src, dev, size(layer)))
+    return tuple(sorted(out, key=lambda t: (t.layer, repr(t.dst))))
+
+
+def reference_reconfigure(
+    current: Plan,
+    lost: Iterable[NodeId],
+    joined: Iterable[NodeId],
+    templates: Sequence[PipelineTemplate],
+    f: int,
+    *,
+    holders: dict[Device, frozenset[int]] | None = None,
+    layer_bytes: Sequence[int] | None = None,
+    reoptimize_margin: float = 0.05,
+) -> Reconfiguration:
+    """(old) The plan after losing `lost` and adding `joined`, and the layer copies that realise it.
+
+    `holders` (default: the current plan's stages) says which device holds a valid copy of which
+    layer, e.g. after a recovery that was itself interrupted. `layer_bytes[l]` (parameters +
+    optimizer state) balances the copies; without it every layer counts 1.
+    Raises RecoveryImpossible when the survivors cannot continue (the message says which layers or
+    how many pipelines), PlanningError on inconsistent input.
+    """
+    lost, joined = set(lost), list(dict.fromkeys(joined))
+    members = [n for p in current.pipelines for n in p.nodes] + list(current.spare_nodes)
+    unknown = lost - set(members)
+    if unknown:
+        raise PlanningError(f"lost node(s) {sorted(map(str, unknown))} are not in the current plan")
+    again = set(joined) & (set(members) - lost)
+    if again:
+        raise PlanningError(f"joining node(s) {sorted(map(str, again))} are already members")
+    if not templates:
+        raise PlanningError("no pipeline templates to reconfigure with")
+    if f < 0:
+        raise PlanningError(f"failures to tolerate must be >= 0, got {f}")
+    by_size = _best_by_size(templates)
+    num_layers = current.pipelines[0].template.stages[-1].stop
+    if holders is None:
+        holders = reference_plan_holders(current)
+    holders = {d: frozenset(ls) for d, ls in holders.items() if d[0] not in lost}
+    held = set().union(*holders.values()) if holders else set()
+    missing = [layer for layer in range(num_layers) if layer not in held]
+    if missing:
+        raise RecoveryImpossible(
+            "no_replica",
+            f"layer(s) {missing} lost every replica (nodes lost: {sorted(map(str, lost))}); "
+            f"their parameters and optimizer state exist only in a checkpoint", missing)
+    batch = current.global_microbatches
+    free = [n for n in current.spare_nodes if n not in lost] + joined
+    live = [n for p in current.pipelines for n in p.nodes if n not in lost] + free
+    candidates: list[tuple[float, tuple[str, ...], list, list]] = []
+    pipelines, spares, rules = reference_local_fix(current, lost, free, by_size, batch)
+    if len(pipelines) >= f + 1:
+        candidates.append((_predicted([t for t, _ in pipelines], batch), tuple(rules) or ("unchanged",),
+                           pipelines, spares))
+    try:
+        fresh = instantiate(templates, live, f, batch, microbatch_size=current.microbatch_size)
+    except PlanningError:
+        fresh = None
+    if fresh is not None:
+        replan = [(p.template, list(p.nodes)) for p in fresh.pipelines]
+        t_replan = _predicted([t for t, _ in replan], batch)
+        if not candidates or t_replan < candidates[0][0] * (1 - reoptimize_margin):
+            candidates.insert(0, (t_replan, ("replan",), replan, list(fresh.spare_nodes)))
+    if not candidates:
+        n0 = min(by_size)
+        raise RecoveryImpossible(
+            "too_few_pipelines",
+            f"{len(live)} live node(s) cannot form the {f + 1} pipelines that f={f} requires "
+            f"(smallest template: {n0} node(s); at most {len(live) // n0} pipeline(s))")
+    predicted, rules_t, chosen, spare_nodes = candidates[0]
+    plan = _assemble(chosen, spare_nodes, current)
+    return Reconfiguration(plan, reference_plan_copies(plan, holders, layer_bytes), rules_t, predicted)
 
 
 def outcome(fn, *args, **kwargs):
@@ -169,17 +283,70 @@ def cases(draw):
     lost = rng.sample(members, draw(st.integers(0, min(3, len(members)))))
     joined = [f"j{i}" for i in range(draw(st.integers(0, 7)))]
     margin = draw(st.sampled_from([0.0, 0.05, 1.0]))
-    layer_bytes = [rng.randint(1, 100) for _ in range(n_layers)] if draw(st.booleans()) else None
-    return plan, lost, joined, templates, f, margin, layer_bytes
+    layer_bytes = [rng.randint(0, 100) for _ in range(n_layers)] if draw(st.booleans()) else None
+    holders = random_holders(rng, plan) if draw(st.booleans()) else None
+    return plan, lost, joined, templates, f, margin, layer_bytes, holders
+
+
+def random_holders(rng: random.Random, plan: Plan) -> dict:
+    """What an interrupted recovery leaves: each device of `plan` holds a random part of its layers,
+    some hold other layers too, and a few devices outside the plan hold some."""
+    layers = plan.pipelines[0].template.stages[-1].stop
+    out = {}
+    for dev, ls in reference_plan_holders(plan).items():
+        out[dev] = frozenset(x for x in ls if rng.random() < 0.8) | frozenset(
+            x for x in range(layers) if rng.random() < 0.1)
+    for k in range(rng.randint(0, 2)):
+        out[(f"old{k}", 0)] = frozenset(x for x in range(layers) if rng.random() < 0.5)
+    return out
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_reconfigure_matches_the_old_algorithm(case):
-    plan, lost, joined, templates, f, margin, layer_bytes = case
+    plan, lost, joined, templates, f, margin, layer_bytes, holders = case
     args = (plan, lost, joined, templates, f)
-    kw = {"reoptimize_margin": margin, "layer_bytes": layer_bytes}
+    kw = {"reoptimize_margin": margin, "layer_bytes": layer_bytes, "holders": holders}
     assert outcome(rc.reconfigure, *args, **kw) == outcome(reference_reconfigure, *args, **kw)
+    # the memoised replan, renamed: the same call on other node ids gives the renamed result
+    rename = {n: ("x", n) for p in plan.pipelines for n in p.nodes} | {n: ("x", n) for n in plan.spare_nodes}
+    renamed = Plan(tuple(PipelinePlan(p.template, tuple(rename[n] for n in p.nodes), p.microbatches,
+                                      p.first_microbatch) for p in plan.pipelines),
+                   tuple(rename[n] for n in plan.spare_nodes), plan.global_microbatches, plan.microbatch_size,
+                   plan.sync_time_s)
+    kw["holders"] = None if holders is None else {(rename.get(d[0], d[0]), d[1]): ls for d, ls in holders.items()}
+    args = (renamed, [rename[n] for n in lost], joined, templates, f)
+    assert outcome(rc.reconfigure, *args, **kw) == outcome(reference_reconfigure, *args, **kw)
+    # equal templates, other objects (a memo hit): the plan uses the caller's objects (callers key on them)
+    copied = copy.deepcopy(templates)
+    try:
+        result = rc.reconfigure(plan, lost, joined, copied, f, reoptimize_margin=0.0)
+    except PlanningError:
+        return
+    ids = {id(t) for t in copied} | (set() if result.rules == ("replan",) else {id(p.template) for p in plan.pipelines})
+    assert all(id(p.template) in ids for p in result.plan.pipelines)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.sampled_from(["bytes", "zeros", "negative"]))
+def test_copy_plan_and_holders_match_the_old_ones(case, sizes):
+    """`plan_copies` (heaps per layer) and `plan_holders` against the old scans, on random holders;
+    zero sizes (loads that do not grow) and negative ones (the scan path) included."""
+    plan, _, _, _, _, _, layer_bytes, holders = case
+    rng = random.Random(len(plan.pipelines))
+    layers = plan.pipelines[0].template.stages[-1].stop
+    layer_bytes = {"bytes": layer_bytes, "zeros": [rng.choice([0, 0, 1]) for _ in range(layers)],
+                   "negative": [rng.randint(-3, 3) for _ in range(layers)]}[sizes]
+    assert rc.plan_holders(plan) == reference_plan_holders(plan)
+    assert [rc.stage_devices(p) for p in plan.pipelines] == [reference_stage_devices(p) for p in plan.pipelines]
+    holders = holders or random_holders(rng, plan)
+    for have in (holders, {d: ls for d, ls in holders.items() if rng.random() < 0.5}):
+        def copies(fn, have=have):
+            try:
+                return fn(plan, have, layer_bytes)
+            except RecoveryImpossible as err:
+                return ("error", err.kind, str(err), err.layers)
+        assert copies(rc.plan_copies) == copies(reference_plan_copies)
 
 
 def test_reconfigure_matches_the_old_algorithm_with_many_pipelines():
