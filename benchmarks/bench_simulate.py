@@ -30,7 +30,12 @@ sys.path.insert(0, str(ROOT))
 from oobleck_slurm.models.config import GPTConfig, gpt_config  # noqa: E402
 from oobleck_slurm.planning import estimate_profile, generate_templates  # noqa: E402
 from oobleck_slurm.simulate import (  # noqa: E402
-    DEFAULT_CALIBRATION, OobleckSystem, RestartCosts, fixed_interval_trace, random_failure_trace, scenario_from,
+    DEFAULT_CALIBRATION,
+    OobleckSystem,
+    RestartCosts,
+    fixed_interval_trace,
+    random_failure_trace,
+    scenario_from,
     simulate,
 )
 

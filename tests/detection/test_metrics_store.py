@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oobleck_slurm.detection import HEADER, MetricsFileError, MetricsSampler, MetricsWriter, bucket, metrics_files, read_metrics
+from oobleck_slurm.detection import (
+    HEADER,
+    MetricsFileError,
+    MetricsSampler,
+    MetricsWriter,
+    bucket,
+    metrics_files,
+    read_metrics,
+)
 from oobleck_slurm.detection.metrics import counter_rates, format_rows
 
 names = st.text(st.characters(codec="utf-8", exclude_characters=',"\r\n\x00'), min_size=1, max_size=8).filter(

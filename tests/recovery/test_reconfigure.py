@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+from planning_helpers import make_profile, random_profile
 
 from oobleck_slurm.planning import cost, generate_templates, instantiate
 from oobleck_slurm.planning.reconfigure import (
@@ -16,7 +17,6 @@ from oobleck_slurm.planning.reconfigure import (
     stage_devices,
 )
 from oobleck_slurm.planning.templates import PlanningError
-from planning_helpers import make_profile, random_profile
 
 B = 12
 

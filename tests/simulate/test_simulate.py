@@ -14,8 +14,19 @@ from oobleck_slurm.cli import main
 from oobleck_slurm.planning import LayerProfile, Link, Profile, generate_templates
 from oobleck_slurm.planning.reconfigure import RecoveryImpossible, reconfigure
 from oobleck_slurm.simulate import (
-    DEFAULT_CALIBRATION, CheckpointRestart, OobleckSystem, RestartCosts, TraceError, fit_calibration,
-    fixed_interval_trace, job_events, parse_duration, random_failure_trace, read_trace_csv, scenario_from, simulate,
+    DEFAULT_CALIBRATION,
+    CheckpointRestart,
+    OobleckSystem,
+    RestartCosts,
+    TraceError,
+    fit_calibration,
+    fixed_interval_trace,
+    job_events,
+    parse_duration,
+    random_failure_trace,
+    read_trace_csv,
+    scenario_from,
+    simulate,
 )
 from oobleck_slurm.simulate.recorded import simulate_recorded
 from oobleck_slurm.simulate.traces import TraceEvent, build_trace
