@@ -91,9 +91,8 @@ def _source_profile(
         return estimate_profile(
             cfg, estimate_gpu, microbatch_size=training.microbatch_size, dtype=training.precision,
             optimizer=training.optimizer.name,
-            # the job's devices when the recipe says how many (a CPU job planned as if on GPUs), else the GPU's usual node
-            devices_per_node=recipe.cluster.devices_per_node
-            if recipe.cluster.gpus_per_node or recipe.cluster.workers_per_node else None,
+            # the job's devices per node (the plan must map onto its workers), not the GPU's usual node
+            devices_per_node=recipe.cluster.devices_per_node,
         ), "estimate"
     import torch
 

@@ -1,8 +1,6 @@
 """The embedded default through the production path: recipe -> planner plan -> supervisor, agents and
 workers on the shipped text; and the mapping of a planner plan to worker ranks."""
 
-import dataclasses
-
 import pytest
 from jobrun import run_job
 
@@ -34,8 +32,6 @@ def test_loss_falls_on_the_shipped_text(tmp_path, templates_cache):
 
 def test_planner_plan_maps_to_ranks(tmp_path):
     recipe = load_recipe()
-    # one worker per node, as the job runs (an estimate otherwise plans the GPU's usual node of 8)
-    recipe = dataclasses.replace(recipe, cluster=dataclasses.replace(recipe.cluster, workers_per_node=1))
     profile, templates = pregenerate(recipe, tmp_path / "templates_cache", estimate_gpu="A100-40")
     plan = instantiate(templates, recipe.cluster.nodes, recipe.fault_tolerance.f,
                        recipe.training.global_microbatches, microbatch_size=recipe.training.microbatch_size)
