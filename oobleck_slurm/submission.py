@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_slurm.cluster.jobdir import FAULTS_FILE, PROFILE_FILE, JobDir, create_job_dir
-from oobleck_slurm.planning.pregenerate import Progress, pregenerate
+from oobleck_slurm.planning.pregenerate import Progress, instantiate_for, plan_request, pregenerate
 from oobleck_slurm.recipe import Recipe
 
 SUPERVISOR_LOG = "supervisor.log"
@@ -37,7 +37,10 @@ def prepare_job(recipe: Recipe, *, cache_dir: str | os.PathLike[str] = "template
     `drills=False` leaves out the recipe's scripted drills (`submit --no-drills`).
     Raises PlanningError / ProfileError (a plan that cannot fit says so with its figures), and
     ValueError for a bad faults list, before anything starts."""
-    pregenerate(recipe, cache_dir, profile_file=profile_file, estimate_gpu=estimate_gpu, progress=progress)
+    profile, templates = pregenerate(recipe, cache_dir, profile_file=profile_file, estimate_gpu=estimate_gpu,
+                                     progress=progress)
+    # A plan that cannot fit is refused here, with the figures, not in the allocation.
+    instantiate_for(profile, templates, plan_request(recipe), nodes=recipe.cluster.nodes)
     job = create_job_dir(recipe, job_root)
     job.update_meta(templates_cache=str(Path(cache_dir).resolve()), estimate_gpu=estimate_gpu, drills=drills)
     if profile_file is not None:

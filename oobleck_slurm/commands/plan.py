@@ -36,9 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from oobleck_slurm.planning import PlanningError, ProfileError, explain_infeasible, instantiate
+    from oobleck_slurm.planning import PlanningError, ProfileError
     from oobleck_slurm.planning.cache import TemplateCache
-    from oobleck_slurm.planning.pregenerate import cached_templates, plan_request
+    from oobleck_slurm.planning.pregenerate import cached_templates, instantiate_for, plan_request
 
     recipe = load_recipe_or_report(args.recipe)
     if recipe is None:
@@ -59,15 +59,11 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(err))
     except KeyError as err:
         return fail(str(err.args[0]))
-    if not templates:
-        return fail(f"the model fits on no node count up to {request.max_nodes}: "
-                    f"{explain_infeasible(profile, request.num_microbatches, request.max_stage_devices)}")
-    n0 = templates[0].num_nodes
     try:
-        plan = instantiate(templates, request.max_nodes, request.failures, request.global_microbatches,
-                           microbatch_size=request.microbatch_size, profile=profile)
+        plan = instantiate_for(profile, templates, request)
     except PlanningError as err:
-        return fail(f"{err} (the smallest pipeline that fits has {n0} nodes)")
+        return fail(str(err))
+    n0 = templates[0].num_nodes
     if args.json:
         print(json.dumps({
             "profile": {"source": source, "key": profile.key, "device_name": profile.device_name,

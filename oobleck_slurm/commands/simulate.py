@@ -82,9 +82,9 @@ def _trace(args: argparse.Namespace, default_nodes: int):  # noqa: ANN202
 
 
 def run(args: argparse.Namespace) -> int:
-    from oobleck_slurm.planning import PlanningError, ProfileError, explain_infeasible
+    from oobleck_slurm.planning import PlanningError, ProfileError
     from oobleck_slurm.planning.cache import TemplateCache
-    from oobleck_slurm.planning.pregenerate import cached_templates, plan_request
+    from oobleck_slurm.planning.pregenerate import cached_templates, plan_request, require_templates
     from oobleck_slurm.simulate import (
         DEFAULT_CALIBRATION,
         SYSTEMS,
@@ -120,9 +120,10 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(err))
     except KeyError as err:
         return fail(str(err.args[0]))
-    if not templates:
-        return fail(f"the model fits on no node count up to {request.max_nodes}: "
-                    f"{explain_infeasible(profile, request.num_microbatches, request.max_stage_devices)}")
+    try:
+        require_templates(profile, templates, request)
+    except PlanningError as err:
+        return fail(str(err))
     scenario = scenario_from(profile, templates, f=recipe.fault_tolerance.f,
                              global_microbatches=recipe.training.global_microbatches,
                              microbatch_size=recipe.training.microbatch_size,

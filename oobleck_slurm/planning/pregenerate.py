@@ -18,8 +18,9 @@ from typing import Any
 from oobleck_slurm.planning.cache import TemplateCache
 from oobleck_slurm.planning.estimate import estimate_profile
 from oobleck_slurm.planning.gpus import GPUS
+from oobleck_slurm.planning.instantiate import Plan, instantiate
 from oobleck_slurm.planning.profile import Profile, load_profile, profile_from_dict
-from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, generate_templates
+from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, explain_infeasible, generate_templates
 
 # Bump when the template algorithm or the cost model changes: older cache entries become stale.
 PLANNER_VERSION = 1
@@ -159,3 +160,22 @@ def pregenerate(
     profile, _ = recipe_profile(recipe, cache, profile_file=profile_file, estimate_gpu=estimate_gpu, progress=progress)
     templates, _ = cached_templates(profile, plan_request(recipe), cache, progress)
     return profile, templates
+
+
+def require_templates(profile: Profile, templates: list[PipelineTemplate], request: PlanRequest) -> None:
+    """PlanningError saying why, with the figures, when no node count up to the request's holds the model."""
+    if not templates:
+        raise PlanningError(f"the model fits on no node count up to {request.max_nodes}: "
+                            f"{explain_infeasible(profile, request.num_microbatches, request.max_stage_devices)}")
+
+
+def instantiate_for(profile: Profile, templates: list[PipelineTemplate], request: PlanRequest,
+                    nodes: int | None = None) -> Plan:
+    """The plan for `nodes` (default: the request's) with the request's f and batch, as `plan` shows it
+    and `submit` checks it before launch; PlanningError with the figures when none fits."""
+    require_templates(profile, templates, request)
+    try:
+        return instantiate(templates, request.max_nodes if nodes is None else nodes, request.failures,
+                           request.global_microbatches, microbatch_size=request.microbatch_size, profile=profile)
+    except PlanningError as err:
+        raise PlanningError(f"{err} (the smallest pipeline that fits has {templates[0].num_nodes} nodes)") from None

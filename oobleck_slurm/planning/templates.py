@@ -325,11 +325,16 @@ def explain_infeasible(profile: Profile, num_microbatches: int, max_stage_device
         need = cost.stage_memory(profile, i, i + 1, max_stage_devices, 1)
         if need > budget:
             return (
-                f"layer {i} ({layer.name}) alone needs {need / 2**30:.2f} GiB per device with one microbatch "
-                f"in flight, more than the usable {budget / 2**30:.2f} GiB of a {profile.device_name}"
+                f"layer {i} ({layer.name}) alone needs {_size(need)} per device with one microbatch "
+                f"in flight, more than the usable {_size(budget)} of a {profile.device_name}"
             )
     per_node = profile.devices_per_node
     return (
         f"no partition of the {profile.num_layers} layers over whole nodes of {per_node} devices fits in "
-        f"{budget / 2**30:.2f} GiB per device with up to {num_microbatches} microbatches in flight"
+        f"{_size(budget)} per device with up to {num_microbatches} microbatches in flight"
     )
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the unit that shows them (GiB for devices, MiB for a budget set in a recipe)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
