@@ -98,3 +98,26 @@ def run_job(tmp_path: Path, recipe: dict[str, Any], cache_dir: Path, *, faults: 
     if expect_exit is not None:
         assert code == expect_exit, f"job exited {code}, expected {expect_exit}\n{run.log_tails()}"
     return run
+
+
+def assert_matches_reference(run: JobRun, rtol: float = 1e-5) -> None:
+    """Every step's loss and the final checkpoint's parameters equal the single-process reference
+    (tests/reference.py) within `rtol` relative (max element-wise error over the tensor's max); fp64
+    jobs: see tests/engine/test_exact.py for why 1e-5 separates errors from rounding."""
+    from reference import train_reference
+
+    spec = run.spec()
+    ref_losses, ref_params = train_reference(spec)
+    losses = run.losses()
+    assert sorted(losses) == list(range(spec.train.steps))
+    for step, ref in enumerate(ref_losses):
+        assert abs(losses[step] - ref) <= rtol * abs(ref), (step, losses[step], ref)
+    params = run.final_params()
+    assert sorted(params) == sorted(ref_params)  # every layer is in the final checkpoint
+    for key, tensors in params.items():
+        for name, p in tensors.items():
+            ref = ref_params[key][name]
+            assert p.dtype == ref.dtype
+            err = float((p - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+            assert err <= rtol, f"{key}.{name}: relative error {err:.2e}"
+    assert abs(ref_losses[-1] - ref_losses[0]) > 1e-6  # training moved: the comparison can fail

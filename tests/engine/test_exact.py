@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from jobrun import run_job, tiny_recipe
+from jobrun import assert_matches_reference, run_job, tiny_recipe
 from reference import train_reference
 
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
@@ -29,24 +29,6 @@ BF16_LOSS_RTOL = 2e-2
 SPANNING = {"nodes": 4, "workers": 2, "f": 0, "memory": "10MB"}  # the planner must span two nodes
 
 
-def assert_same_trajectory(run):
-    spec = run.spec()
-    ref_losses, ref_params = train_reference(spec)
-    losses = run.losses()
-    assert sorted(losses) == list(range(spec.train.steps))
-    for step, ref in enumerate(ref_losses):
-        assert abs(losses[step] - ref) <= RTOL * abs(ref), (step, losses[step], ref)
-    params = run.final_params()
-    assert sorted(params) == sorted(ref_params)  # every layer is in the final checkpoint
-    for key, tensors in params.items():
-        for name, p in tensors.items():
-            ref = ref_params[key][name]
-            assert p.dtype == ref.dtype
-            err = float((p - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-            assert err <= RTOL, f"{key}.{name}: relative error {err:.2e}"
-    assert abs(ref_losses[-1] - ref_losses[0]) > 1e-6  # training moved: the comparison can fail
-
-
 def test_pipelines_spanning_two_nodes_match_single_process(tmp_path, templates_cache):
     """CAME (factored second moments); AdamW on the same layout: tests/recovery/test_elastic.py."""
     run = run_job(tmp_path, tiny_recipe(optimizer="came", **SPANNING), templates_cache)
@@ -56,7 +38,7 @@ def test_pipelines_spanning_two_nodes_match_single_process(tmp_path, templates_c
     for p in plan["pipelines"]:  # 4 stages over the 2 workers of each of 2 nodes
         assert [(s["node"], s["worker"]) for s in p["stages"]] == [(n, w) for n in p["nodes"] for w in (0, 1)]
     assert sorted(s["rank"] for p in plan["pipelines"] for s in p["stages"]) == list(range(8))
-    assert_same_trajectory(run)
+    assert_matches_reference(run, RTOL)
     step = run.kind("step")[-1]
     assert len(step["pipeline_seconds"]) == 2 and len(step["compute_seconds"]) == 8
 
