@@ -11,8 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from jobrun import run_job, tiny_recipe
-from test_elastic import assert_matches_reference
+from jobrun import assert_matches_reference, run_job, tiny_recipe
 
 from oobleck_slurm.dashboard.state import DashboardState
 
