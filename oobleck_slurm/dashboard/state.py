@@ -422,6 +422,9 @@ class DashboardState:
             "refused": lambda: f"refused {_str(e.get('peer')) or '?'}: {_str(e.get('reason')) or '?'}",
             "collective_error": lambda: f"collective error on {', '.join(_str_list(e.get('nodes'))) or '?'} at step "
                                         f"{_fmt(_int(e.get('step')))}",
+            "drill": lambda: f"scripted drill at step {_fmt(_int(e.get('step')))}: {_str(e.get('how')) or '?'} on "
+                             f"{_str(e.get('node')) or '?'}",
+            "run_complete": lambda: f"run complete: {_str(e.get('note')) or ''}",
         }[kind]()
         self._log(t, kind, text, _num(e.get("seconds")) if kind == "agents_ready" else None)
 
@@ -461,7 +464,7 @@ _HANDLERS: dict[str, Callable[[DashboardState, float, dict], None]] = {
     "reform": DashboardState._reform,
     **{kind: DashboardState._note for kind in ("agents_ready", "done", "fault_injected", "checkpoint_requested",
                                                "preempt_notice", "slurm_unreachable", "refused",
-                                               "collective_error")},
+                                               "collective_error", "drill", "run_complete")},
 }
 
 

@@ -80,6 +80,10 @@ def test_default_submit_drills_a_failure_recovers_joins_and_summarises(tmp_path:
     assert (drill["node"], drill["how"], drill["ok"]) == ("node2", "worker", True) and drill["step"] >= 100
     assert [e["nodes"] for e in read_events(events, "failure")] == [["node2"]]
     assert [e["node"] for e in read_events(events, "node_joined")] == ["r1"]
+    from oobleck_slurm.dashboard.state import DashboardState
+
+    board = DashboardState().apply_all(read_events(events))  # the dashboard knows every event the run wrote
+    assert board.unknown_events == 0 and any(line.kind == "drill" for line in board.log)
     out = " ".join(plain(result.stdout).split())
     assert "summary: completed; 1 failure(s) ['node2']" in out, out
     assert "the trajectory went on unchanged: every step trained once, no checkpoint loaded" in out
