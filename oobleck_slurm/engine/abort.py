@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_slurm import keys
-from oobleck_slurm.engine.comm import Generation, Timeouts, abort_groups
+from oobleck_slurm.engine.comm import CollectiveError, Generation, Timeouts, abort_groups
 from oobleck_slurm.engine.layout import ExecPlan
 
 POLL_S = 0.01  # how often a waiting worker looks at the store: bounds the abort latency
@@ -99,12 +99,17 @@ class AbortableGeneration(Generation):
             self.on_wait()
         if self.watch.failed():
             raise self._aborted(self.watch.key)
-        if self.backend == "nccl":
-            return self._poll(work)
-        if work.is_completed():  # async collectives that already finished: no thread
-            work.wait(self.timeouts.td("collective"))
-            return
-        wait_abortable(lambda: work.wait(self.timeouts.td("collective")), self.watch, "collective")
+        try:
+            if self.backend == "nccl":
+                return self._poll(work)
+            if work.is_completed():  # async collectives that already finished: no thread
+                work.wait(self.timeouts.td("collective"))
+                return
+            wait_abortable(lambda: work.wait(self.timeouts.td("collective")), self.watch, "collective")
+        except GenerationAborted:
+            raise
+        except RuntimeError as err:  # whatever the backend raised: a failed collective (see comm.py)
+            raise CollectiveError(f"{type(err).__name__}: {err}") from err
 
     def _poll(self, work: dist.Work) -> None:
         """NCCL: poll the work and the failed key from this thread; past the collective timeout the
@@ -139,9 +144,15 @@ def build_generation(store: dist.Store, number: int, rank: int, world_size: int,
     rebuild would then stall the survivors)."""
     watch = FailureWatch(store, number)
     group_store = clone_store(store)
-    return wait_abortable(
-        lambda: AbortableGeneration(group_store, number, rank, world_size, plan, timeouts, backend, on_wait, device),
-        watch, f"generation {number} groups")
+    try:
+        return wait_abortable(
+            lambda: AbortableGeneration(group_store, number, rank, world_size, plan, timeouts, backend, on_wait,
+                                        device),
+            watch, f"generation {number} groups")
+    except GenerationAborted:
+        raise
+    except RuntimeError as err:  # a member died or stalled while the groups formed
+        raise CollectiveError(f"{type(err).__name__}: {err}") from err
 
 
 def clone_store(store: dist.Store) -> dist.Store:

@@ -40,13 +40,21 @@ NCCL_PG_TIMEOUT_S = 1800.0
 # What a failed collective raises: torch's distributed errors, and gloo's RuntimeErrors, whose messages
 # name gloo's transport (`[.../gloo/transport/tcp/pair.cc:534] Connection closed by peer`) or a timeout.
 COLLECTIVE_ERROR_MARKERS = ("gloo/", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                            "Timed out waiting", "timed out", "NCCL", "ncclCommAbort", "aborted")
+                            "Timed out waiting", "timed out", "Application timeout", "pair closure", "NCCL",
+                            "ncclCommAbort", "aborted")
+
+
+class CollectiveError(RuntimeError):
+    """A group operation of a generation failed: a peer died or stalled, or the network failed. Raised
+    by the generation's waits and group builds (abort.py) around whatever the backend raised."""
 
 
 def is_collective_error(error: BaseException) -> bool:
     """True for the errors that a peer's failure or a network fault raise in a collective; anything
-    else (a logic error in the engine) is a bug that must fail the worker loudly, not re-form the job."""
-    if isinstance(error, dist.DistError):
+    else (a logic error in the engine) is a bug that must fail the worker loudly, not re-form the job.
+    Errors from a generation's waits and group builds are CollectiveErrors by construction; torch's
+    distributed errors, and gloo's RuntimeErrors raised when an operation is posted, by type and text."""
+    if isinstance(error, (CollectiveError, dist.DistError)):
         return True
     return isinstance(error, RuntimeError) and any(m in str(error) for m in COLLECTIVE_ERROR_MARKERS)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from oobleck_slurm.engine.comm import is_collective_error, make_group
+from oobleck_slurm.engine.comm import CollectiveError, is_collective_error, make_group
 from oobleck_slurm.recipe import RecipeError, load_recipe
 from oobleck_slurm.supervisor.agent import NCCL_WORKER_ENV, worker_env
 from oobleck_slurm.supervisor.launchers import srun_argv
@@ -37,6 +37,8 @@ def test_collective_errors_are_told_from_bugs() -> None:
     assert is_collective_error(gloo)
     assert is_collective_error(RuntimeError("Timed out waiting 2000ms for recv operation to complete"))
     assert is_collective_error(dist.DistBackendError("NCCL communicator was aborted"))
+    assert is_collective_error(RuntimeError("Application timeout caused pair closure"))  # a frozen peer (gloo)
+    assert is_collective_error(CollectiveError("RuntimeError: anything a generation's wait raised"))
     assert not is_collective_error(RuntimeError("rank 3 lacks layer(s) [2] after adopting the plan"))
     assert not is_collective_error(KeyError("layer"))
 
