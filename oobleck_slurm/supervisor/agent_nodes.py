@@ -35,7 +35,7 @@ from oobleck_slurm.supervisor.server import ControlServer
 
 WATCH_S = 0.02  # the watcher's period: bounds the detection latency of srun exits and leases
 SLURM_POLL_S = 1.0  # scontrol is asked at most this often (slurmctld is shared with other users)
-RANK_STEP_POLL_S = 0.25  # per-rank steps (`node/{id}/step`) are read this often: a hang takes step_timeout anyway
+RANK_STEP_POLL_S = 0.25  # per-worker steps (`worker/{node}:{i}/step`) are read this often: a hang takes step_timeout anyway
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
 HEALTH_TIMEOUT_S = 60.0  # a joining node's collective with the supervisor (includes its torch import)
 RELAYED_DRILLS = ("agent", "worker", "hang")  # faults that the node's agent injects (see agent.py)

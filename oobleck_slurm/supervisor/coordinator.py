@@ -1,7 +1,7 @@
 """Coordinator: membership, generations, and driving a reconfiguration. Independent of how worker
 processes are started: a `NodeBackend` (local processes here; Slurm agents later) starts them and
 reports their exits. Modelled on torchelastic's rendezvous and torchft's manager: the coordinator
-owns the store and the plan; workers only follow `gen{g}/...` keys (see engine/elastic_process.py).
+owns the store and the plan; workers only follow `gen{g}/...` keys (keys.py; engine/elastic_process.py).
 
 On a membership change in generation g (a node's processes died, a timeout, or a node joins):
 1. set `gen{g}/failed`: every survivor leaves g's collectives at once (abortable waits);
