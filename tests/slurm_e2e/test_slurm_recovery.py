@@ -31,7 +31,10 @@ def recover(drill_module, lab, job: Path, node: str, kind: str) -> dict:
     d = drill_module.drill(lab, job, node, kind)
     assert sum(len(p["nodes"]) for p in d.resumed_plan["pipelines"]) == 3
     assert d.failure["cause"] == d.lost["cause"]
-    assert d.resumed["step"] in (d.failure["step"], d.failure["step"] - 1)  # the same step (replayed)
+    # The step in progress at the failure is replayed (or the one before it, by ranks that had already
+    # stepped); on a loaded machine every survivor may have finished it before rank 0 published it, and
+    # then training goes on with the next one: no step is skipped either way.
+    assert d.failure["step"] - 1 <= d.resumed["step"] <= d.failure["step"] + 1
     assert d.health and d.health[-1]["ok"]
     assert sum(len(p["nodes"]) for p in d.joined_plan["pipelines"]) == 4
     print(f"{kind} {node}: detected by {d.lost['cause']} after {d.lost['detection_seconds']:.3f}s; "
