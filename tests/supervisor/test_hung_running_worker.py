@@ -79,5 +79,5 @@ def test_worker_hung_after_its_first_collective_is_named_by_the_reform(tmp_path:
         kinds = [e["kind"] for e in events]
         assert kinds.index("collective_error") < kinds.index("reform") < kinds.index("node_lost")
         # its peers' collectives time out, the grace (the lease) passes, then the leave timeout
-        assert COLLECTIVE_S + LEASE_S + STEP_TIMEOUT_S <= lost[0]["detection_seconds"] < COLLECTIVE_S + LEASE_S + STEP_TIMEOUT_S + 4
+        assert COLLECTIVE_S + LEASE_S + STEP_TIMEOUT_S <= lost[0]["detection_seconds"] < COLLECTIVE_S + LEASE_S + STEP_TIMEOUT_S + 10
         assert_recovers_without(job, "node3")
