@@ -2,12 +2,45 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
 from oobleck_slurm.events import read_events
+from oobleck_slurm.recipe import load_recipe
+from oobleck_slurm.submission import prepare_job, start_local
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def running_job(tmp_path: Path, fault_tolerance: str, cache: Path,
+                faults: list[dict[str, Any]] | None = None) -> Iterator[Path]:
+    """local-tiny with endless steps and these `fault_tolerance:` lines (YAML, indented), started as
+    `submit` starts it; stopped at the end (frozen processes thawed first, so that they can die)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 100000\n"
+                      f"fault_tolerance:\n{fault_tolerance}")
+    handle = prepare_job(load_recipe(recipe), cache_dir=cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs",
+                         faults=faults)
+    sup = start_local(handle)
+    try:
+        yield handle.path
+    finally:
+        children = psutil.Process(sup.pid).children(recursive=True)
+        for p in children:
+            try:
+                p.resume()
+            except psutil.Error:
+                pass
+        sup.terminate()
+        sup.wait(30)
+        psutil.wait_procs(children, timeout=10)  # agents see the supervisor gone and end their workers
 
 
 def wait_for(job: Path, what: str, check, timeout: float = 180.0):  # noqa: ANN001, ANN201

@@ -6,17 +6,12 @@ on the local backend."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
-from job_events import wait_for  # noqa: E402 - tests/supervisor helper
+from job_events import running_job, wait_for  # noqa: E402 - tests/supervisor helper
 
 from oobleck_slurm.events import read_events
-from oobleck_slurm.recipe import load_recipe
-from oobleck_slurm.submission import prepare_job, start_local
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -26,26 +21,12 @@ LEASE_S = 2.0  # the grace before unexplained collective errors re-form the memb
 HANG_STEP = 4
 
 
-@contextlib.contextmanager
-def supervised_job(tmp_path: Path, at: str, cache: Path) -> Iterator[Path]:
+def supervised_job(tmp_path: Path, at: str, cache: Path):  # noqa: ANN201 - a context manager
     """A local-backend job whose node3 hangs at `at` of step HANG_STEP, under a real supervisor."""
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 100000\n"
-                      f"fault_tolerance:\n  checkpoint_interval: 0\n  step_timeout: {STEP_TIMEOUT_S}\n"
-                      f"  collective_timeout: {COLLECTIVE_S}\n  heartbeat_lease: {LEASE_S}\n"
-                      "  reconfiguration_timeout: 60\n  replacement: none\n")
-    faults = [{"node": "node3", "step": HANG_STEP, "at": at, "do": "hang"}]
-    handle = prepare_job(load_recipe(recipe), cache_dir=cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs",
-                         faults=faults)
-    job = handle.path
-    sup = start_local(handle)
-    try:
-        yield job
-    finally:
-        children = psutil.Process(sup.pid).children(recursive=True)
-        sup.terminate()
-        sup.wait(30)
-        psutil.wait_procs(children, timeout=10)  # agents see the supervisor gone and end their workers
+    return running_job(tmp_path, f"  checkpoint_interval: 0\n  step_timeout: {STEP_TIMEOUT_S}\n"
+                                 f"  collective_timeout: {COLLECTIVE_S}\n  heartbeat_lease: {LEASE_S}\n"
+                                 "  reconfiguration_timeout: 60\n  replacement: none\n", cache,
+                       [{"node": "node3", "step": HANG_STEP, "at": at, "do": "hang"}])
 
 
 def assert_recovers_without(job: Path, node: str) -> None:

@@ -8,13 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
-from job_events import wait_for
+from job_events import running_job, wait_for
 
 from oobleck_slurm.events import read_events
-from oobleck_slurm.recipe import load_recipe
-from oobleck_slurm.submission import prepare_job, start_local
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -23,15 +20,8 @@ HEARTBEAT_S = 0.5  # fault_tolerance.heartbeat_interval (the default)
 
 
 def test_node_and_freeze_drills_on_virtual_nodes(tmp_path: Path, templates_cache: Path) -> None:
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 100000\n"
-                      f"fault_tolerance:\n  checkpoint_interval: 0\n  replacement: none\n  heartbeat_lease: {LEASE_S}\n"
-                      "  step_timeout: 30\n  reconfiguration_timeout: 60\n")
-    handle = prepare_job(load_recipe(recipe), cache_dir=templates_cache, estimate_gpu="A100-40",
-                         job_root=tmp_path / "jobs")
-    job = handle.path
-    sup = start_local(handle)
-    try:
+    with running_job(tmp_path, f"  checkpoint_interval: 0\n  replacement: none\n  heartbeat_lease: {LEASE_S}\n"
+                               "  step_timeout: 30\n  reconfiguration_timeout: 60\n", templates_cache) as job:
         wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
         for node, how, causes in [("node2", "node", {"agent_lost", "process_exit"}), ("node3", "freeze", {"heartbeat"})]:
             done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "kill-node", str(job), node, "--how", how],
@@ -48,13 +38,3 @@ def test_node_and_freeze_drills_on_virtual_nodes(tmp_path: Path, templates_cache
                 [e for e in ev if e["kind"] == "step"]) > steps + 2)
         final = read_events(job / "events.jsonl", "plan")[-1]
         assert sorted(n for p in final["pipelines"] for n in p["nodes"]) == ["node1", "node4"]
-    finally:
-        children = psutil.Process(sup.pid).children(recursive=True)
-        for p in children:  # frozen processes must be thawed to die cleanly
-            try:
-                p.resume()
-            except psutil.Error:
-                pass
-        sup.terminate()
-        sup.wait(30)
-        psutil.wait_procs(children, timeout=10)

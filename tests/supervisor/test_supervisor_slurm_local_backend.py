@@ -8,13 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
-from job_events import wait_for  # noqa: E402 - tests/supervisor helper
+from job_events import running_job, wait_for  # noqa: E402 - tests/supervisor helper
 
 from oobleck_slurm.events import read_events
-from oobleck_slurm.recipe import load_recipe
-from oobleck_slurm.submission import prepare_job, start_local
 from oobleck_slurm.supervisor.client import live_status
 from oobleck_slurm.supervisor.protocol import ProtocolError
 from oobleck_slurm.supervisor.server import connect
@@ -24,14 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path, templates_cache: Path) -> None:
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 100000\n"
-                      "fault_tolerance:\n  checkpoint_interval: 0\n  step_timeout: 5\n  reconfiguration_timeout: 60\n")
-    handle = prepare_job(load_recipe(recipe), cache_dir=templates_cache, estimate_gpu="A100-40",
-                         job_root=tmp_path / "jobs")
-    job = handle.path
-    sup = start_local(handle)
-    try:
+    with running_job(tmp_path, "  checkpoint_interval: 0\n  step_timeout: 5\n  reconfiguration_timeout: 60\n",
+                     templates_cache) as job:
         wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
         port = live_status(job)  # authenticated status works
         assert port["members"] == ["node1", "node2", "node3", "node4"]
@@ -59,8 +50,3 @@ def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path, te
         final = read_events(job / "events.jsonl", "plan")[-1]
         assert sorted(n for p in final["pipelines"] for n in p["nodes"]) == ["node1", "r1", "r2", "r3"]
         assert all(e["ok"] for e in read_events(job / "events.jsonl", "health_check"))
-    finally:
-        children = psutil.Process(sup.pid).children(recursive=True)
-        sup.terminate()
-        sup.wait(30)
-        psutil.wait_procs(children, timeout=10)  # agents see the supervisor gone, kill their workers and exit
