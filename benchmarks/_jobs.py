@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from oobleck_slurm.cluster.jobdir import JobDir
-from oobleck_slurm.events import events_path, read_events
+from oobleck_slurm.protocol.events import events_path, read_events
 from oobleck_slurm.recipe import Recipe, load_recipe, recipe_to_dict
 from oobleck_slurm.submission import prepare_job, start_local
 

@@ -19,7 +19,7 @@ import yaml
 
 from oobleck_slurm.cluster.jobdir import JobDir
 from oobleck_slurm.engine.spec import JobSpec
-from oobleck_slurm.events import events_path, read_events
+from oobleck_slurm.protocol.events import events_path, read_events
 from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.submission import prepare_job, start_local
 

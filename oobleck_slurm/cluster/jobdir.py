@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from oobleck_slurm.events import EVENTS_FILE
+from oobleck_slurm.protocol.events import EVENTS_FILE
 from oobleck_slurm.recipe import Recipe, load_recipe, recipe_to_dict
 from oobleck_slurm.supervisor.secret import create_secret
 

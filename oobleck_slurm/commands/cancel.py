@@ -44,7 +44,7 @@ def slurm_job_ids(meta: dict, events: list[dict]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
     from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
-    from oobleck_slurm.events import events_path, read_events
+    from oobleck_slurm.protocol.events import events_path, read_events
     from oobleck_slurm.supervisor.main import CANCEL_MARKER
 
     try:
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cancel_local(job: Any, meta: dict[str, Any], marker: str) -> int:  # noqa: ANN401 - a JobDir
-    from oobleck_slurm.events import events_path, read_events
+    from oobleck_slurm.protocol.events import events_path, read_events
 
     finished = read_events(events_path(job.path), "job_finished")
     if finished:
@@ -109,7 +109,7 @@ def _cancel_local(job: Any, meta: dict[str, Any], marker: str) -> int:  # noqa: 
 
 
 def _record_cancelled(job: Any, started: float, was_running: bool) -> None:  # noqa: ANN401 - a JobDir
-    from oobleck_slurm.events import EventLog, events_path
+    from oobleck_slurm.protocol.events import EventLog, events_path
 
     error = None if was_running else "no process was running when the job was cancelled (it had ended unrecorded)"
     with EventLog(events_path(job.path)) as log:
@@ -119,7 +119,7 @@ def _record_cancelled(job: Any, started: float, was_running: bool) -> None:  # n
 
 
 def _recorded(job: Any) -> bool:  # noqa: ANN401 - a JobDir
-    from oobleck_slurm.events import events_path, read_events
+    from oobleck_slurm.protocol.events import events_path, read_events
 
     return bool(read_events(events_path(job.path), "job_finished"))
 

@@ -41,7 +41,7 @@ def format_event(event: dict[str, Any], t0: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
-    from oobleck_slurm.events import EventTail, events_path
+    from oobleck_slurm.protocol.events import EventTail, events_path
 
     try:
         job = find_job(args.job, args.job_root)

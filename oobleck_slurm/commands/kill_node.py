@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
     from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
     from oobleck_slurm.commands.cancel import slurm_job_ids
-    from oobleck_slurm.events import events_path, read_events
+    from oobleck_slurm.protocol.events import events_path, read_events
     from oobleck_slurm.supervisor.client import SupervisorUnreachable, live_status, notify_fault
 
     try:

@@ -59,7 +59,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
-    from oobleck_slurm.events import events_path, read_events
+    from oobleck_slurm.protocol.events import events_path, read_events
     from oobleck_slurm.supervisor.client import SupervisorUnreachable, live_status
 
     try:

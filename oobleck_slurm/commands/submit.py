@@ -98,7 +98,7 @@ def run_summary(events: list[dict]) -> dict:
 def print_summary(job_dir: Path) -> None:
     """The run in a few lines: failures, detection and recovery times, replayed steps, bytes copied,
     whether training went on from the same step without a checkpoint, and the report command."""
-    from oobleck_slurm.events import events_path, read_events
+    from oobleck_slurm.protocol.events import events_path, read_events
 
     s = run_summary(read_events(events_path(job_dir)))
     secs = lambda xs: ", ".join(f"{x:.2f} s" for x in xs) or "-"  # noqa: E731
@@ -123,7 +123,7 @@ def _follow(job_dir: Path, dashboard: bool, running: Callable[[], bool]) -> None
 
         run_dashboard(job_dir, live=True, console=console, exit_when_done=True)
         return
-    from oobleck_slurm.events import EventTail, events_path
+    from oobleck_slurm.protocol.events import EventTail, events_path
 
     tail = EventTail(events_path(job_dir))
     while True:
@@ -176,7 +176,7 @@ def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001
 
 def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
     """Follow until the supervisor records job_finished, or Slurm says the job is gone without it."""
-    from oobleck_slurm.events import events_path, read_events
+    from oobleck_slurm.protocol.events import events_path, read_events
 
     _follow(job_dir, dashboard, running=lambda: _in_slurm_queue(slurm_job_id))
     finished = read_events(events_path(job_dir), "job_finished")

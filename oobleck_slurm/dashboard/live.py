@@ -18,7 +18,7 @@ from oobleck_slurm.dashboard.panels import View
 from oobleck_slurm.dashboard.render import Dashboard
 from oobleck_slurm.dashboard.slurm import slurm_job_state
 from oobleck_slurm.dashboard.state import DashboardState
-from oobleck_slurm.events import EventTail, events_path
+from oobleck_slurm.protocol.events import EventTail, events_path
 
 SLURM_POLL_S = 10.0  # squeue is a controller RPC; do not hammer it
 PAGE = 10

@@ -11,7 +11,7 @@ from oobleck_slurm.dashboard.costs import time_split, useful_fraction
 from oobleck_slurm.dashboard.live import load_state
 from oobleck_slurm.dashboard.panels import KIND_LABEL, duration
 from oobleck_slurm.dashboard.state import DashboardState
-from oobleck_slurm.events import events_path
+from oobleck_slurm.protocol.events import events_path
 
 PNGS = {"training": "training.png", "recoveries": "recoveries.png", "time_split": "time_split.png"}
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oobleck_slurm import keys
 from oobleck_slurm.engine.comm import CollectiveError, Generation, Timeouts, abort_groups
 from oobleck_slurm.engine.layout import ExecPlan
+from oobleck_slurm.protocol import keys
 
 POLL_S = 0.01  # how often a waiting worker looks at the store: bounds the abort latency
 

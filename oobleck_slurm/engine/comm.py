@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from oobleck_slurm import keys
 from oobleck_slurm.engine.layout import ExecPlan, layer_groups
+from oobleck_slurm.protocol import keys
 
 # NCCL's own per-operation timeout: far above the job's collective timeout, which the generation's
 # abortable waits enforce; the watchdog acting first would kill the process instead of the generation.

@@ -4,7 +4,7 @@ A node agent starts one per device of its node (`cluster.workers_per_node`: one 
 CPU workers); this is worker LOCAL of node NODE, and its rank in a generation is
 `members.index(NODE) * workers_per_node + LOCAL`, the planner's device numbering. On a GPU node the
 agent pins it to GPU LOCAL before CUDA initialises (see supervisor/agent.py). It follows the
-coordinator through the store (keys: oobleck_slurm/keys.py).
+coordinator through the store (keys: oobleck_slurm/protocol/keys.py).
 
 A config with `stop` ends the worker; with `save` {root, step} it first writes its layers (those it
 holds first in its plan) as the checkpoint of `step`, rolling back one step if it is ahead (an
@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from oobleck_slurm import keys
 from oobleck_slurm.engine.abort import GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import Timeouts, connect_store, is_collective_error
@@ -45,7 +44,8 @@ from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.recovery import StepUndo
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
-from oobleck_slurm.events import EventLog, events_path
+from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol.events import EventLog, events_path
 
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)

@@ -10,7 +10,7 @@ and a join (a replacement folded in at a step boundary) the same without detecti
 real `reconfigure` returns (the copies run in parallel across holders), and the bandwidth is the
 profile's inter-node link unless a fitted `copy_Bps` is given.
 
-Fitting (`fit_calibration`), from the events the runtime writes (oobleck_slurm/events.py):
+Fitting (`fit_calibration`), from the events the runtime writes (oobleck_slurm/protocol/events.py):
 - detection_s:     median `detection.seconds`
 - replan_s:        median `replan.seconds` (the planner call)
 - rebuild_s:       median `group_rebuild.seconds`

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from oobleck_slurm.events import EVENTS_FILE, parse_lines
+from oobleck_slurm.protocol.events import EVENTS_FILE, parse_lines
 from oobleck_slurm.simulate.traces import EVENT_KINDS, Trace, TraceError, TraceEvent, build_trace, node_names
 
 HEADER = ("time", "event", "node")

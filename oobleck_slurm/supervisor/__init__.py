@@ -1,6 +1,5 @@
 """The rank supervisor and its control plane.
 
     secret      the per-job secret (0600 file in the job folder)
-    protocol    authenticated JSON frames over TCP (never pickle)
     server      a threaded control server: authenticate, dispatch, survive bad peers
 """

@@ -38,7 +38,7 @@ from typing import Any
 
 import psutil
 
-from oobleck_slurm.supervisor.protocol import Channel, ProtocolError
+from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.secret import load_secret
 from oobleck_slurm.supervisor.server import connect
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from oobleck_slurm import keys
-from oobleck_slurm.events import EventLog
+from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol.events import EventLog
+from oobleck_slurm.protocol.wire import Channel
 from oobleck_slurm.supervisor.health import health_peer
 from oobleck_slurm.supervisor.launchers import AgentLauncher
-from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, Membership
-from oobleck_slurm.supervisor.protocol import Channel
+from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, LossCause, Membership
 from oobleck_slurm.supervisor.server import ControlServer
 
 WATCH_S = 0.02  # the watcher's period: bounds the detection latency of srun exits and leases
@@ -39,7 +39,6 @@ RANK_STEP_POLL_S = 0.25  # per-worker steps (`worker/{node}:{i}/step`) are read 
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
 HEALTH_TIMEOUT_S = 60.0  # a joining node's collective with the supervisor (includes its torch import)
 RELAYED_DRILLS = ("agent", "worker", "hang")  # faults that the node's agent injects (see agent.py)
-LOST_CODE = -9  # the exit code reported to the coordinator for a node lost by other evidence
 
 
 def node_worker_state(states: Any) -> str:
@@ -97,9 +96,8 @@ class AgentNodes:
         self.sruns: dict[str, subprocess.Popen] = {}  # Slurm node -> its agent's step
         self.starting: set[str] = set()  # ids to start once their agent is up and healthy
         self.requests: dict[str, str] = {}  # token -> Slurm job id
-        self.causes: dict[str, str] = {}  # id -> cause of its loss
         self.fault_at: dict[str, float] = {}  # id -> time a drill injected a fault (for detection times)
-        self._exits: queue.Queue[tuple[str, int]] = queue.Queue()
+        self._exits: queue.Queue[tuple[str, Loss | None]] = queue.Queue()  # (id, None) once its workers finished
         self._lock = threading.RLock()
         self._tokens = itertools.count(1)
         self._stop = threading.Event()
@@ -162,14 +160,14 @@ class AgentNodes:
                 if slurm is not None and slurm in self.agents:
                     self._health_then_start(node)
 
-    def exited(self) -> dict[str, int]:
-        out: dict[str, int] = {}
+    def exited(self) -> dict[str, Loss | None]:
+        out: dict[str, Loss | None] = {}
         while True:
             try:
-                node, code = self._exits.get_nowait()
+                node, loss = self._exits.get_nowait()
             except queue.Empty:
                 return out
-            out.setdefault(node, code)
+            out.setdefault(node, loss)
 
     def stop(self, nodes: Sequence[str]) -> None:
         with self._lock:
@@ -205,10 +203,6 @@ class AgentNodes:
             self.requests[token] = handle
             self.members.append(token)
             return token
-
-    def loss_cause(self, node: str) -> str | None:
-        """Why `node` was reported lost (the coordinator's `failure` event carries it)."""
-        return self.causes.get(node)
 
     # ---- fault drills ------------------------------------------------------------------------------
 
@@ -267,7 +261,7 @@ class AgentNodes:
                         self._lost(loss)
                     elif code == 0:
                         self.membership.unwatch(ident)
-                        self._exits.put((ident, 0))
+                        self._exits.put((ident, None))
         elif kind == "health_result":
             agent = self.agents.get(str(message.get("node")))
             if agent is not None:
@@ -360,14 +354,14 @@ class AgentNodes:
                 self._start_worker(ident)
             else:
                 self.starting.discard(ident)
-                self._exits.put((ident, 1))
+                self._exits.put((ident, Loss(ident, LossCause.JOIN_FAILED, f"health check failed: {detail}",
+                                             time.time())))
 
     # ---- detection ---------------------------------------------------------------------------------
 
     def _lost(self, loss: Loss) -> None:
         """Report a loss once: to the coordinator as an exit, to the log with cause and timing."""
         fault = self.fault_at.get(loss.node)
-        self.causes[loss.node] = loss.cause
         slurm = self.node_of.get(loss.node, loss.node)
         self.log.emit("node_lost", node=loss.node, slurm_node=slurm, cause=loss.cause, detail=loss.detail,
                       detection_seconds=(loss.t - fault) if fault else None, t=loss.t)
@@ -375,7 +369,7 @@ class AgentNodes:
         agent = self.agents.get(slurm)
         if agent is not None:
             agent.send({"type": "stop"})  # fence: a stopped or stray worker must not come back into play
-        self._exits.put((loss.node, LOST_CODE))
+        self._exits.put((loss.node, loss))
 
     def _watch(self) -> None:
         self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,

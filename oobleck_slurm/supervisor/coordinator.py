@@ -1,7 +1,7 @@
 """Coordinator: membership, generations, and driving a reconfiguration. Independent of how worker
 processes are started: a `NodeBackend` (local processes here; Slurm agents later) starts them and
 reports their exits. Modelled on torchelastic's rendezvous and torchft's manager: the coordinator
-owns the store and the plan; workers only follow `gen{g}/...` keys (keys.py; engine/elastic_process.py).
+owns the store and the plan; workers only follow `gen{g}/...` keys (protocol/keys.py; engine/elastic_process.py).
 
 On a membership change in generation g (a node's processes died, a timeout, or a node joins):
 1. set `gen{g}/failed`: every survivor leaves g's collectives at once (abortable waits);
@@ -36,10 +36,8 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from oobleck_slurm import keys
 from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
-from oobleck_slurm.events import EventLog
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
 from oobleck_slurm.planning.reconfigure import (
     Reconfiguration,
@@ -49,6 +47,9 @@ from oobleck_slurm.planning.reconfigure import (
     stage_devices,
 )
 from oobleck_slurm.planning.templates import PipelineTemplate
+from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol.events import EventLog
+from oobleck_slurm.supervisor.membership import Loss
 from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S, Preemption
 
 POLL_S = 0.005  # the coordinator's loop: bounds detection latency on the local backend
@@ -60,10 +61,9 @@ class NodeBackend(Protocol):
     """How worker processes of virtual or real nodes are started and watched."""
 
     def start(self, node: str) -> None: ...
-    def exited(self) -> dict[str, int]: ...  # node -> exit code, each exit reported once
+    def exited(self) -> dict[str, Loss | None]: ...  # node -> its Loss, or None once its workers finished
     def stop(self, nodes: Sequence[str]) -> None: ...  # kill -9 and reap (no exit reported)
     def new_node(self) -> str | None: ...  # a replacement node id, or None if none can be had
-    # Optional: `loss_cause(node) -> str | None`, why a node reported by exited() was lost (see _cause).
 
 
 class CoordinatorError(RuntimeError):
@@ -134,6 +134,7 @@ class Coordinator:
         self.gen = 0
         self.members: list[str] = []
         self.finished: set[str] = set()
+        self.losses: dict[str, Loss] = {}  # node -> how it was lost (the failure event's cause)
         self.recovery: _Recovery | None = None
         self.pending_joins: dict[str, float] = {}
         self.checkpoints_seen: set[int] = set()
@@ -209,23 +210,22 @@ class Coordinator:
 
     def _exits(self) -> list[str]:
         lost = []
-        for node, code in self.backend.exited().items():
-            if code == 0:
+        for node, loss in self.backend.exited().items():
+            if loss is None:
                 self.finished.add(node)
             elif node in self.pending_joins:
                 del self.pending_joins[node]
-                self.log.emit("failure", generation=self.gen, nodes=[node], cause=f"joining node exited {code}",
-                              step=self._progress())
+                self.log.emit("failure", generation=self.gen, nodes=[node], cause=f"joining node lost: {loss.cause}",
+                              detail=loss.detail, step=self._progress())
             elif node in self.members:
+                self.losses[node] = loss
                 lost.append(node)
         return lost
 
     def _cause(self, lost: list[str]) -> str:
-        """Why the nodes were lost: backends that detect more than process exits (heartbeat lease,
-        Slurm state, hung worker, agent connection) say so through an optional `loss_cause(node)`."""
-        ask = getattr(self.backend, "loss_cause", None)
-        causes = sorted({c for c in (ask(n) for n in lost) if c}) if ask is not None else []
-        return ",".join(causes) or "process exit"
+        """Why the nodes were lost: the causes of their losses (heartbeat lease, Slurm state, hung
+        worker, agent connection, process exit), comma-separated."""
+        return ",".join(sorted({str(self.losses[n].cause) for n in lost if n in self.losses})) or "process_exit"
 
     def _workers_keys(self, node: str, key: Any) -> list[str]:
         """`key(worker)` for every worker of `node`."""

@@ -65,7 +65,7 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
     """Run the job to its end; `preemption` (a Preemption) is set by whoever receives the notice,
     `on_preempt` is called when an agent relays one (default: set `preemption.requested`)."""
     from oobleck_slurm.cluster.jobdir import JobDir
-    from oobleck_slurm.events import EventLog, events_path
+    from oobleck_slurm.protocol.events import EventLog, events_path
     from oobleck_slurm.supervisor.preemption import Preemption
 
     job = JobDir(job_dir.resolve(), job_dir.resolve().name)

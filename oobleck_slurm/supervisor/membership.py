@@ -18,6 +18,7 @@ The caller supplies `now` and the observations (see detection/ for the same styl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from oobleck_slurm.detection import LeaseTable, ProgressWatch
 
@@ -25,10 +26,24 @@ STOPPED_STATES = frozenset({"stopped", "tracing-stop"})  # psutil's names for SI
 JOB = "job"  # ProgressWatch key: the job's step (rank 0 reports it; every rank waits for the slowest)
 
 
+class LossCause(StrEnum):
+    """Why a node was lost: the evidence that fired first (the table above), or a failed join."""
+
+    AGENT_LOST = "agent_lost"
+    SRUN_EXIT = "srun_exit"
+    HEARTBEAT = "heartbeat"
+    SLURM_DOWN = "slurm_down"
+    HUNG = "hung"
+    PROCESS_EXIT = "process_exit"
+    JOIN_FAILED = "join_failed"  # a joining node failed its health check; it never became a member
+
+
 @dataclass(frozen=True)
 class Loss:
+    """A node lost, with the cause and time of the first evidence (`detail` says what was seen)."""
+
     node: str
-    cause: str
+    cause: LossCause
     detail: str
     t: float
 
@@ -90,23 +105,23 @@ class Membership:
         self.rank_steps.restart(now)
 
     def agent_lost(self, node: str, now: float, detail: str = "control connection closed") -> Loss | None:
-        return self._lose(node, "agent_lost", detail, now)
+        return self._lose(node, LossCause.AGENT_LOST, detail, now)
 
     def srun_exited(self, node: str, code: int | None, now: float) -> Loss | None:
-        return self._lose(node, "srun_exit", f"srun step of the node's agent exited ({code})", now)
+        return self._lose(node, LossCause.SRUN_EXIT, f"srun step of the node's agent exited ({code})", now)
 
     def slurm_state(self, node: str, state: str, usable: bool, now: float) -> Loss | None:
-        return None if usable else self._lose(node, "slurm_down", f"Slurm state {state}", now)
+        return None if usable else self._lose(node, LossCause.SLURM_DOWN, f"Slurm state {state}", now)
 
     def worker_exited(self, node: str, code: int, now: float) -> Loss | None:
-        return None if code == 0 else self._lose(node, "process_exit", f"worker exited with code {code}", now)
+        return None if code == 0 else self._lose(node, LossCause.PROCESS_EXIT, f"worker exited with code {code}", now)
 
     def check(self, now: float) -> list[Loss]:
         """Losses that only the passing of time reveals: expired leases, and hung workers."""
         losses = []
         for node in self.leases.expired(now):
             age = self.leases.age(node, now)
-            loss = self._lose(str(node), "heartbeat", f"no heartbeat for {age:.2f} s "
+            loss = self._lose(str(node), LossCause.HEARTBEAT, f"no heartbeat for {age:.2f} s "
                               f"(lease {self.leases.lease_s:g} s)", now)
             if loss:
                 losses.append(loss)
@@ -114,7 +129,7 @@ class Membership:
             # A stopped worker cannot train, and its peers' collectives are already failing: the same
             # lease as a silent node, not the (much longer) step timeout.
             if now - since > self.leases.lease_s:
-                loss = self._lose(node, "hung", f"the worker has been {self.worker_state.get(node)} for "
+                loss = self._lose(node, LossCause.HUNG, f"the worker has been {self.worker_state.get(node)} for "
                                   f"{now - since:.2f} s (lease {self.leases.lease_s:g} s)", now)
                 if loss:
                     losses.append(loss)
@@ -131,7 +146,7 @@ class Membership:
                            f"of step {self.rank_steps.top()}")
                 else:
                     continue
-                loss = self._lose(node, "hung", f"no step progress for more than "
+                loss = self._lose(node, LossCause.HUNG, f"no step progress for more than "
                                   f"{self.progress.step_timeout_s:g} s and {why}", now)
                 if loss:
                     losses.append(loss)
@@ -141,7 +156,7 @@ class Membership:
         """Training made no progress within the step timeout (whoever is to blame)."""
         return bool(self.progress.hung(now))
 
-    def _lose(self, node: str, cause: str, detail: str, now: float) -> Loss | None:
+    def _lose(self, node: str, cause: LossCause, detail: str, now: float) -> Loss | None:
         if node not in self.watched or node in self._lost:
             return None
         self._lost.add(node)

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from oobleck_slurm.supervisor.protocol import (
+from oobleck_slurm.protocol.wire import (
     DEFAULT_MAX_BYTES,
     Channel,
     ProtocolError,

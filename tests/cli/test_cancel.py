@@ -17,7 +17,7 @@ import pytest
 from oobleck_slurm.cli import main
 from oobleck_slurm.cluster.jobdir import create_job_dir
 from oobleck_slurm.commands.cancel import _group_alive
-from oobleck_slurm.events import EventLog, events_path, read_events
+from oobleck_slurm.protocol.events import EventLog, events_path, read_events
 from oobleck_slurm.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]

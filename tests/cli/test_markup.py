@@ -10,7 +10,7 @@ import pytest
 
 from oobleck_slurm.cli import main
 from oobleck_slurm.cluster.jobdir import create_job_dir
-from oobleck_slurm.events import EventLog, events_path
+from oobleck_slurm.protocol.events import EventLog, events_path
 from oobleck_slurm.recipe import load_recipe
 
 # What gloo really says when a peer dies: a closing-tag look-alike, `[/__w/...]`.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_slurm.events import read_events
+from oobleck_slurm.protocol.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 

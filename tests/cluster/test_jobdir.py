@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from oobleck_slurm.cluster.jobdir import META_FILE, JobNotFound, find_job
-from oobleck_slurm.events import events_path
+from oobleck_slurm.protocol.events import events_path
 
 
 def make_job(root: Path, job_id: str, *, meta: bool = True, log: bool = True) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from dash_helpers import LOGS
 
-from oobleck_slurm.events import events_path
+from oobleck_slurm.protocol.events import events_path
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from rich.console import Console
 from oobleck_slurm.dashboard.panels import View
 from oobleck_slurm.dashboard.render import Dashboard
 from oobleck_slurm.dashboard.state import DashboardState
-from oobleck_slurm.events import read_events
+from oobleck_slurm.protocol.events import read_events
 
 LOGS = Path(__file__).parent / "logs"
 RUNS = ("healthy", "failure", "join")

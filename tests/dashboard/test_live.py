@@ -12,7 +12,7 @@ from rich.console import Console
 from oobleck_slurm.dashboard.keys import parse_keys
 from oobleck_slurm.dashboard.live import handle_keys, load_state, run_dashboard
 from oobleck_slurm.dashboard.panels import View
-from oobleck_slurm.events import events_path
+from oobleck_slurm.protocol.events import events_path
 
 
 def _console() -> Console:

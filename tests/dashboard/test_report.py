@@ -9,7 +9,7 @@ import pytest
 from oobleck_slurm.commands import dashboard as dashboard_command
 from oobleck_slurm.commands import report as report_command
 from oobleck_slurm.dashboard import load_state
-from oobleck_slurm.events import events_path
+from oobleck_slurm.protocol.events import events_path
 
 mpimg = pytest.importorskip("matplotlib.image")
 

@@ -87,7 +87,7 @@ def test_a_second_loss_during_recovery_is_the_same_recovery():
 def test_a_failure_that_stops_nothing_is_not_a_recovery():
     s = DashboardState().apply_all([
         {"t": 0.0, "kind": "job_started", "nodes": ["a", "b"], "steps": 10},
-        {"t": 1.0, "kind": "failure", "nodes": ["r1"], "cause": "joining node exited 1", "step": 4},
+        {"t": 1.0, "kind": "failure", "nodes": ["r1"], "cause": "joining node lost: join_failed", "step": 4},
         {"t": 1.2, "kind": "step", "step": 4, "loss": 2.0, "samples_per_s": 10.0},
     ])
     assert s.recoveries == [] and s.status == "running" and s.nodes["r1"].state == "lost"

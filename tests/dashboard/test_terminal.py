@@ -13,7 +13,7 @@ import pytest
 from dash_helpers import LOGS
 
 from oobleck_slurm import cli
-from oobleck_slurm.events import events_path
+from oobleck_slurm.protocol.events import events_path
 
 REPO = Path(__file__).resolve().parents[2]
 # Until `dashboard` is in cli.COMMANDS, run the command module through the same argparse wiring.

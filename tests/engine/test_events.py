@@ -3,7 +3,7 @@
 import json
 import multiprocessing as mp
 
-from oobleck_slurm.events import EventLog, EventTail, events_path, read_events
+from oobleck_slurm.protocol.events import EventLog, EventTail, events_path, read_events
 
 
 def test_emit_and_read_back(tmp_path):

@@ -22,7 +22,7 @@ from fuzzlib import fuzz_settings, json_values
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oobleck_slurm.supervisor.protocol import (
+from oobleck_slurm.protocol.wire import (
     HANDSHAKE_MAGIC,
     NONCE_BYTES,
     TAG_BYTES,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_slurm.events import read_events
+from oobleck_slurm.protocol.events import read_events
 from oobleck_slurm.simulate import job_events
 from oobleck_slurm.simulate.recorded import simulate_recorded
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import psutil
 
-from oobleck_slurm.events import read_events
+from oobleck_slurm.protocol.events import read_events
 from oobleck_slurm.supervisor.client import notify_fault
 
 KINDS = ("node", "agent", "worker", "hang", "down", "freeze")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_slurm.events import read_events
-from oobleck_slurm.supervisor.protocol import ProtocolError
+from oobleck_slurm.protocol.events import read_events
+from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.supervisor.server import connect
 
 pytestmark = pytest.mark.slurm

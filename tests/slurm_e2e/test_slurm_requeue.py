@@ -16,7 +16,7 @@ from reference import train_reference  # tests/reference.py
 
 from oobleck_slurm.cluster.slurm import parse_scontrol_records
 from oobleck_slurm.engine.spec import JobSpec
-from oobleck_slurm.events import read_events
+from oobleck_slurm.protocol.events import read_events
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]

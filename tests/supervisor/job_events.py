@@ -11,7 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
-from oobleck_slurm.events import read_events
+from oobleck_slurm.protocol.events import read_events
 from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.submission import prepare_job, start_local
 

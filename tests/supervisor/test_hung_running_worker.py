@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from job_events import running_job, wait_for  # noqa: E402 - tests/supervisor helper
 
-from oobleck_slurm.events import read_events
+from oobleck_slurm.protocol.events import read_events
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

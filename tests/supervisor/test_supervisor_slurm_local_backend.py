@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from job_events import running_job, wait_for  # noqa: E402 - tests/supervisor helper
 
-from oobleck_slurm.events import read_events
+from oobleck_slurm.protocol.events import read_events
+from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.supervisor.client import live_status
-from oobleck_slurm.supervisor.protocol import ProtocolError
 from oobleck_slurm.supervisor.server import connect
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,6 @@
+"""The job's protocol, defined once: everything two processes of a job agree on.
+
+    keys      every key of the job's TCPStore (the coordinator <-> worker data plane of control)
+    wire      authenticated JSON frames of the control plane (supervisor <-> agents, CLI)
+    events    the event log (`events.jsonl`): writer, readers
+"""
