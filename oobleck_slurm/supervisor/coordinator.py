@@ -1,12 +1,15 @@
 """Coordinator: membership, generations, and driving a reconfiguration. Independent of how worker
-processes are started: a `NodeBackend` (local processes here; Slurm agents later) starts them and
-reports their exits. Modelled on torchelastic's rendezvous and torchft's manager: the coordinator
-owns the store and the plan; workers only follow `gen{g}/...` keys (protocol/keys.py; engine/elastic_process.py).
+processes are started: a `NodeBackend` (agent_nodes.py) starts them and reports their losses. Its
+phases and decisions are pure (decisions.py: `Phase`, `on_tick`, `decide`); this module observes the
+store and the backend, carries the decisions out and writes the events (each event of a membership
+change carries its `recovery` id and the `phase`). Modelled on torchelastic's rendezvous and
+torchft's manager: the coordinator owns the store and the plan; workers only follow `gen{g}/...` keys
+(protocol/keys.py; engine/elastic_process.py).
 
 On a membership change in generation g (a node's processes died, a timeout, or a node joins):
 1. set `gen{g}/failed`: every survivor leaves g's collectives at once (abortable waits);
 2. collect the survivors' reports (step, valid layers); new deaths meanwhile join the lost set;
-3. `reconfigure` (pure) -> new plan + layer copies; resume at the smallest reported step (ranks one
+3. `decide` (pure; `reconfigure` inside) -> new plan + layer copies, or a checkpoint fallback; resume at the smallest reported step (ranks one
    step ahead roll back: the step is replayed, see engine/recovery.py);
 4. publish `gen{g+1}/config`; survivors build new groups and copy layers; training goes on.
 If recovery is impossible (a layer lost every replica, too few pipelines) or the mode is
@@ -21,15 +24,15 @@ On a preemption notice (see preemption.py) the same abort collects every worker'
 generation's config says `stop` with `save`: each worker rolls back to the smallest step, writes its
 layers as an on-demand checkpoint of that step, and exits 0; a requeued job resumes from it.
 Events (events.jsonl): failure, detection, collective_error, reform, node_lost (a hung member named
-here), replan, plan, group_rebuild, state_copy, replay, resumed, node_joined, checkpoint,
-checkpoint_fallback, checkpoint_requested.
+here), replan, plan, group_rebuild, state_copy, replay, resumed, node_joined, run_complete,
+checkpoint, checkpoint_fallback, checkpoint_requested, done.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,22 +42,30 @@ import torch.distributed as dist
 from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
-from oobleck_slurm.planning.reconfigure import (
-    Reconfiguration,
-    RecoveryImpossible,
-    plan_copies,
-    reconfigure,
-    stage_devices,
-)
+from oobleck_slurm.planning.reconfigure import Device, Reconfiguration, stage_devices
 from oobleck_slurm.planning.templates import PipelineTemplate
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog
+from oobleck_slurm.supervisor.decisions import (
+    Change,
+    CheckpointAndStop,
+    Collected,
+    Complete,
+    Fallback,
+    Finish,
+    Observation,
+    Phase,
+    Policy,
+    decide,
+    on_tick,
+    resume_step,
+    transition,
+)
 from oobleck_slurm.supervisor.membership import Loss
 from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S, Preemption
 
 POLL_S = 0.005  # the coordinator's loop: bounds detection latency on the local backend
 CHECKPOINT_LOOK_S = 0.5  # how often the checkpoint directory is scanned for completed checkpoints
-MAX_REFORMS_PER_STEP = 3  # re-forms that resume at the same step before the job stops trusting them
 
 
 class NodeBackend(Protocol):
@@ -90,11 +101,13 @@ class CoordinatorConfig:
 
 @dataclass
 class _Recovery:
-    generation: int
+    """A published recovery until its first step completes (phases REBUILDING/RESTARTING, REPLAYING)."""
+
+    id: int  # the events' `recovery`: the generation after the aborted one (unique per change)
+    generation: int  # the generation it published
     t_start: float  # kill time if known, else detection time
     step: int
     started: float = field(default_factory=time.time)
-    rebuilt: bool = False
     rebuilt_at: float = 0.0
     joined: tuple[str, ...] = ()
 
@@ -116,7 +129,7 @@ def plan_event(plan: Plan, generation: int, reason: str, members: list[str], wor
              # memory_bytes: the planner's memory model of the stage, to set against the measured peak
              # (the step event's peak_memory on GPUs)
              "stages": [{"layers": [ls.start, ls.stop], "node": dev[0], "worker": dev[1],
-                         "rank": index[dev[0]] * workers_per_node + dev[1], "memory_bytes": stage.memory_bytes}
+                         "rank": index[str(dev[0])] * workers_per_node + dev[1], "memory_bytes": stage.memory_bytes}
                         for (dev, ls), stage in zip(stage_devices(p), p.template.stages)]}
             for i, p in enumerate(plan.pipelines)
         ],
@@ -125,12 +138,18 @@ def plan_event(plan: Plan, generation: int, reason: str, members: list[str], wor
 
 
 class Coordinator:
+    """The thin runtime around decisions.py: observes the backend and the store, asks the pure
+    decisions what to do, carries it out, and writes the events. Its phase (`self.phase`) changes only
+    through `decisions.transition`."""
+
     def __init__(self, store: dist.Store, backend: NodeBackend, templates: Sequence[PipelineTemplate],
                  plan: Plan, layer_keys: list[str], log: EventLog, config: CoordinatorConfig,
                  layer_bytes: Sequence[int] | None = None, total_steps: int | None = None) -> None:
-        self.store, self.backend, self.templates = store, backend, list(templates)
+        self.store, self.backend = store, backend
         self.plan, self.keys, self.log, self.cfg = str_nodes(plan), layer_keys, log, config
-        self.layer_bytes, self.total_steps = layer_bytes, total_steps
+        self.policy = Policy(tuple(templates), config.f, layer_bytes, config.replacement)
+        self.total_steps = total_steps
+        self.phase = Phase.RUNNING
         self.gen = 0
         self.members: list[str] = []
         self.finished: set[str] = set()
@@ -140,8 +159,24 @@ class Coordinator:
         self.checkpoints_seen: set[int] = set()
         self.errors_seen: tuple[int, float] | None = None  # (generation, when its first error was seen)
         self.reforms: dict[int, int] = {}  # resume step -> re-forms that resumed there
+        self._supersedes: int | None = None  # an unfinished recovery that the change being collected replaces
         self._next_checkpoint_look = 0.0
         self.preemption = Preemption()  # replaced by the supervisor's, which its signal handler sets
+
+    # ---- phase and events --------------------------------------------------------------------------
+
+    def _to(self, phase: Phase) -> None:
+        self.phase = transition(self.phase, phase)
+
+    def _emit(self, kind: str, recovery: int | None = None, **fields: Any) -> None:
+        """An event of a membership change: with its recovery id (the next generation's number while
+        none is published) and the phase it was written in; the first one names the recovery it
+        supersedes."""
+        fields["recovery"] = recovery if recovery is not None else self.gen + 1
+        fields["phase"] = str(self.phase)
+        if self._supersedes is not None:
+            fields["supersedes"], self._supersedes = self._supersedes, None
+        self.log.emit(kind, **fields)
 
     # ---- publishing generations ------------------------------------------------------------------
 
@@ -149,7 +184,8 @@ class Coordinator:
         return [str(n) for p in plan.pipelines for n in p.nodes] + [str(n) for n in plan.spare_nodes]
 
     def _publish(self, plan: Plan, source: str, resume_step: int, reason: str,
-                 change: Reconfiguration | None = None, checkpoint: dict | None = None) -> None:
+                 change: Reconfiguration | None = None, checkpoint: dict[str, Any] | None = None,
+                 recovery: int | None = None) -> None:
         plan = str_nodes(plan)
         members = self._members_of(plan)
         d = self.cfg.devices_per_node
@@ -164,7 +200,11 @@ class Coordinator:
         self.plan, self.members = plan, members
         self.store.set(keys.config(self.gen), json.dumps(cfg))
         self.store.set(keys.CURRENT_GEN, str(self.gen))
-        self.log.emit("plan", **plan_event(plan, self.gen, reason, members, d))
+        event = plan_event(plan, self.gen, reason, members, d)
+        if recovery is None:
+            self.log.emit("plan", **event)
+        else:
+            self._emit("plan", recovery, **event)
 
     def start(self, from_checkpoint: bool = False) -> None:
         """Publish generation 0 and start every member: from the seed, or (a requeued job) from the
@@ -185,28 +225,36 @@ class Coordinator:
         """Drive the job until every member finished; raises CoordinatorError if it cannot go on."""
         t_end = time.time() + self.cfg.run_timeout
         while True:
-            lost = self._exits()
-            live = [n for n in self.members if n not in self.finished]
-            if not live:
-                self.log.emit("done", generation=self.gen)
+            action = on_tick(self._observe())
+            if isinstance(action, Finish):
+                self._to(Phase.DONE)
+                self.log.emit("done", generation=self.gen, **({"note": action.note} if action.note else {}))
                 return
-            if self.preemption.requested.is_set() and not lost and self.recovery is None:
+            if isinstance(action, CheckpointAndStop):
                 return self._checkpoint_and_stop()
-            if lost:
-                if self.finished:  # someone completed the last step: the run is over
-                    self.log.emit("done", generation=self.gen, note=f"node(s) {lost} died after the end")
-                    return
-                self._change(lost, [], self._cause(lost))
-            elif self._unexplained_errors():
-                self._change([], [], "collective_error")
-            elif self.pending_joins and self._can_join():
-                ready = [n for n in self.pending_joins if self.store.check(self._workers_keys(n, keys.worker_ready))]
-                if ready:
-                    self._change([], ready, "join")
+            if isinstance(action, Change):
+                self._change(action)
             self._watch_progress()
             if time.time() > t_end:
                 raise CoordinatorError(f"run exceeded its timeout of {self.cfg.run_timeout} s")
             time.sleep(POLL_S)
+
+    def _observe(self) -> Observation:
+        lost = tuple(self._exits())
+        live = sum(1 for n in self.members if n not in self.finished)
+        joins: tuple[str, ...] = ()
+        step_running = last_step_near = False
+        if self.pending_joins and self.phase == Phase.RUNNING and not lost:
+            step_running = self.store.check([keys.first_step(self.gen)])
+            progress = self._progress()
+            last_step_near = self.total_steps is not None and progress is not None and progress + 1 >= self.total_steps
+            if step_running and not last_step_near and not self.finished:
+                joins = tuple(n for n in self.pending_joins
+                              if self.store.check(self._workers_keys(n, keys.worker_ready)))
+        return Observation(self.phase, lost=lost, live=live, finished=bool(self.finished),
+                           preemption=self.preemption.requested.is_set(),
+                           errors_expired=not lost and self._unexplained_errors(), ready_joins=joins,
+                           step_running=step_running, last_step_near=last_step_near)
 
     def _exits(self) -> list[str]:
         lost = []
@@ -222,22 +270,14 @@ class Coordinator:
                 lost.append(node)
         return lost
 
-    def _cause(self, lost: list[str]) -> str:
+    def _cause(self, lost: Collection[str]) -> str:
         """Why the nodes were lost: the causes of their losses (heartbeat lease, Slurm state, hung
         worker, agent connection, process exit), comma-separated."""
         return ",".join(sorted({str(self.losses[n].cause) for n in lost if n in self.losses})) or "process_exit"
 
-    def _workers_keys(self, node: str, key: Any) -> list[str]:
+    def _workers_keys(self, node: str, key: Callable[[str], str]) -> list[str]:
         """`key(worker)` for every worker of `node`."""
         return [key(w) for w in keys.node_workers(node, self.cfg.devices_per_node)]
-
-    def _can_join(self) -> bool:
-        """A newcomer joins between steps of a running generation, never as the run ends (its join
-        would abort the last step's barrier for nothing)."""
-        if self.recovery is not None or self.finished or not self.store.check([keys.first_step(self.gen)]):
-            return False
-        progress = self._progress()
-        return self.total_steps is None or progress is None or progress + 1 < self.total_steps
 
     def _progress(self) -> int | None:
         key = keys.progress(self.gen)
@@ -254,76 +294,69 @@ class Coordinator:
             self.errors_seen = (g, now)
             errors = {w: json.loads(self.store.get(keys.error(g, w))) for n in self.members
                       for w in keys.node_workers(n, self.cfg.devices_per_node) if self.store.check([keys.error(g, w)])}
-            self.log.emit("collective_error", generation=g, nodes=sorted(errors), step=self._progress(),
-                          errors={n: e["error"] for n, e in errors.items()}, grace=self.cfg.error_grace)
+            self._emit("collective_error", generation=g, nodes=sorted(errors), step=self._progress(),
+                       errors={n: e["error"] for n, e in errors.items()}, grace=self.cfg.error_grace)
         return now - self.errors_seen[1] >= self.cfg.error_grace
 
-    def _killed_at(self, nodes: Sequence[str]) -> float | None:
+    def _killed_at(self, nodes: Collection[str]) -> float | None:
         times = [float(self.store.get(keys.fault_time(n))) for n in nodes if self.store.check([keys.fault_time(n)])]
         return min(times) if times else None
 
     # ---- a membership change -----------------------------------------------------------------------
 
-    def _change(self, lost: list[str], joined: list[str], cause: str) -> None:
+    def _change(self, change: Change) -> None:
+        """Abort generation g, collect the survivors' reports, then carry out `decide`'s action."""
         g = self.gen
         t_detect = time.time()
+        if self.recovery is not None:  # a failure during a recovery: this change supersedes it
+            self._supersedes = self.recovery.id
+        self._to(Phase.COLLECTING)
+        lost, joined = list(change.lost), list(change.joined)
+        cause = self._cause(lost) if lost else change.trigger
         self.store.set(keys.failed(g), json.dumps({"lost": lost, "joined": joined, "cause": cause}))
         progress = self._progress()
+        next_step = progress + 1 if progress is not None else 0
         t_kill = self._killed_at(lost) if lost else None
         if lost:
-            self._failure_events(g, lost, cause, progress + 1 if progress is not None else 0, t_detect)
+            self._failure_events(g, lost, cause, next_step, t_detect)
         reform = not lost and not joined
         if reform:
-            self.log.emit("reform", generation=g, cause=cause, step=progress + 1 if progress is not None else 0)
-        lost_set = set(lost)
-        reports = self._collect_reports(g, lost_set, self.cfg.leave_timeout if reform else None)
+            self._emit("reform", generation=g, cause=cause, step=next_step)
+        reports, lost_set = self._collect_reports(g, frozenset(lost), self.cfg.leave_timeout if reform else None)
         for n in joined:
             self.pending_joins.pop(n, None)
         t0 = time.perf_counter()
-        steps = {r["step"] for r in reports.values() if r["layers"]}
-        resume = min(steps) if steps else 0
-        self.gen = g + 1
-        if self.finished:  # a member completed the last step meanwhile: the run is over, not failed
-            self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
-            self.store.set(keys.CURRENT_GEN, str(self.gen))
-            self.log.emit("run_complete", generation=g, note=f"{cause} as the run ended: no recovery needed",
-                          finished=sorted(self.finished))
-            return
-        if self.cfg.mode == "checkpoint" and lost:
-            return self._fallback(f"checkpoint-restart mode: node(s) {sorted(lost_set)} lost at step {resume}",
-                                  lost_set)
-        if steps and max(steps) - resume > 1:
-            return self._fallback(f"survivors report steps {sorted(steps)}: more than one step apart", lost_set)
-        if reform:
-            self.reforms[resume] = self.reforms.get(resume, 0) + 1
-            if self.reforms[resume] > MAX_REFORMS_PER_STEP:
-                return self._fallback(f"collective errors persist: re-formed {MAX_REFORMS_PER_STEP} times at "
-                                      f"step {resume} without progress", lost_set)
-        holders = {(n, local): frozenset(reports[keys.worker_id(n, local)]["layers"])
+        holders: dict[Device, frozenset[int]] = {(n, local): frozenset(reports[keys.worker_id(n, local)]["layers"])
                    for n in self.members if n not in lost_set
                    for local in range(self.cfg.devices_per_node) if keys.worker_id(n, local) in reports}
-        if not lost_set and not joined:  # every member left in time: the same plan, and copies only of
-            try:                           # what an interrupted recovery left missing (a join's copy)
-                change = Reconfiguration(self.plan, plan_copies(self.plan, holders, self.layer_bytes),
-                                         ("re-form",), 0.0)
-            except RecoveryImpossible as e:
-                return self._fallback(f"re-form of generation {g}: {e}", lost_set)
-        else:
-            try:
-                change = reconfigure(self.plan, sorted(lost_set), joined, self.templates, self.cfg.f,
-                                     holders=holders, layer_bytes=self.layer_bytes)
-            except RecoveryImpossible as e:
-                return self._fallback(f"failure of node(s) {sorted(lost_set)} in generation {g}: {e}", lost_set)
-        self.log.emit("replan", generation=self.gen, seconds=time.perf_counter() - t0, rules=list(change.rules),
-                      transfers=len(change.transfers), resume_step=resume,
-                      survivor_steps={w: r["step"] for w, r in reports.items() if r["layers"]})
-        self._publish(change.plan, "memory", resume, "join" if joined and not lost_set else
-                      "failure" if lost_set else "reform", change)
+        steps = {w: int(r["step"]) for w, r in reports.items() if r["layers"]}
+        collected = Collected(self.plan, lost_set, tuple(joined), steps, holders, finished=bool(self.finished),
+                              checkpoint_mode=self.cfg.mode == "checkpoint",
+                              reforms_at_resume=self.reforms.get(resume_step(steps.values()), 0))
+        action = decide(collected, self.policy, g, cause)
+        recovery_id = g + 1
+        self.gen = g + 1
+        if isinstance(action, Complete):
+            self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
+            self.store.set(keys.CURRENT_GEN, str(self.gen))
+            self._emit("run_complete", recovery_id, generation=g, note=action.note, finished=sorted(self.finished))
+            self._to(Phase.ENDING)
+            self.recovery = None
+            return
+        if isinstance(action, Fallback):
+            return self._fallback(action.reason, lost_set, recovery_id)
+        if action.reason == "reform":
+            self.reforms[action.resume_step] = self.reforms.get(action.resume_step, 0) + 1
+        self._emit("replan", recovery_id, generation=self.gen, seconds=time.perf_counter() - t0,
+                   rules=list(action.change.rules), transfers=len(action.change.transfers),
+                   resume_step=action.resume_step, survivor_steps=steps)
+        self._publish(action.change.plan, "memory", action.resume_step, action.reason, action.change, recovery=recovery_id)
         # A join whose recovery was interrupted (a re-form, a failure) completes with this one.
         unfinished = self.recovery.joined if self.recovery is not None else ()
         joining = tuple(dict.fromkeys(n for n in (*unfinished, *joined) if n not in lost_set))
-        self.recovery = _Recovery(self.gen, t_kill or t_detect, resume, joined=joining)
-        for _ in sorted(lost_set) if self.cfg.replacement else ():  # one replacement per lost node
+        self.recovery = _Recovery(recovery_id, self.gen, t_kill or t_detect, action.resume_step, joined=joining)
+        self._to(Phase.REBUILDING)
+        for _ in range(action.replacements):
             node = self.backend.new_node()
             if node is None:
                 break
@@ -332,62 +365,63 @@ class Coordinator:
 
     def _failure_events(self, g: int, nodes: list[str], cause: str, step: int | None, t_detect: float) -> None:
         t_kill = self._killed_at(nodes)
-        self.log.emit("failure", generation=g, nodes=nodes, cause=cause, step=step)
-        self.log.emit("detection", generation=g, seconds=(t_detect - t_kill) if t_kill else 0.0,
-                      known_kill_time=t_kill is not None)
+        self._emit("failure", generation=g, nodes=nodes, cause=cause, step=step)
+        self._emit("detection", generation=g, seconds=(t_detect - t_kill) if t_kill else 0.0,
+                   known_kill_time=t_kill is not None)
 
-    def _collect_reports(self, g: int, lost: set[str], leave_timeout: float | None = None) -> dict[str, dict[str, Any]]:
+    def _collect_reports(self, g: int, lost: frozenset[str], leave_timeout: float | None = None
+                         ) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
         """Every worker's {step, layers} after leaving generation g, by worker id, from each live member
-        node (a node counts once all its workers reported); deaths meanwhile are lost. With
-        `leave_timeout` (a re-form), nodes that have not left by then are hung: lost."""
+        node (a node counts once all its workers reported), and the lost nodes: `lost` and the deaths
+        meanwhile. With `leave_timeout` (a re-form), nodes that have not left by then are hung: lost."""
         reports: dict[str, dict[str, Any]] = {}
+        lost_now = set(lost)
         t_abort = time.time()
         deadline = t_abort + self.cfg.reconfiguration_timeout
         hung_at = t_abort + leave_timeout if leave_timeout is not None else None
         while True:
             for n in self._exits():
-                if n in lost:
+                if n in lost_now:
                     continue
-                if leave_timeout is not None and not lost:  # the loss a re-form was waiting for
+                if leave_timeout is not None and not lost_now:  # the loss a re-form was waiting for
                     self._failure_events(g, [n], self._cause([n]), None, time.time())
                 else:
-                    self.log.emit("failure", generation=g, nodes=[n], cause="process exit during recovery",
-                                  step=None)
-                lost.add(n)
-            pending = [n for n in self.members if n not in lost and n not in self.finished]
+                    self._emit("failure", generation=g, nodes=[n], cause="process exit during recovery", step=None)
+                lost_now.add(n)
+            pending = [n for n in self.members if n not in lost_now and n not in self.finished]
             for n in pending:
                 for w in keys.node_workers(n, self.cfg.devices_per_node):
                     if w not in reports and self.store.check([keys.report(g, w)]):
                         reports[w] = json.loads(self.store.get(keys.report(g, w)))
             late = [n for n in pending if not all(w in reports for w in keys.node_workers(n, self.cfg.devices_per_node))]
             if not late:
-                return reports
+                return reports, frozenset(lost_now)
             if hung_at is not None and time.time() > hung_at:
-                self._lose_hung(g, late, lost, time.time() - t_abort)
+                self._lose_hung(g, late, time.time() - t_abort)
+                lost_now.update(late)
                 hung_at = None
             elif time.time() > deadline:
                 self.backend.stop(late)
-                lost.update(late)
-                self.log.emit("failure", generation=g, nodes=late, cause="no report within the "
-                              f"reconfiguration timeout ({self.cfg.reconfiguration_timeout} s)", step=None)
+                lost_now.update(late)
+                self._emit("failure", generation=g, nodes=late, cause="no report within the reconfiguration "
+                           f"timeout ({self.cfg.reconfiguration_timeout} s)", step=None)
             time.sleep(POLL_S)
 
-    def _lose_hung(self, g: int, late: list[str], lost: set[str], waited: float) -> None:
+    def _lose_hung(self, g: int, late: list[str], waited: float) -> None:
         """Members that did not leave generation g while every peer did: hung inside the step."""
         self.backend.stop(late)
-        lost.update(late)
         t_fault = self._killed_at(late)
         now = time.time()
         detail = (f"did not leave generation {g} within {waited:.1f} s of its abort (leave timeout "
                   f"{self.cfg.leave_timeout:g} s) while its peers did: hung inside a step")
         for n in late:
-            self.log.emit("node_lost", node=n, cause="hung", detail=detail, t=now,
-                          detection_seconds=(now - t_fault) if t_fault else None)
+            self._emit("node_lost", node=n, cause="hung", detail=detail, t=now,
+                       detection_seconds=(now - t_fault) if t_fault else None)
         self._failure_events(g, late, "hung", None, now)
 
-    def _fallback(self, reason: str, lost: set[str]) -> None:
+    def _fallback(self, reason: str, lost: frozenset[str], recovery_id: int) -> None:
         """Stop every worker and restart all live nodes from the last complete checkpoint."""
-        self.log.emit("checkpoint_fallback", reason=reason, generation=self.gen)
+        self._emit("checkpoint_fallback", recovery_id, reason=reason, generation=self.gen)
         t_kill = self._killed_at(sorted(lost)) or time.time()
         live = [n for n in self.members if n not in lost] + list(self.pending_joins)
         self.pending_joins.clear()
@@ -401,7 +435,7 @@ class Coordinator:
         plan = None
         for f in range(self.cfg.f, -1, -1):
             try:
-                plan = instantiate(self.templates, live, f, self.plan.global_microbatches,
+                plan = instantiate(self.policy.templates, live, f, self.plan.global_microbatches,
                                    microbatch_size=self.plan.microbatch_size)
                 break
             except PlanningError:
@@ -411,8 +445,10 @@ class Coordinator:
         # Stopping the old workers is asynchronous (their agents kill them): skip a generation, so that
         # none of them, waiting for the next config, joins the restarted workers' group rendezvous.
         self.gen += 1
-        self._publish(plan, "checkpoint", step, "failure", checkpoint={"root": str(root), "step": step})
-        self.recovery = _Recovery(self.gen, t_kill, step)
+        self._publish(plan, "checkpoint", step, "failure", checkpoint={"root": str(root), "step": step},
+                      recovery=recovery_id)
+        self.recovery = _Recovery(recovery_id, self.gen, t_kill, step)
+        self._to(Phase.RESTARTING)
         for n in self.members:
             self.backend.start(n)
 
@@ -423,20 +459,19 @@ class Coordinator:
         workers write the smallest reported step as a checkpoint; wait until it is complete."""
         g, t0 = self.gen, time.time()
         root = self.cfg.checkpoint_dir
+        self._to(Phase.CHECKPOINTING)
         self.log.emit("checkpoint_requested", generation=g, reason="preemption or time limit")
         if not root:
             self.log.emit("checkpoint", step=None, ok=False, on_demand=True, detail="no checkpoint directory")
-            self.preemption.finished.set()
-            return
+            return self._stopped(None)
         self.store.set(keys.failed(g), json.dumps({"lost": [], "joined": [], "cause": "checkpoint"}))
-        reports = self._collect_reports(g, set())
+        reports, _ = self._collect_reports(g, frozenset())
         steps = [r["step"] for r in reports.values() if r["layers"]]
         self.gen = g + 1
         if not steps:  # the notice came before any worker held layers: nothing to save
             self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
             self.log.emit("checkpoint", step=None, ok=False, on_demand=True, detail="no worker holds layers yet")
-            self.preemption.finished.set()
-            return
+            return self._stopped(None)
         step = min(steps)
         self.store.set(keys.config(self.gen), json.dumps(
             {"generation": self.gen, "stop": True, "save": {"root": root, "step": step}}))
@@ -446,12 +481,15 @@ class Coordinator:
             if time.time() > deadline:
                 self.log.emit("checkpoint", step=step, ok=False, on_demand=True,
                               detail=f"not complete within {self.cfg.checkpoint_timeout:g} s")
-                self.preemption.finished.set()
-                return
+                return self._stopped(None)
             time.sleep(POLL_S)
         self.checkpoints_seen.add(step)
         self.log.emit("checkpoint", step=step, ok=True, on_demand=True, seconds=time.time() - t0,
                       path=str(step_dir(root, step)))
+        self._stopped(step)
+
+    def _stopped(self, step: int | None) -> None:
+        self._to(Phase.DONE)
         self.preemption.step = step
         self.preemption.finished.set()
 
@@ -460,22 +498,23 @@ class Coordinator:
     def _watch_progress(self) -> None:
         r = self.recovery
         g = self.gen
-        if r is not None and not r.rebuilt:
+        if r is not None and self.phase in (Phase.REBUILDING, Phase.RESTARTING):
             names = [keys.rebuilt(g, w) for n in self.members for w in keys.node_workers(n, self.cfg.devices_per_node)]
             if self.store.check(names):
                 info = [json.loads(self.store.get(k)) for k in names]
-                self.log.emit("group_rebuild", generation=g, seconds=max(i["groups_s"] for i in info))
-                self.log.emit("state_copy", generation=g, seconds=max(i["copy_s"] for i in info),
-                              bytes=sum(i["bytes"] for i in info))
-                r.rebuilt = True
+                self._emit("group_rebuild", r.id, generation=g, seconds=max(i["groups_s"] for i in info))
+                self._emit("state_copy", r.id, generation=g, seconds=max(i["copy_s"] for i in info),
+                           bytes=sum(i["bytes"] for i in info))
                 r.rebuilt_at = max(i["t"] for i in info)
-        if r is not None and r.rebuilt and self.store.check([keys.first_step(g)]):
+                self._to(Phase.REPLAYING)
+        if r is not None and self.phase == Phase.REPLAYING and self.store.check([keys.first_step(g)]):
             first = json.loads(self.store.get(keys.first_step(g)))
-            self.log.emit("replay", generation=g, step=first["step"], seconds=first["t"] - r.rebuilt_at)
-            self.log.emit("resumed", generation=g, step=first["step"], total_seconds=first["t"] - r.t_start)
+            self._emit("replay", r.id, generation=g, step=first["step"], seconds=first["t"] - r.rebuilt_at)
+            self._emit("resumed", r.id, generation=g, step=first["step"], total_seconds=first["t"] - r.t_start)
             for n in r.joined:
-                self.log.emit("node_joined", node=n, generation=g, seconds=first["t"] - r.started)
+                self._emit("node_joined", r.id, node=n, generation=g, seconds=first["t"] - r.started)
             self.recovery = None
+            self._to(Phase.RUNNING)
         if self.cfg.checkpoint_dir and time.time() >= self._next_checkpoint_look:
             self._next_checkpoint_look = time.time() + CHECKPOINT_LOOK_S
             step = latest_complete(self.cfg.checkpoint_dir, self.keys)

@@ -1,0 +1,233 @@
+"""The coordinator's state machine and decisions, as pure functions: no store, no processes, no clock.
+
+The coordinator (coordinator.py) observes the backend and the store, hands what it saw to these
+functions, and carries out the action they return. Modelled on torchelastic's rendezvous, whose
+join/exit decisions are pure ops returning an action. Tested exhaustively in
+tests/supervisor/test_decisions.py.
+
+Phases of a job and their transitions (`TRANSITIONS`):
+
+    RUNNING        training in generation g           -> COLLECTING (a loss, a join, collective errors)
+                                                       -> CHECKPOINTING (a preemption notice)
+                                                       -> DONE (every member finished)
+    COLLECTING     g aborted: survivors report their step and layers
+                                                       -> REBUILDING (g+1 published)
+                                                       -> RESTARTING (no in-memory recovery: checkpoint)
+                                                       -> ENDING (a member finished the last step meanwhile)
+    REBUILDING     g+1's workers build groups and copy the layers they lack
+                                                       -> REPLAYING (every worker rebuilt)
+    RESTARTING     every worker restarts from the last complete checkpoint
+                                                       -> REPLAYING (every worker rebuilt)
+    REPLAYING      rebuilt: the first step of g+1 runs (a rolled-back step is replayed)
+                                                       -> RUNNING (its first step completed)
+    ENDING         the run ended during a change: members stop; their exits are awaited  -> DONE
+    CHECKPOINTING  preemption: workers save the smallest reported step and stop  -> DONE
+    DONE           terminal
+
+A new loss during REBUILDING, RESTARTING or REPLAYING starts the next recovery at once (-> COLLECTING),
+superseding the unfinished one: failures during a recovery are the norm at scale, not an edge case.
+A loss during COLLECTING joins the lost set of the change being collected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from oobleck_slurm.planning import Plan
+from oobleck_slurm.planning.reconfigure import (
+    Device,
+    Reconfiguration,
+    RecoveryImpossible,
+    plan_copies,
+    reconfigure,
+)
+from oobleck_slurm.planning.templates import PipelineTemplate
+
+MAX_REFORMS_PER_STEP = 3  # re-forms that resume at the same step before the job stops trusting them
+
+
+class Phase(StrEnum):
+    RUNNING = "running"
+    COLLECTING = "collecting"
+    REBUILDING = "rebuilding"
+    RESTARTING = "restarting"
+    REPLAYING = "replaying"
+    ENDING = "ending"
+    CHECKPOINTING = "checkpointing"
+    DONE = "done"
+
+
+RECOVERING = frozenset({Phase.REBUILDING, Phase.RESTARTING, Phase.REPLAYING})
+
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.RUNNING: frozenset({Phase.COLLECTING, Phase.CHECKPOINTING, Phase.DONE}),
+    Phase.COLLECTING: frozenset({Phase.REBUILDING, Phase.RESTARTING, Phase.ENDING}),
+    Phase.REBUILDING: frozenset({Phase.REPLAYING, Phase.COLLECTING, Phase.DONE}),
+    Phase.RESTARTING: frozenset({Phase.REPLAYING, Phase.COLLECTING, Phase.DONE}),
+    Phase.REPLAYING: frozenset({Phase.RUNNING, Phase.COLLECTING, Phase.DONE}),
+    Phase.ENDING: frozenset({Phase.DONE}),
+    Phase.CHECKPOINTING: frozenset({Phase.DONE}),
+    Phase.DONE: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A phase change that the state machine does not allow: a bug in the coordinator, never input."""
+
+
+def transition(current: Phase, target: Phase) -> Phase:
+    if target not in TRANSITIONS[current]:
+        raise IllegalTransition(f"coordinator phase {current} cannot go to {target}")
+    return target
+
+
+# ---- the loop: what to do this tick ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Observation:
+    """What the coordinator's loop saw in one tick."""
+
+    phase: Phase
+    lost: tuple[str, ...] = ()  # members lost since the last tick
+    live: int = 1  # members that have not finished
+    finished: bool = False  # some member completed the last step
+    preemption: bool = False  # a preemption / time-limit notice is pending
+    errors_expired: bool = False  # collective errors that no loss explained within the grace
+    ready_joins: tuple[str, ...] = ()  # joining nodes whose workers are up and healthy
+    step_running: bool = False  # the current generation completed a step (a join can be folded in)
+    last_step_near: bool = False  # the run is at its last step (a join would only abort it)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do this tick."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class CheckpointAndStop:
+    """Preemption: abort, have every worker save the smallest reported step, stop."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """A membership change of the current generation: abort it and recover."""
+
+    lost: tuple[str, ...]
+    joined: tuple[str, ...]
+    trigger: str  # "failure" | "join" | "collective_error"
+
+
+TickAction = Wait | Finish | CheckpointAndStop | Change
+
+
+def on_tick(o: Observation) -> TickAction:
+    if o.phase in (Phase.DONE, Phase.CHECKPOINTING, Phase.COLLECTING):
+        return Wait()  # the last two are carried out synchronously: never observed
+    if o.live == 0:
+        return Finish()
+    if o.lost and (o.finished or o.phase == Phase.ENDING):  # someone completed the last step: it is over
+        return Finish(note=f"node(s) {list(o.lost)} died after the end")
+    if o.phase == Phase.ENDING:
+        return Wait()
+    if o.lost:
+        return Change(o.lost, (), "failure")
+    if o.preemption and o.phase == Phase.RUNNING:
+        return CheckpointAndStop()
+    if o.errors_expired:
+        return Change((), (), "collective_error")
+    if o.ready_joins and o.phase == Phase.RUNNING and o.step_running and not o.finished and not o.last_step_near:
+        return Change((), o.ready_joins, "join")
+    return Wait()
+
+
+# ---- after the survivors reported: how to go on --------------------------------------------------
+
+@dataclass(frozen=True)
+class Collected:
+    """A change after its reports came in."""
+
+    plan: Plan  # the aborted generation's plan
+    lost: frozenset[str]  # every node lost, including those lost while collecting
+    joined: tuple[str, ...]
+    steps: Mapping[str, int]  # worker -> the step it reports (workers that hold layers)
+    holders: Mapping[Device, frozenset[int]]  # (node, device) -> the layers it holds valid
+    finished: bool = False  # a member completed the last step meanwhile
+    checkpoint_mode: bool = False  # the recipe's recovery mode is "checkpoint"
+    reforms_at_resume: int = 0  # re-forms that already resumed at this change's resume step
+
+
+@dataclass(frozen=True)
+class Policy:
+    templates: tuple[PipelineTemplate, ...]
+    f: int
+    layer_bytes: Sequence[int] | None = None
+    replacement: bool = False  # ask the backend for a new node per lost node
+
+
+@dataclass(frozen=True)
+class Complete:
+    """The run ended while the change was collected: nothing to recover."""
+
+    note: str
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """No in-memory recovery: restart every live node from the last complete checkpoint."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Recover in memory: publish the next generation with this plan and these copies."""
+
+    change: Reconfiguration
+    resume_step: int
+    reason: str  # the plan event's reason: "failure" | "join" | "reform"
+    replacements: int  # new nodes to ask the backend for
+
+
+ChangeAction = Complete | Fallback | Publish
+
+
+def resume_step(steps: Collection[int]) -> int:
+    """Survivors resume at the smallest reported step (those one step ahead roll back and replay)."""
+    return min(steps) if steps else 0
+
+
+def decide(c: Collected, policy: Policy, generation: int, trigger: str) -> ChangeAction:
+    """How to go on after generation `generation` was aborted by `trigger` and its reports collected."""
+    steps = set(c.steps.values())
+    resume = resume_step(steps)
+    lost = sorted(c.lost)
+    if c.finished:
+        return Complete(f"{trigger} as the run ended: no recovery needed")
+    if c.checkpoint_mode and c.lost:
+        return Fallback(f"checkpoint-restart mode: node(s) {lost} lost at step {resume}")
+    if steps and max(steps) - resume > 1:
+        return Fallback(f"survivors report steps {sorted(steps)}: more than one step apart")
+    reform = not c.lost and not c.joined
+    if reform and c.reforms_at_resume + 1 > MAX_REFORMS_PER_STEP:
+        return Fallback(f"collective errors persist: re-formed {MAX_REFORMS_PER_STEP} times at step {resume} "
+                        "without progress")
+    if reform:  # every member left in time: the same plan, and copies only of what an interrupted
+        try:    # recovery left missing (a join's copy)
+            change = Reconfiguration(c.plan, plan_copies(c.plan, dict(c.holders), policy.layer_bytes),
+                                     ("re-form",), 0.0)
+        except RecoveryImpossible as e:
+            return Fallback(f"re-form of generation {generation}: {e}")
+        return Publish(change, resume, "reform", 0)
+    try:
+        change = reconfigure(c.plan, lost, list(c.joined), policy.templates, policy.f,
+                             holders=dict(c.holders), layer_bytes=policy.layer_bytes)
+    except RecoveryImpossible as e:
+        return Fallback(f"failure of node(s) {lost} in generation {generation}: {e}")
+    return Publish(change, resume, "failure" if c.lost else "join", len(lost) if policy.replacement else 0)

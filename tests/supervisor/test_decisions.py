@@ -1,0 +1,217 @@
+"""The coordinator's pure state machine and decisions: every transition, every tick observation, every
+branch of `decide`, on real plans and templates."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from planning_helpers import random_profile
+
+from oobleck_slurm.planning import generate_templates, instantiate
+from oobleck_slurm.planning.reconfigure import plan_holders
+from oobleck_slurm.supervisor.decisions import (
+    MAX_REFORMS_PER_STEP,
+    RECOVERING,
+    TRANSITIONS,
+    Change,
+    CheckpointAndStop,
+    Collected,
+    Complete,
+    Fallback,
+    Finish,
+    IllegalTransition,
+    Observation,
+    Phase,
+    Policy,
+    Publish,
+    Wait,
+    decide,
+    on_tick,
+    resume_step,
+    transition,
+)
+
+# ---- transitions ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("current,target", list(itertools.product(Phase, Phase)))
+def test_every_transition_is_allowed_or_refused_by_the_table(current, target):
+    if target in TRANSITIONS[current]:
+        assert transition(current, target) is target
+    else:
+        with pytest.raises(IllegalTransition, match=f"{current}.*{target}"):
+            transition(current, target)
+
+
+def test_every_phase_is_reachable_from_running_and_reaches_done():
+    def closure(start):
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in TRANSITIONS[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    assert closure(Phase.RUNNING) == set(Phase)
+    assert all(Phase.DONE in closure(p) for p in Phase)
+    assert TRANSITIONS[Phase.DONE] == frozenset()
+
+
+def test_a_loss_during_any_recovering_phase_starts_the_next_recovery():
+    for phase in RECOVERING:
+        assert Phase.COLLECTING in TRANSITIONS[phase]
+
+
+# ---- the loop: every observation --------------------------------------------------------------------
+
+def observations():
+    for phase, lost, live, finished, preempt, errors, joins, running, near in itertools.product(
+            Phase, [(), ("n2",)], [0, 3], [False, True], [False, True], [False, True], [(), ("r1",)],
+            [False, True], [False, True]):
+        yield Observation(phase, lost, live, finished, preempt, errors, joins, running, near)
+
+
+def expected(o: Observation):
+    """The specification of `on_tick`, written as a plain decision list."""
+    if o.phase in (Phase.DONE, Phase.CHECKPOINTING, Phase.COLLECTING):
+        return Wait()
+    if o.live == 0:
+        return Finish()
+    if o.lost and (o.finished or o.phase == Phase.ENDING):
+        return Finish(note=f"node(s) {list(o.lost)} died after the end")
+    if o.phase == Phase.ENDING:
+        return Wait()
+    if o.lost:
+        return Change(o.lost, (), "failure")
+    if o.preemption and o.phase == Phase.RUNNING:
+        return CheckpointAndStop()
+    if o.errors_expired:
+        return Change((), (), "collective_error")
+    if o.ready_joins and o.phase == Phase.RUNNING and o.step_running and not o.finished and not o.last_step_near:
+        return Change((), o.ready_joins, "join")
+    return Wait()
+
+
+def test_on_tick_matches_its_specification_for_every_observation():
+    checked = 0
+    for o in observations():
+        assert on_tick(o) == expected(o), o
+        checked += 1
+    assert checked == len(Phase) * 2 ** 8
+
+
+def test_on_tick_properties():
+    for o in observations():
+        action = on_tick(o)
+        if isinstance(action, Change):  # a change only from a phase that may go to COLLECTING
+            assert Phase.COLLECTING in TRANSITIONS[o.phase]
+        if isinstance(action, CheckpointAndStop):
+            assert o.phase == Phase.RUNNING and not o.lost
+        if isinstance(action, Change) and action.joined:  # never folds a join into a recovery or the end
+            assert o.phase == Phase.RUNNING and not o.finished and not o.last_step_near and not o.lost
+        if o.lost and o.phase in (Phase.RUNNING, *RECOVERING) and o.live and not o.finished:
+            assert action == Change(o.lost, (), "failure"), "a loss is never deferred"
+
+
+# ---- after the reports: decide ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def setup():
+    profile = random_profile(random.Random(3), 6, 1, tight_memory=False)
+    templates = tuple(generate_templates(profile, 4, num_microbatches=4))
+    plan = instantiate(templates, [f"n{i}" for i in range(6)], 1, 12)
+    return templates, plan
+
+
+def collected(plan, lost=(), joined=(), steps=None, **kw):
+    holders = {d: ls for d, ls in plan_holders(plan).items() if d[0] not in set(lost)}
+    steps = steps if steps is not None else {f"{d[0]}:{d[1]}": 7 for d in holders}
+    return Collected(plan, frozenset(lost), tuple(joined), steps, holders, **kw)
+
+
+def test_a_loss_with_replicas_publishes_a_new_plan_and_asks_for_replacements(setup):
+    templates, plan = setup
+    lost = plan.pipelines[0].nodes[:1]
+    action = decide(collected(plan, lost), Policy(templates, 1, replacement=True), 4, "agent_lost")
+    assert isinstance(action, Publish) and action.reason == "failure" and action.resume_step == 7
+    assert action.replacements == 1
+    used = {n for p in action.change.plan.pipelines for n in p.nodes} | set(action.change.plan.spare_nodes)
+    assert not used & set(lost)
+    assert decide(collected(plan, lost), Policy(templates, 1), 4, "x").replacements == 0
+
+
+def test_the_resume_step_is_the_smallest_reported():
+    assert resume_step([]) == 0
+    for steps in itertools.product(range(3), repeat=3):
+        assert resume_step(steps) == min(steps)
+
+
+def test_survivors_one_step_apart_resume_at_the_smaller_more_apart_fall_back(setup):
+    templates, plan = setup
+    holders = plan_holders(plan)
+    workers = [f"{d[0]}:{d[1]}" for d in holders]
+    one = dict.fromkeys(workers, 8) | {workers[0]: 7}
+    action = decide(collected(plan, [plan.pipelines[0].nodes[-1]], steps=one), Policy(templates, 1), 2, "x")
+    assert isinstance(action, Publish) and action.resume_step == 7
+    two = dict.fromkeys(workers, 9) | {workers[0]: 7}
+    action = decide(collected(plan, [plan.pipelines[0].nodes[-1]], steps=two), Policy(templates, 1), 2, "x")
+    assert isinstance(action, Fallback) and "more than one step apart" in action.reason
+
+
+def test_a_layer_without_a_replica_falls_back_naming_the_failure(setup):
+    templates, plan = setup
+    lost = [n for p in plan.pipelines for n in p.nodes]  # every pipeline loses everything
+    action = decide(collected(plan, lost), Policy(templates, 1), 5, "heartbeat")
+    assert isinstance(action, Fallback) and "generation 5" in action.reason
+
+
+def test_checkpoint_mode_always_falls_back_on_a_loss_but_not_on_a_join(setup):
+    templates, plan = setup
+    lost = plan.pipelines[0].nodes[:1]
+    action = decide(collected(plan, lost, checkpoint_mode=True), Policy(templates, 1), 0, "x")
+    assert isinstance(action, Fallback) and "checkpoint-restart mode" in action.reason
+    joined = decide(collected(plan, joined=["r1"], checkpoint_mode=True), Policy(templates, 1), 0, "join")
+    assert isinstance(joined, Publish) and joined.reason == "join"
+
+
+def test_a_finished_member_completes_the_run_whatever_else(setup):
+    templates, plan = setup
+    for lost in ([], plan.pipelines[0].nodes[:1], [n for p in plan.pipelines for n in p.nodes]):
+        action = decide(collected(plan, lost, finished=True), Policy(templates, 1), 3, "join")
+        assert action == Complete("join as the run ended: no recovery needed")
+
+
+def test_a_reform_keeps_the_plan_and_stops_trusting_itself_after_the_limit(setup):
+    templates, plan = setup
+    action = decide(collected(plan), Policy(templates, 1), 1, "collective_error")
+    assert isinstance(action, Publish) and action.reason == "reform"
+    assert action.change.plan == plan and action.change.transfers == () and action.replacements == 0
+    for done in range(MAX_REFORMS_PER_STEP + 2):
+        action = decide(collected(plan, reforms_at_resume=done), Policy(templates, 1), 1, "collective_error")
+        assert isinstance(action, Fallback) == (done >= MAX_REFORMS_PER_STEP)
+
+
+def test_a_reform_copies_what_an_interrupted_join_left_missing(setup):
+    templates, plan = setup
+    holders = plan_holders(plan)
+    device = next(iter(holders))
+    partial = dict(holders) | {device: frozenset()}  # a joiner that never received its layers
+    c = Collected(plan, frozenset(), (), {f"{d[0]}:{d[1]}": 3 for d in holders}, partial)
+    action = decide(c, Policy(templates, 1), 1, "collective_error")
+    assert isinstance(action, Publish)
+    assert {t.dst for t in action.change.transfers} == {device}
+    assert {t.layer for t in action.change.transfers} == set(holders[device])
+
+
+def test_every_loss_set_gets_a_publish_or_a_fallback_never_an_exception(setup):
+    templates, plan = setup
+    nodes = [n for p in plan.pipelines for n in p.nodes] + list(plan.spare_nodes)
+    for k in range(len(nodes) + 1):
+        for lost in itertools.combinations(nodes, k):
+            action = decide(collected(plan, lost), Policy(templates, 1), 0, "x")
+            assert isinstance(action, Publish | Fallback)
+            if isinstance(action, Publish):
+                assert len(action.change.plan.pipelines) >= 2
