@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from job_events import running_job, wait_for  # noqa: E402 - tests/supervisor helper
+from job_events import running_job, wait_for
 
 from oobleck_slurm.protocol.events import read_events
 from oobleck_slurm.protocol.wire import ProtocolError

@@ -15,17 +15,18 @@ from oobleck_slurm.protocol.events import read_events
 from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.submission import prepare_job, start_local
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
 def running_job(tmp_path: Path, fault_tolerance: str, cache: Path,
-                faults: list[dict[str, Any]] | None = None) -> Iterator[Path]:
-    """local-tiny with endless steps and these `fault_tolerance:` lines (YAML, indented), started as
-    `submit` starts it; stopped at the end (frozen processes thawed first, so that they can die)."""
+                faults: list[dict[str, Any]] | None = None, nodes: int = 4) -> Iterator[Path]:
+    """local-tiny on `nodes` virtual nodes with endless steps and these `fault_tolerance:` lines (YAML,
+    indented), started as `submit` starts it; stopped at the end (frozen processes thawed first, so
+    that they can die)."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 100000\n"
-                      f"fault_tolerance:\n{fault_tolerance}")
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ncluster:\n  nodes: {nodes}\n"
+                      f"training:\n  steps: 100000\nfault_tolerance:\n{fault_tolerance}")
     handle = prepare_job(load_recipe(recipe), cache_dir=cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs",
                          faults=faults)
     sup = start_local(handle)
