@@ -11,7 +11,7 @@ The drill itself is tests/second_failure.py (the suite runs two rounds of it).
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import platform
@@ -27,13 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tests_module(stem: str) -> ModuleType:
-    """tests/{stem}.py, imported by path (tests/ is not a package); its siblings importable too."""
-    sys.path.insert(0, str(REPO / "tests"))
-    spec = importlib.util.spec_from_file_location(stem, REPO / "tests" / f"{stem}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tests/{stem}.py (tests/ is not a package: it goes on the path, as pytest puts it)."""
+    if str(REPO / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests"))
+    return importlib.import_module(stem)
 
 
 def main() -> int:

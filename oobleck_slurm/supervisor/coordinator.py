@@ -159,6 +159,7 @@ class Coordinator:
         self.checkpoints_seen: set[int] = set()
         self.errors_seen: tuple[int, float] | None = None  # (generation, when its first error was seen)
         self.reforms: dict[int, int] = {}  # resume step -> re-forms that resumed there
+        self.trained = False  # a step completed, or the job started from a checkpoint (not the seed's state)
         self._supersedes: int | None = None  # an unfinished recovery that the change being collected replaces
         self._next_checkpoint_look = 0.0
         self.preemption = Preemption()  # replaced by the supervisor's, which its signal handler sets
@@ -214,6 +215,7 @@ class Coordinator:
         if step is None:
             self._publish(self.plan, "seed", 0, "initial")
         else:
+            self.trained = True
             self._publish(self.plan, "checkpoint", step, "requeue",
                           checkpoint={"root": str(self.cfg.checkpoint_dir), "step": step})
         for node in self.members:
@@ -315,6 +317,7 @@ class Coordinator:
         cause = self._cause(lost) if lost else change.trigger
         self.store.set(keys.failed(g), json.dumps({"lost": lost, "joined": joined, "cause": cause}))
         progress = self._progress()
+        self.trained = self.trained or progress is not None
         next_step = progress + 1 if progress is not None else 0
         t_kill = self._killed_at(lost) if lost else None
         if lost:
@@ -332,7 +335,8 @@ class Coordinator:
         steps = {w: int(r["step"]) for w, r in reports.items() if r["layers"]}
         collected = Collected(self.plan, lost_set, tuple(joined), steps, holders, finished=bool(self.finished),
                               checkpoint_mode=self.cfg.mode == "checkpoint",
-                              reforms_at_resume=self.reforms.get(resume_step(steps.values()), 0))
+                              reforms_at_resume=self.reforms.get(resume_step(steps.values()), 0),
+                              trained=self.trained)
         action = decide(collected, self.policy, g, cause)
         recovery_id = g + 1
         self.gen = g + 1
@@ -350,7 +354,8 @@ class Coordinator:
         self._emit("replan", recovery_id, generation=self.gen, seconds=time.perf_counter() - t0,
                    rules=list(action.change.rules), transfers=len(action.change.transfers),
                    resume_step=action.resume_step, survivor_steps=steps)
-        self._publish(action.change.plan, "memory", action.resume_step, action.reason, action.change, recovery=recovery_id)
+        self._publish(action.change.plan, action.source, action.resume_step, action.reason, action.change,
+                      recovery=recovery_id)
         # A join whose recovery was interrupted (a re-form, a failure) completes with this one.
         unfinished = self.recovery.joined if self.recovery is not None else ()
         joining = tuple(dict.fromkeys(n for n in (*unfinished, *joined) if n not in lost_set))
@@ -448,6 +453,7 @@ class Coordinator:
         self._publish(plan, "checkpoint", step, "failure", checkpoint={"root": str(root), "step": step},
                       recovery=recovery_id)
         self.recovery = _Recovery(recovery_id, self.gen, t_kill, step)
+        self.trained = True
         self._to(Phase.RESTARTING)
         for n in self.members:
             self.backend.start(n)

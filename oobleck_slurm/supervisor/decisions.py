@@ -32,7 +32,7 @@ A loss during COLLECTING joins the lost set of the change being collected.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from oobleck_slurm.planning import Plan
@@ -161,6 +161,7 @@ class Collected:
     finished: bool = False  # a member completed the last step meanwhile
     checkpoint_mode: bool = False  # the recipe's recovery mode is "checkpoint"
     reforms_at_resume: int = 0  # re-forms that already resumed at this change's resume step
+    trained: bool = True  # a step completed, or the job started from a checkpoint: state is not the seed's
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ class Publish:
     resume_step: int
     reason: str  # the plan event's reason: "failure" | "join" | "reform"
     replacements: int  # new nodes to ask the backend for
+    source: str = "memory"  # where the layers come from: "memory" (copies) or "seed" (nothing trained yet)
 
 
 ChangeAction = Complete | Fallback | Publish
@@ -225,9 +227,19 @@ def decide(c: Collected, policy: Policy, generation: int, trigger: str) -> Chang
         except RecoveryImpossible as e:
             return Fallback(f"re-form of generation {generation}: {e}")
         return Publish(change, resume, "reform", 0)
+    reason, replacements = "failure" if c.lost else "join", len(lost) if policy.replacement else 0
+    if not c.trained:
+        # A change before the first step (a node lost while the job starts): every layer is still the
+        # seed's (some workers may not have built theirs yet); the new plan starts from the seed.
+        try:
+            change = reconfigure(c.plan, lost, list(c.joined), policy.templates, policy.f,
+                                 layer_bytes=policy.layer_bytes)
+        except RecoveryImpossible as e:
+            return Fallback(f"failure of node(s) {lost} in generation {generation}, before the first step: {e}")
+        return Publish(replace(change, transfers=()), 0, reason, replacements, source="seed")
     try:
         change = reconfigure(c.plan, lost, list(c.joined), policy.templates, policy.f,
                              holders=dict(c.holders), layer_bytes=policy.layer_bytes)
     except RecoveryImpossible as e:
         return Fallback(f"failure of node(s) {lost} in generation {generation}: {e}")
-    return Publish(change, resume, "failure" if c.lost else "join", len(lost) if policy.replacement else 0)
+    return Publish(change, resume, reason, replacements)

@@ -80,6 +80,8 @@ def test_default_submit_drills_a_failure_recovers_joins_and_summarises(tmp_path:
     assert (drill["node"], drill["how"], drill["ok"]) == ("node2", "worker", True) and drill["step"] >= 100
     assert [e["nodes"] for e in read_events(events, "failure")] == [["node2"]]
     assert [e["node"] for e in read_events(events, "node_joined")] == ["r1"]
+    sizes = [len(p["nodes"]) for p in read_events(events, "plan")[0]["pipelines"]]
+    assert len(set(sizes)) > 1 and max(sizes) > 1, f"the default's first plan is not heterogeneous: {sizes}"
     from oobleck_slurm.dashboard.state import DashboardState
 
     board = DashboardState().apply_all(read_events(events))  # the dashboard knows every event the run wrote

@@ -47,6 +47,15 @@ def test_kill_mid_step_keeps_the_trajectory(tmp_path, templates_cache, optimizer
     assert {e["generation"] for e in run.kind("step") if e["step"] < 2} == {0}
 
 
+def test_a_loss_before_the_first_step_starts_over_from_the_seed(tmp_path, templates_cache):
+    # node2 dies as step 0 starts: nothing trained yet, so every layer is the seed's, even where its
+    # replicas were on node2 or not built yet (found on a loaded machine: a lease lapsing at start-up)
+    run = run_job(tmp_path, tiny_recipe(), templates_cache, faults=[{"node": "node2", "step": 0, "at": "start"}])
+    assert_matches_reference(run)
+    assert run.kind("failure")[0]["nodes"] == ["node2"] and not run.kind("checkpoint_fallback")
+    assert run.kind("replan")[0]["resume_step"] == 0
+
+
 def test_two_simultaneous_failures_f2(tmp_path, templates_cache):
     faults = [{"node": "node2", "step": 2, "at": "wait:2"}, {"node": "node5", "step": 2, "at": "wait:2"}]
     run = run_job(tmp_path, tiny_recipe(nodes=6, f=2), templates_cache, faults=faults)

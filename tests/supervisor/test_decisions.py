@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 from planning_helpers import random_profile
@@ -215,3 +216,15 @@ def test_every_loss_set_gets_a_publish_or_a_fallback_never_an_exception(setup):
             assert isinstance(action, Publish | Fallback)
             if isinstance(action, Publish):
                 assert len(action.change.plan.pipelines) >= 2
+
+
+def test_a_loss_before_the_first_step_restarts_from_the_seed_even_without_holders(setup):
+    templates, plan = setup
+    lost = plan.pipelines[0].nodes[:1]
+    empty = Collected(plan, frozenset(lost), (), {}, {}, trained=False)  # nobody had built its layers
+    action = decide(empty, Policy(templates, 1, replacement=True), 0, "heartbeat")
+    assert isinstance(action, Publish) and action.source == "seed" and action.resume_step == 0
+    assert action.change.transfers == () and action.replacements == 1
+    assert not set(lost) & {n for p in action.change.plan.pipelines for n in p.nodes}
+    # once a step trained (or the job started from a checkpoint), the same reports are a real loss
+    assert isinstance(decide(replace(empty, trained=True), Policy(templates, 1), 0, "heartbeat"), Fallback)
