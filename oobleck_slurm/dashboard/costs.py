@@ -27,7 +27,8 @@ def time_split(state: DashboardState) -> dict[str, float]:
     for rec in state.recoveries:
         stop = min(rec.t_end if rec.t_end is not None else end, end)
         seconds = max(0.0, stop - max(rec.t_start, state.t_start))
-        split["recovering" if rec.trigger == "failure" else "reconfiguring"] += seconds
+        # A restart from a checkpoint recovers from the failure whose change fell back to it.
+        split["recovering" if rec.trigger in ("failure", "restart") else "reconfiguring"] += seconds
     split["checkpointing"] = sum(cp.seconds or 0.0 for cp in state.checkpoints)
     if state.history:
         first = state.history[0]

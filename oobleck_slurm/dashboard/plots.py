@@ -30,9 +30,11 @@ def load_pyplot():
 
 
 def recovery_label(i: int, rec: Recovery) -> str:
+    end = " (interrupted)" if rec.interrupted else ""
     if rec.trigger == "failure":
-        return f"#{i + 1} {', '.join(rec.nodes) or '?'} ({rec.cause or '?'}) step {rec.step if rec.step is not None else '?'}"
-    return f"#{i + 1} {rec.trigger} gen {rec.resumed_generation if rec.resumed_generation is not None else '?'}"
+        return (f"#{i + 1} {', '.join(rec.nodes) or '?'} ({rec.cause or '?'}) step "
+                f"{rec.step if rec.step is not None else '?'}{end}")
+    return f"#{i + 1} {rec.trigger} gen {rec.resumed_generation if rec.resumed_generation is not None else '?'}{end}"
 
 
 def recovery_phases(rec: Recovery) -> dict[str, float]:

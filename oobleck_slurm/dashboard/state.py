@@ -1,22 +1,36 @@
 """What the dashboard and the report show, as a pure reducer over the job's events.
 
-`DashboardState.apply(event)` folds one record of `events.jsonl` (see README.md for the vocabulary)
-into plain dataclasses. No I/O and no rendering here, so the same state drives the live dashboard,
-the static report and the tests. A producer bug (a missing or mistyped field) must never take the
-dashboard down: fields are read with tolerant accessors and a record that still fails is counted in
-`bad_events` and otherwise ignored.
+`DashboardState.apply(record)` reads one record of `events.jsonl` through the event schema
+(`protocol/event_schema.py`: `read_event`, which types every field and reads a missing or mistyped
+optional one as None) and folds the typed event into plain dataclasses. No I/O and no rendering
+here, so the same state drives the live dashboard, the static report and the tests. A record the
+schema cannot read (no time, a required field missing) is counted in `bad_events`, a kind it does not
+know in `unknown_events`; neither takes the dashboard down.
+
+Recoveries are grouped by the coordinator's recovery id (`recovery`, on every event of one membership
+change): the first event with a new id opens one, `resumed`, `run_complete` and `checkpoint_fallback`
+close it, and a change whose event says `supersedes: <id>` marks that unfinished one interrupted.
+Logs of older versions carry no ids; for them (and only until an id is seen) recoveries are told
+apart by order: a `failure`, `reform` or phase opens one, `resumed` closes it.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-NODE_STATES = ("healthy", "suspect", "lost", "joining", "spare")
+from oobleck_slurm.protocol import event_schema as ev
+from oobleck_slurm.protocol.event_schema import NODE_STATES, as_float, read_event
+
 PHASES = ("detection", "replan", "group_rebuild", "state_copy", "replay")
 # Kept in the events panel; a long run must not grow memory without bound.
 MAX_LOG_LINES = 500
+# Kinds of the schema the dashboard deliberately does not reduce (the contract test requires every kind
+# to be reduced or listed here, so that a new kind is a decision, not an accident).
+IGNORED_KINDS: frozenset[str] = frozenset()
+
+__all__ = ["NODE_STATES", "PHASES", "DashboardState", "Recovery"]
 
 
 @dataclass
@@ -40,7 +54,7 @@ class StageView:
 
 @dataclass
 class PipelineView:
-    id: Any
+    id: int
     nodes: list[str]
     stages: list[StageView]
     microbatches: int | None
@@ -58,27 +72,52 @@ class StepPoint:
 
 @dataclass
 class Recovery:
-    """One reconfiguration: after a `failure`, or to fold in a joined node (`trigger` = "join")."""
+    """One membership change: nodes lost, collective errors (a re-form), a node folded in, or a restart
+    from a checkpoint. Its facts come from its own events; `trigger` is derived from them."""
 
-    trigger: str  # "failure", "reform" (collective errors, nobody lost), or "join" / "replan"
-    t_start: float  # when the failure happened (detection time subtracted) or the first phase began
-    generation: int | None = None
-    nodes: list[str] = field(default_factory=list)
+    t_start: float  # the fault (its detection time subtracted) or the change's first event
+    id: int | None = None  # the coordinator's recovery id; None in logs of older versions
+    generation: int | None = None  # the generation that failed
+    nodes: list[str] = field(default_factory=list)  # lost in it
     cause: str | None = None
     step: int | None = None  # the interrupted step
     phases: dict[str, float] = field(default_factory=dict)  # in arrival order
     state_bytes: int | None = None
-    t_end: float | None = None  # `resumed` time; None while recovering
+    t_end: float | None = None  # when it closed (resumed, interrupted, fell back); None while recovering
     total_seconds: float | None = None
     resumed_generation: int | None = None
+    reformed: bool = False  # collective errors started it (a re-form)
+    restarted: bool = False  # the coordinator restarted workers from a checkpoint in it
+    plan_reason: str | None = None  # the reason of the plan it published
+    phase: str | None = None  # the coordinator's last phase in it
+    fallback: str | None = None  # why it fell back to a checkpoint
+    outcome: str | None = None  # "resumed", "interrupted", "fallback", "run_complete"; None while open
+
+    @property
+    def trigger(self) -> str:
+        """What the change was for: "failure" (nodes were lost in it), "reform" (collective errors with
+        nobody lost), "restart" (from a checkpoint), "join" (a node folded in) or "replan"."""
+        if self.nodes:
+            return "failure"
+        if self.reformed:
+            return "reform"
+        if self.restarted:
+            return "restart"
+        if self.plan_reason in ("failure", "join"):
+            return self.plan_reason
+        return "replan"
 
     @property
     def done(self) -> bool:
         return self.t_end is not None
 
     @property
+    def interrupted(self) -> bool:
+        return self.outcome == "interrupted"
+
+    @property
     def seconds(self) -> float | None:
-        """The whole recovery: the producer's total if given, else resume time minus start."""
+        """The whole recovery: the producer's total if given, else its end minus its start."""
         if self.total_seconds is not None:
             return self.total_seconds
         return None if self.t_end is None else self.t_end - self.t_start
@@ -132,6 +171,7 @@ class DashboardState:
         self.pipelines: list[PipelineView] = []
 
         self.recoveries: list[Recovery] = []
+        self._recovery_by_id: dict[int, Recovery] = {}
         self.checkpoints: list[Checkpoint] = []
         self.fallback_reason: str | None = None
         self.log: list[LogLine] = []
@@ -165,86 +205,113 @@ class DashboardState:
 
     # -- the reducer -------------------------------------------------------------------------
 
-    def apply(self, event: dict[str, Any]) -> None:
-        """Fold one event in. Never raises: a malformed record is counted in `bad_events`."""
-        if not isinstance(event, dict):
+    def apply(self, record: object) -> None:
+        """Fold one record in. Never raises: an unreadable record is counted in `bad_events`."""
+        if not isinstance(record, dict):
             self.bad_events += 1
             return
-        t = _num(event.get("t"))
-        kind = event.get("kind")
+        t, kind = as_float(record.get("t")), record.get("kind")
         if t is None or not isinstance(kind, str):
             self.bad_events += 1
             return
-        handler = _HANDLERS.get(kind)
         self.events_seen += 1
         if self.t_start is None:
             self.t_start = t
         self.t_last = t if self.t_last is None else max(self.t_last, t)
+        handler = _HANDLERS.get(kind)
         if handler is None:
-            self.unknown_events += 1
+            if kind not in ev.EVENT_TYPES:
+                self.unknown_events += 1
             return
-        try:
-            handler(self, t, event)
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError):
+        event = read_event(record)
+        if event is None:
             self.bad_events += 1
+            return
+        handler(self, event)
 
-    def apply_all(self, events: list[dict[str, Any]]) -> DashboardState:
-        for event in events:
-            self.apply(event)
+    def apply_all(self, records: Iterable[object]) -> DashboardState:
+        for record in records:
+            self.apply(record)
         return self
+
+    # -- recoveries ----------------------------------------------------------------------------
+
+    @property
+    def _by_order(self) -> bool:
+        """True for logs of older versions (no recovery id seen yet): recoveries are told apart by order."""
+        return not self._recovery_by_id
+
+    def _recovery_of(self, e: ev.RecoveryEvent, start: float | None = None) -> Recovery | None:
+        """The recovery of `e`'s id, opened by the first event that carries it (starting at `start`, a
+        phase's beginning, else at `e.t`); None for an event without an id."""
+        if e.recovery is None:
+            return None
+        rec = self._recovery_by_id.get(e.recovery)
+        if rec is None:
+            rec = self._recovery_by_id[e.recovery] = Recovery(e.t if start is None else start, id=e.recovery)
+            self.recoveries.append(rec)
+        superseded = self._recovery_by_id.get(e.supersedes) if e.supersedes is not None else None
+        if superseded is not None and superseded is not rec and not superseded.done:
+            superseded.t_end, superseded.outcome = e.t, "interrupted"
+        if e.phase is not None:
+            rec.phase = e.phase
+            rec.restarted = rec.restarted or e.phase == "restarting"
+        return rec
+
+    def _recovery_by_order(self, t_start: float, generation: int | None, new: bool = False) -> Recovery | None:
+        """Logs without ids: the open recovery, or (none open, or `new`) a new one."""
+        if not self._by_order:
+            return None
+        rec = None if new else self.current_recovery
+        if rec is None:
+            rec = Recovery(t_start, generation=generation)
+            self.recoveries.append(rec)
+        return rec
+
+    @staticmethod
+    def _close(rec: Recovery, t: float, outcome: str) -> None:
+        rec.t_end, rec.outcome = t, outcome
 
     # -- handlers, one per kind --------------------------------------------------------------
 
-    def _job_started(self, t: float, e: dict) -> None:
-        self.t_start = t
-        self.job_id = _str(e.get("job_id"))
-        self.backend = _str(e.get("backend"))
-        self.recipe = _str(e.get("recipe"))
-        self.recipe_path = _str(e.get("recipe_path"))
-        self.f = _int(e.get("f"))
-        self.total_steps = _int(e.get("steps"))
-        self.slurm_job_id = _str(e.get("slurm_job_id"))
+    def _job_started(self, e: ev.JobStarted) -> None:
+        self.t_start = e.t
+        self.job_id, self.backend, self.recipe, self.recipe_path = e.job_id, e.backend, e.recipe, e.recipe_path
+        self.f, self.total_steps, self.slurm_job_id = e.f, e.steps, e.slurm_job_id
         self.status = "running"
-        for name in _str_list(e.get("nodes")):
+        for name in e.nodes or []:
             self._node(name)
-        for name in _str_list(e.get("spares")):
+        for name in e.spares or []:
             self._node(name).state = "spare"
         where = f" on {self.backend}" if self.backend else ""
-        self._log(t, "job_started", f"job {self.job_id or '?'} started{where}, {len(self.nodes)} nodes")
+        self._log(e.t, e.kind, f"job {self.job_id or '?'} started{where}, {len(self.nodes)} nodes")
 
-    def _job_finished(self, t: float, e: dict) -> None:
-        self.t_end = t
-        self.status = _str(e.get("status")) or "finished"
-        self.exit_code = _int(e.get("exit_code"))
+    def _job_finished(self, e: ev.JobFinished) -> None:
+        self.t_end = e.t
+        self.status = e.status or "finished"
+        self.exit_code = e.exit_code
         code = f" (exit {self.exit_code})" if self.exit_code is not None else ""
-        self._log(t, "job_finished", f"job {self.status}{code}")
+        self._log(e.t, e.kind, f"job {self.status}{code}")
 
-    def _slurm_job(self, t: float, e: dict) -> None:
-        self.slurm_job_id = _str(e.get("slurm_job_id")) or self.slurm_job_id
-        state = _str(e.get("state"))
-        if state and state != self.slurm_state:
-            self.slurm_state = state
-            self._log(t, "slurm_job", f"Slurm job {self.slurm_job_id or ''} {state}".replace("  ", " "))
+    def _slurm_job(self, e: ev.SlurmJob) -> None:
+        self.slurm_job_id = e.slurm_job_id or self.slurm_job_id
+        if e.state != self.slurm_state:
+            self.slurm_state = e.state
+            self._log(e.t, e.kind, f"Slurm job {self.slurm_job_id or ''} {e.state}".replace("  ", " "))
 
-    def _plan(self, t: float, e: dict) -> None:
-        self.generation = _int(e.get("generation"))
-        self.plan_reason = _str(e.get("reason"))
-        pipelines = []
-        for p in e.get("pipelines") or []:
-            if not isinstance(p, dict):
-                continue
-            stages = [
-                StageView(_range(s.get("layers")), _str(s.get("node")), _int(s.get("rank")))
-                for s in p.get("stages") or [] if isinstance(s, dict)
-            ]
-            nodes = _str_list(p.get("nodes")) or _unique(s.node for s in stages if s.node)
-            pipelines.append(PipelineView(p.get("id", len(pipelines)), nodes, stages, _int(p.get("microbatches"))))
+    def _plan(self, e: ev.Plan) -> None:
+        self.generation = e.generation
+        self.plan_reason = e.reason
+        pipelines: list[PipelineView] = []
+        for p in e.pipelines:
+            stages = [StageView(s.layers, s.node, s.rank) for s in p.stages or []]
+            nodes = p.nodes or _unique(s.node for s in stages if s.node)
+            pipelines.append(PipelineView(p.id if p.id is not None else len(pipelines), nodes, stages, p.microbatches))
         self.pipelines = pipelines
-        rec = self.current_recovery
-        if rec is not None and rec.trigger not in ("failure", "reform"):
-            # The supervisor's `replan` phase comes before the plan that says why.
-            rec.trigger = "join" if self.plan_reason == "join" else "replan"
-        for name in _str_list(e.get("spares")):
+        rec = self._recovery_of(e) or (self.current_recovery if self._by_order else None)
+        if rec is not None:
+            rec.plan_reason = e.reason
+        for name in e.spares or []:
             if self._node(name).state != "lost":
                 self._node(name).state = "spare"
         in_use = {n for p in pipelines for n in p.nodes}
@@ -257,180 +324,155 @@ class DashboardState:
             if node.name not in in_use and node.state in ("healthy", "joining"):
                 node.state = "spare"
         templates = ", ".join(str(len(p.stages) or len(p.nodes)) for p in pipelines)
-        self._log(t, "plan", f"plan gen {_fmt(self.generation)} ({self.plan_reason or '?'}): "
+        self._log(e.t, e.kind, f"plan gen {_fmt(self.generation)} ({self.plan_reason or '?'}): "
                   f"{len(pipelines)} pipelines, stages [{templates}]")
 
-    def _step(self, t: float, e: dict) -> None:
-        step = _int(e.get("step"))
-        loss = _num(e.get("loss"))
-        sps = _num(e.get("samples_per_s"))
-        self.step = step if step is not None else self.step
-        self.loss = loss if loss is not None else self.loss
-        self.samples_per_s = sps if sps is not None else self.samples_per_s
-        # The engine writes `seconds` and `pipeline_seconds` (a list by pipeline id); the contract's
-        # names are `step_time` and `pipelines`: read either.
-        step_time = _num(e.get("step_time", e.get("seconds")))
-        self.step_time = step_time if step_time is not None else self.step_time
-        self.history.append(StepPoint(t, step, loss, sps, step_time))
+    def _step(self, e: ev.Step) -> None:
+        self.step = e.step
+        self.loss = e.loss if e.loss is not None else self.loss
+        self.samples_per_s = e.samples_per_s if e.samples_per_s is not None else self.samples_per_s
+        self.step_time = e.seconds if e.seconds is not None else self.step_time
+        self.history.append(StepPoint(e.t, e.step, e.loss, e.samples_per_s, e.seconds))
         rec = self.current_recovery
-        if rec is not None and not rec.phases and rec.trigger == "failure" and t > rec.t_start:
-            # A failure that stopped nothing (a joining node died before it was used): training goes on.
+        if self._by_order and rec is not None and not rec.phases and rec.trigger == "failure" and e.t > rec.t_start:
+            # Logs without ids only: a failure that stopped nothing (a joining node died before it was
+            # used) opened a recovery by order, and training went on: it was none. (With ids, such a
+            # failure carries no id and opens nothing.)
             self.recoveries.remove(rec)
         if self.status in ("waiting", "recovering") and self.current_recovery is None:
             self.status = "running"
-        times = {}
-        for p in e.get("pipelines") or []:
-            if isinstance(p, dict):
-                times[p.get("id")] = _num(p.get("time"))
-        for i, seconds in enumerate(e.get("pipeline_seconds") or []):
-            times.setdefault(i, _num(seconds))
+        times = dict(enumerate(e.pipeline_seconds or []))
         for p in self.pipelines:
             if p.id in times:
                 p.time = times[p.id]
 
-    def _node_event(self, t: float, e: dict) -> None:
-        name = _str(e.get("node"))
-        if not name:
-            raise ValueError("node event without a node")
-        node = self._node(name)
-        state = _str(e.get("state"))
-        if state in NODE_STATES and state != node.state:
-            if state in ("suspect", "lost") or node.state in ("suspect", "lost"):
-                self._log(t, "node", f"{name} {node.state} -> {state}")
-            node.state = state
-        node.heartbeat_age = _num(e.get("heartbeat_age"))
-        node.cpu = _num(e.get("cpu"))
-        node.gpu = _num(e.get("gpu"))
-        workers = e.get("workers")
-        if isinstance(workers, list):
-            node.workers = [str(w) for w in workers]
-        node.slurm_state = _str(e.get("slurm_state")) or node.slurm_state
-        node.cause = _str(e.get("cause")) or (node.cause if node.state == "lost" else None)
+    def _node_event(self, e: ev.Node) -> None:
+        node = self._node(e.node)
+        if e.state is not None and e.state != node.state:
+            if e.state in ("suspect", "lost") or node.state in ("suspect", "lost"):
+                self._log(e.t, "node", f"{e.node} {node.state} -> {e.state}")
+            node.state = e.state
+        node.heartbeat_age, node.cpu, node.gpu = e.heartbeat_age, e.cpu, e.gpu
+        if e.workers is not None:
+            node.workers = list(e.workers)
+        node.slurm_state = e.slurm_state or node.slurm_state
+        node.cause = e.cause or (node.cause if node.state == "lost" else None)
 
-    def _failure(self, t: float, e: dict) -> None:
-        nodes = _str_list(e.get("nodes"))
-        cause, step = _str(e.get("cause")), _int(e.get("step"))
-        for name in nodes:
+    def _failure(self, e: ev.Failure) -> None:
+        for name in e.nodes:
             self._node(name).state = "lost"
-            self._node(name).cause = self._node(name).cause or cause
-        rec = self.current_recovery
+            self._node(name).cause = self._node(name).cause or e.cause
+        rec = self._recovery_of(e) or self._recovery_by_order(e.t, e.generation)
+        during = False
         if rec is not None:
-            # A node lost while a recovery runs: the same recovery, now for one more node.
-            rec.trigger = "failure"
-            rec.nodes += [n for n in nodes if n not in rec.nodes]
-            rec.cause = rec.cause or cause
-            rec.step = rec.step if rec.step is not None else step
-        else:
-            rec = Recovery("failure", t, generation=_int(e.get("generation")), nodes=nodes, cause=cause, step=step)
-            self.recoveries.append(rec)
-        self.status = "recovering"
-        where = f" at step {step}" if step is not None else " during recovery" if rec.phases or rec.nodes != nodes else ""
-        self._log(t, "failure", f"{', '.join(nodes) or 'node'} lost ({cause or '?'}){where}")
-
-    def _reform(self, t: float, e: dict) -> None:
-        step = _int(e.get("step"))
-        self.recoveries.append(Recovery("reform", t, generation=_int(e.get("generation")),
-                                        cause=_str(e.get("cause")), step=step))
-        self.status = "recovering"
-        self._log(t, "reform", f"re-forming the same members at step {_fmt(step)} ({_str(e.get('cause')) or '?'})")
-
-    def _phase(self, t: float, e: dict) -> None:
-        kind = e["kind"]
-        seconds = _num(e.get("seconds"))
-        rec = self.current_recovery
-        if rec is None:
-            # Phases without a failure: a reconfiguration to fold in a joined node (or a replan).
-            trigger = "join" if self.plan_reason == "join" else "replan"  # a later `plan` may say otherwise
-            rec = Recovery(trigger, t - (seconds or 0.0), generation=self.generation)
-            self.recoveries.append(rec)
-        if kind == "detection" and seconds is not None:
-            rec.t_start = min(rec.t_start, t - seconds)
-        if seconds is not None:
-            rec.phases[kind] = rec.phases.get(kind, 0.0) + seconds
-        if kind == "state_copy":
-            rec.state_bytes = _int(e.get("bytes"))
-        if rec.trigger == "failure":
+            # A node lost while the change runs: the same recovery, now for one more node.
+            during = bool(rec.phases) or any(n not in e.nodes for n in rec.nodes)
+            rec.nodes += [n for n in e.nodes if n not in rec.nodes]
+            rec.cause = rec.cause or e.cause
+            rec.step = rec.step if rec.step is not None else e.step
+            rec.generation = rec.generation if rec.generation is not None else e.generation
             self.status = "recovering"
-        detail = {
-            "state_copy": _bytes(rec.state_bytes) if rec.state_bytes is not None else "",
-            "replay": f"step {_fmt(_int(e.get('step')))}" if e.get("step") is not None else "",
-        }.get(kind, "")
-        self._log(t, kind, detail, seconds)
+        where = f" at step {e.step}" if e.step is not None else " during recovery" if during else ""
+        self._log(e.t, e.kind, f"{', '.join(e.nodes) or 'node'} lost ({e.cause or '?'}){where}")
 
-    def _resumed(self, t: float, e: dict) -> None:
-        rec = self.current_recovery
-        if rec is None:
-            rec = Recovery("replan", t)
-            self.recoveries.append(rec)
-        rec.t_end = t
-        rec.total_seconds = _num(e.get("total_seconds"))
-        rec.resumed_generation = _int(e.get("generation"))
+    def _collective_error(self, e: ev.CollectiveError) -> None:
+        rec = self._recovery_of(e)
+        if rec is not None:
+            rec.reformed = True  # unless a loss explains the errors: then `failure` events follow
+            rec.generation = rec.generation if rec.generation is not None else e.generation
+        self._log(e.t, e.kind, f"collective error on {', '.join(e.nodes) or '?'} at step {_fmt(e.step)}")
+
+    def _reform(self, e: ev.Reform) -> None:
+        rec = self._recovery_of(e) or self._recovery_by_order(e.t, e.generation, new=True)
+        if rec is not None:
+            rec.reformed = True
+            rec.cause = rec.cause or e.cause
+            rec.step = rec.step if rec.step is not None else e.step
+            rec.generation = rec.generation if rec.generation is not None else e.generation
+            self.status = "recovering"
+        self._log(e.t, e.kind, f"re-forming the same members at step {_fmt(e.step)} ({e.cause or '?'})")
+
+    def _phase(self, e: ev.Detection | ev.Replan | ev.GroupRebuild | ev.StateCopy | ev.Replay) -> None:
+        seconds = e.seconds
+        # Logs without ids: phases with no failure before them are a reconfiguration (a join, a replan).
+        rec = self._recovery_of(e, e.t - seconds) or self._recovery_by_order(e.t - seconds, self.generation)
+        if rec is not None:
+            if isinstance(e, ev.Detection):
+                rec.t_start = min(rec.t_start, e.t - seconds)
+            rec.phases[e.kind] = rec.phases.get(e.kind, 0.0) + seconds
+            if isinstance(e, ev.StateCopy):
+                rec.state_bytes = e.bytes
+            if rec.trigger == "failure":
+                self.status = "recovering"
+        detail = ""
+        if isinstance(e, ev.StateCopy) and e.bytes is not None:
+            detail = _bytes(e.bytes)
+        elif isinstance(e, ev.Replay) and e.step is not None:
+            detail = f"step {e.step}"
+        self._log(e.t, e.kind, detail, seconds)
+
+    def _resumed(self, e: ev.Resumed) -> None:
+        rec = self._recovery_of(e) or self._recovery_by_order(e.t, None)
+        if rec is not None:
+            self._close(rec, e.t, "resumed")
+            rec.total_seconds = e.total_seconds
+            rec.resumed_generation = e.generation
         if self.status == "recovering":
             self.status = "running"
-        self._log(t, "resumed", f"at step {_fmt(_int(e.get('step')))}, gen {_fmt(rec.resumed_generation)}",
-                  rec.seconds)
+        self._log(e.t, e.kind, f"at step {e.step}, gen {_fmt(e.generation)}", rec.seconds if rec else e.total_seconds)
 
-    def _replacement_requested(self, t: float, e: dict) -> None:
-        name = _str(e.get("node"))
-        if name:
-            self._node(name).state = "joining"
-            self._log(t, "replacement_requested", f"replacement requested: {name}")
+    def _checkpoint_fallback(self, e: ev.CheckpointFallback) -> None:
+        self.fallback_reason = e.reason
+        rec = self._recovery_of(e)
+        if rec is not None:
+            rec.fallback = e.reason
+            self._close(rec, e.t, "fallback")
+        self._log(e.t, e.kind, f"falling back to checkpoint: {self.fallback_reason}")
+
+    def _run_complete(self, e: ev.RunComplete) -> None:
+        rec = self._recovery_of(e)
+        if rec is not None:
+            self._close(rec, e.t, "run_complete")
+        self._log(e.t, e.kind, f"run complete: {e.note or ''}")
+
+    def _replacement_requested(self, e: ev.ReplacementRequested) -> None:
+        if e.node:
+            self._node(e.node).state = "joining"
+            self._log(e.t, e.kind, f"replacement requested: {e.node}")
         else:
-            self._log(t, "replacement_requested", f"replacement requested: Slurm job {_fmt(e.get('slurm_job_id'))}")
+            self._log(e.t, e.kind, f"replacement requested: Slurm job {_fmt(e.slurm_job)}")
 
-    def _node_joined(self, t: float, e: dict) -> None:
-        name = _str(e.get("node")) or "?"
-        node = self._node(name)
+    def _node_joined(self, e: ev.NodeJoined) -> None:
+        self._recovery_of(e)
+        node = self._node(e.node)
         if node.state in ("lost", "spare"):
             node.state = "joining"
-        self._log(t, "node_joined", f"{name} joined", _num(e.get("seconds")))
+        self._log(e.t, e.kind, f"{e.node} joined", e.seconds)
 
-    def _health_check(self, t: float, e: dict) -> None:
-        name = _str(e.get("node")) or "?"
-        ok = e.get("ok")
-        if ok is False:
-            self._node(name).state = "suspect"
-        verdict = "ok" if ok is True else "FAILED" if ok is False else "?"
-        self._log(t, "health_check", f"{name} {verdict}", _num(e.get("seconds")))
+    def _health_check(self, e: ev.HealthCheck) -> None:
+        if not e.ok:
+            self._node(e.node).state = "suspect"
+        self._log(e.t, e.kind, f"{e.node} {'ok' if e.ok else 'FAILED'}", e.seconds)
 
-    def _checkpoint(self, t: float, e: dict) -> None:
-        if e.get("ok") is False:
-            self._log(t, "checkpoint", f"FAILED: {_str(e.get('detail')) or '?'}")
+    def _checkpoint(self, e: ev.Checkpoint) -> None:
+        if e.ok is False:
+            self._log(e.t, e.kind, f"FAILED: {e.detail or '?'}")
             return
-        cp = Checkpoint(t, _int(e.get("step")), _num(e.get("seconds")), _str(e.get("path")))
+        cp = Checkpoint(e.t, e.step, e.seconds, e.path)
         self.checkpoints.append(cp)
-        self._log(t, "checkpoint", f"step {_fmt(cp.step)}" + (" (on demand)" if e.get("on_demand") else ""), cp.seconds)
+        self._log(e.t, e.kind, f"step {_fmt(cp.step)}" + (" (on demand)" if e.on_demand else ""), cp.seconds)
 
-    def _node_lost(self, t: float, e: dict) -> None:
-        name = _str(e.get("node")) or "?"
-        self._node(name).state = "lost"
-        self._node(name).cause = _str(e.get("cause"))
-        detail = _str(e.get("detail"))
-        self._log(t, "node_lost", f"{name}: {_str(e.get('cause')) or '?'}" + (f" ({detail})" if detail else ""),
-                  _num(e.get("detection_seconds")))
+    def _node_lost(self, e: ev.NodeLost) -> None:
+        self._recovery_of(e)  # the coordinator's (a hung member) belongs to its change; a `failure` follows
+        node = self._node(e.node)
+        node.state, node.cause = "lost", e.cause
+        self._log(e.t, e.kind, f"{e.node}: {e.cause}" + (f" ({e.detail})" if e.detail else ""),
+                  e.detection_seconds)
 
-    def _note(self, t: float, e: dict) -> None:
+    def _note(self, e: ev.Event) -> None:
         """Kinds shown as a line in the events panel and nothing else."""
-        kind = e["kind"]
-        text = {
-            "agents_ready": lambda: f"{len(_str_list(e.get('nodes')))} agents ready",
-            "done": lambda: "training done" + (f": {_str(e.get('note'))}" if e.get("note") else ""),
-            "fault_injected": lambda: f"drill: {_str(e.get('how')) or '?'} on {_str(e.get('node')) or '?'}",
-            "checkpoint_requested": lambda: f"checkpoint requested ({_str(e.get('reason')) or '?'})",
-            "preempt_notice": lambda: f"preemption notice from {_str(e.get('node')) or '?'}",
-            "slurm_unreachable": lambda: f"Slurm unreachable: {_str(e.get('error')) or '?'}",
-            "refused": lambda: f"refused {_str(e.get('peer')) or '?'}: {_str(e.get('reason')) or '?'}",
-            "collective_error": lambda: f"collective error on {', '.join(_str_list(e.get('nodes'))) or '?'} at step "
-                                        f"{_fmt(_int(e.get('step')))}",
-            "drill": lambda: f"scripted drill at step {_fmt(_int(e.get('step')))}: {_str(e.get('how')) or '?'} on "
-                             f"{_str(e.get('node')) or '?'}",
-            "run_complete": lambda: f"run complete: {_str(e.get('note')) or ''}",
-        }[kind]()
-        self._log(t, kind, text, _num(e.get("seconds")) if kind == "agents_ready" else None)
-
-    def _checkpoint_fallback(self, t: float, e: dict) -> None:
-        self.fallback_reason = _str(e.get("reason")) or "?"
-        self._log(t, "checkpoint_fallback", f"falling back to checkpoint: {self.fallback_reason}")
+        seconds = e.seconds if isinstance(e, ev.AgentsReady) else None
+        self._log(e.t, e.kind, _NOTES[e.kind](e), seconds)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -445,7 +487,18 @@ class DashboardState:
             del self.log[: len(self.log) - MAX_LOG_LINES]
 
 
-_HANDLERS: dict[str, Callable[[DashboardState, float, dict], None]] = {
+_NOTES: dict[str, Callable[[Any], str]] = {
+    "agents_ready": lambda e: f"{len(e.nodes)} agents ready",
+    "done": lambda e: "training done" + (f": {e.note}" if e.note else ""),
+    "fault_injected": lambda e: f"drill: {e.how} on {e.node}",
+    "checkpoint_requested": lambda e: f"checkpoint requested ({e.reason})",
+    "preempt_notice": lambda e: f"preemption notice from {e.node or '?'}",
+    "slurm_unreachable": lambda e: f"Slurm unreachable: {e.error}",
+    "refused": lambda e: f"refused {e.peer}: {e.reason}",
+    "drill": lambda e: f"scripted drill at step {_fmt(e.step)}: {e.how} on {e.node}",
+}
+
+_HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {
     "job_started": DashboardState._job_started,
     "job_finished": DashboardState._job_finished,
     "slurm_job": DashboardState._slurm_job,
@@ -453,62 +506,23 @@ _HANDLERS: dict[str, Callable[[DashboardState, float, dict], None]] = {
     "step": DashboardState._step,
     "node": DashboardState._node_event,
     "failure": DashboardState._failure,
+    "collective_error": DashboardState._collective_error,
+    "reform": DashboardState._reform,
     **{phase: DashboardState._phase for phase in PHASES},
     "resumed": DashboardState._resumed,
+    "checkpoint_fallback": DashboardState._checkpoint_fallback,
+    "run_complete": DashboardState._run_complete,
     "replacement_requested": DashboardState._replacement_requested,
     "node_joined": DashboardState._node_joined,
     "health_check": DashboardState._health_check,
     "checkpoint": DashboardState._checkpoint,
-    "checkpoint_fallback": DashboardState._checkpoint_fallback,
     "node_lost": DashboardState._node_lost,
-    "reform": DashboardState._reform,
-    **{kind: DashboardState._note for kind in ("agents_ready", "done", "fault_injected", "checkpoint_requested",
-                                               "preempt_notice", "slurm_unreachable", "refused",
-                                               "collective_error", "drill", "run_complete")},
+    **{kind: DashboardState._note for kind in _NOTES},
 }
+REDUCED_KINDS = frozenset(_HANDLERS)
 
 
-# -- tolerant field access: a wrong type reads as missing ------------------------------------
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _str(value: Any) -> str | None:
-    if value is None or isinstance(value, (dict, list)):
-        return None
-    return str(value)
-
-
-def _str_list(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list):
-        return []
-    return [str(v) for v in value if isinstance(v, (str, int))]
-
-
-def _range(value: Any) -> tuple[int, int] | None:
-    if isinstance(value, (list, tuple)) and len(value) == 2:
-        start, stop = _int(value[0]), _int(value[1])
-        if start is not None and stop is not None:
-            return (start, stop)
-    return None
-
-
-def _unique(items) -> list:
+def _unique(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 

@@ -1,6 +1,7 @@
 """The job's protocol, defined once: everything two processes of a job agree on.
 
-    keys      every key of the job's TCPStore (the coordinator <-> worker data plane of control)
-    wire      authenticated JSON frames of the control plane (supervisor <-> agents, CLI)
-    events    the event log (`events.jsonl`): writer, readers
+    keys          every key of the job's TCPStore (the coordinator <-> worker data plane of control)
+    wire          authenticated JSON frames of the control plane (supervisor <-> agents, CLI)
+    events        the event log (`events.jsonl`): writer, readers
+    event_schema  one typed event per kind: what `emit` accepts and `read_event` returns
 """

@@ -2,7 +2,9 @@
 
 Shared by the engine (per-step metrics), the supervisor (plans, failures, recoveries) and the
 dashboard (which tails it). Every record has `t` (unix time, float seconds) and `kind` (e.g. "step",
-"plan", "failure", "recovery", "done"); the other fields depend on the kind.
+"plan", "failure", "resumed", "done"); the other fields depend on the kind, as `event_schema.py`
+defines: `emit` refuses a kind or field it does not know, and `event_schema.read_event` turns a
+record read here into its typed event.
 
 Several processes may append to one log: each record is written with a single `write` on a file
 opened in append mode and flushed at once, so lines do not interleave and a reader sees whole
@@ -17,6 +19,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from oobleck_slurm.protocol.event_schema import check_event
 
 EVENTS_FILE = "events.jsonl"
 
@@ -35,9 +39,9 @@ class EventLog:
         self._file = open(self.path, "ab", buffering=0)
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Write one event and return it. `t` defaults to now; `fields` must be JSON-serialisable."""
-        if not kind or not isinstance(kind, str):
-            raise ValueError(f"EventLog.emit: kind must be a non-empty string, got {kind!r}")
+        """Write one event and return it. `t` defaults to now; `fields` must be JSON-serialisable and be
+        the kind's fields in the schema (else ValueError naming the kind and the field)."""
+        check_event(kind, fields)
         record = {"t": fields.pop("t", time.time()), "kind": kind, **fields}
         line = json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n"
         self._file.write(line.encode())

@@ -42,7 +42,7 @@ def test_missing_file_reads_empty(tmp_path):
 def _writer(path, who):
     log = EventLog(path)
     for i in range(200):
-        log.emit("step", who=who, i=i, pad="x" * 300)
+        log.emit("refused", peer=f"writer-{who}", reason=f"record {i} " + "x" * 300)  # long lines, schema fields
 
 
 def test_concurrent_appenders_do_not_interleave(tmp_path):
