@@ -31,8 +31,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
 
+from oobleck_slurm.protocol.phases import Phase
+
 # The coordinator's phases (a recovery's `phase` field).
-COORDINATOR_PHASES = ("running", "collecting", "rebuilding", "replaying", "restarting", "checkpointing", "done")
+COORDINATOR_PHASES = tuple(str(p) for p in Phase)
 NODE_STATES = ("healthy", "suspect", "lost", "joining", "spare")
 
 

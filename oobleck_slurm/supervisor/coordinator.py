@@ -169,15 +169,15 @@ class Coordinator:
     def _to(self, phase: Phase) -> None:
         self.phase = transition(self.phase, phase)
 
-    def _emit(self, kind: str, recovery: int | None = None, **fields: Any) -> None:
-        """An event of a membership change: with its recovery id (the next generation's number while
-        none is published) and the phase it was written in; the first one names the recovery it
-        supersedes."""
-        fields["recovery"] = recovery if recovery is not None else self.gen + 1
-        fields["phase"] = str(self.phase)
+    def _recovery_fields(self, recovery: int | None = None) -> dict[str, Any]:
+        """The fields of an event of a membership change: its recovery id (by default the next
+        generation's number: the id of the change that generation g's events lead to), the phase it was
+        written in, and on the first one the recovery it supersedes."""
+        fields: dict[str, Any] = {"recovery": recovery if recovery is not None else self.gen + 1,
+                                  "phase": str(self.phase)}
         if self._supersedes is not None:
             fields["supersedes"], self._supersedes = self._supersedes, None
-        self.log.emit(kind, **fields)
+        return fields
 
     # ---- publishing generations ------------------------------------------------------------------
 
@@ -201,11 +201,10 @@ class Coordinator:
         self.plan, self.members = plan, members
         self.store.set(keys.config(self.gen), json.dumps(cfg))
         self.store.set(keys.CURRENT_GEN, str(self.gen))
-        event = plan_event(plan, self.gen, reason, members, d)
-        if recovery is None:
-            self.log.emit("plan", **event)
+        if recovery is None:  # generation 0: no change led to it
+            self.log.emit("plan", **plan_event(plan, self.gen, reason, members, d))
         else:
-            self._emit("plan", recovery, **event)
+            self.log.emit("plan", **plan_event(plan, self.gen, reason, members, d), **self._recovery_fields(recovery))
 
     def start(self, from_checkpoint: bool = False) -> None:
         """Publish generation 0 and start every member: from the seed, or (a requeued job) from the
@@ -230,7 +229,7 @@ class Coordinator:
             action = on_tick(self._observe())
             if isinstance(action, Finish):
                 self._to(Phase.DONE)
-                self.log.emit("done", generation=self.gen, **({"note": action.note} if action.note else {}))
+                self.log.emit("done", generation=self.gen, note=action.note or None)
                 return
             if isinstance(action, CheckpointAndStop):
                 return self._checkpoint_and_stop()
@@ -296,8 +295,9 @@ class Coordinator:
             self.errors_seen = (g, now)
             errors = {w: json.loads(self.store.get(keys.error(g, w))) for n in self.members
                       for w in keys.node_workers(n, self.cfg.devices_per_node) if self.store.check([keys.error(g, w)])}
-            self._emit("collective_error", generation=g, nodes=sorted(errors), step=self._progress(),
-                       errors={n: e["error"] for n, e in errors.items()}, grace=self.cfg.error_grace)
+            self.log.emit("collective_error", generation=g, nodes=sorted(errors), step=self._progress(),
+                          errors={n: e["error"] for n, e in errors.items()}, grace=self.cfg.error_grace,
+                          **self._recovery_fields())
         return now - self.errors_seen[1] >= self.cfg.error_grace
 
     def _killed_at(self, nodes: Collection[str]) -> float | None:
@@ -324,7 +324,7 @@ class Coordinator:
             self._failure_events(g, lost, cause, next_step, t_detect)
         reform = not lost and not joined
         if reform:
-            self._emit("reform", generation=g, cause=cause, step=next_step)
+            self.log.emit("reform", generation=g, cause=cause, step=next_step, **self._recovery_fields())
         reports, lost_set = self._collect_reports(g, frozenset(lost), self.cfg.leave_timeout if reform else None)
         for n in joined:
             self.pending_joins.pop(n, None)
@@ -343,7 +343,8 @@ class Coordinator:
         if isinstance(action, Complete):
             self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
             self.store.set(keys.CURRENT_GEN, str(self.gen))
-            self._emit("run_complete", recovery_id, generation=g, note=action.note, finished=sorted(self.finished))
+            self.log.emit("run_complete", generation=g, note=action.note, finished=sorted(self.finished),
+                          **self._recovery_fields(recovery_id))
             self._to(Phase.ENDING)
             self.recovery = None
             return
@@ -351,9 +352,9 @@ class Coordinator:
             return self._fallback(action.reason, lost_set, recovery_id)
         if action.reason == "reform":
             self.reforms[action.resume_step] = self.reforms.get(action.resume_step, 0) + 1
-        self._emit("replan", recovery_id, generation=self.gen, seconds=time.perf_counter() - t0,
-                   rules=list(action.change.rules), transfers=len(action.change.transfers),
-                   resume_step=action.resume_step, survivor_steps=steps)
+        self.log.emit("replan", generation=self.gen, seconds=time.perf_counter() - t0,
+                      rules=list(action.change.rules), transfers=len(action.change.transfers),
+                      resume_step=action.resume_step, survivor_steps=steps, **self._recovery_fields(recovery_id))
         self._publish(action.change.plan, action.source, action.resume_step, action.reason, action.change,
                       recovery=recovery_id)
         # A join whose recovery was interrupted (a re-form, a failure) completes with this one.
@@ -370,9 +371,9 @@ class Coordinator:
 
     def _failure_events(self, g: int, nodes: list[str], cause: str, step: int | None, t_detect: float) -> None:
         t_kill = self._killed_at(nodes)
-        self._emit("failure", generation=g, nodes=nodes, cause=cause, step=step)
-        self._emit("detection", generation=g, seconds=(t_detect - t_kill) if t_kill else 0.0,
-                   known_kill_time=t_kill is not None)
+        self.log.emit("failure", generation=g, nodes=nodes, cause=cause, step=step, **self._recovery_fields())
+        self.log.emit("detection", generation=g, seconds=(t_detect - t_kill) if t_kill else 0.0,
+                      known_kill_time=t_kill is not None, **self._recovery_fields())
 
     def _collect_reports(self, g: int, lost: frozenset[str], leave_timeout: float | None = None
                          ) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
@@ -391,7 +392,8 @@ class Coordinator:
                 if leave_timeout is not None and not lost_now:  # the loss a re-form was waiting for
                     self._failure_events(g, [n], self._cause([n]), None, time.time())
                 else:
-                    self._emit("failure", generation=g, nodes=[n], cause="process exit during recovery", step=None)
+                    self.log.emit("failure", generation=g, nodes=[n], cause="process exit during recovery", step=None,
+                                  **self._recovery_fields())
                 lost_now.add(n)
             pending = [n for n in self.members if n not in lost_now and n not in self.finished]
             for n in pending:
@@ -408,8 +410,8 @@ class Coordinator:
             elif time.time() > deadline:
                 self.backend.stop(late)
                 lost_now.update(late)
-                self._emit("failure", generation=g, nodes=late, cause="no report within the reconfiguration "
-                           f"timeout ({self.cfg.reconfiguration_timeout} s)", step=None)
+                self.log.emit("failure", generation=g, nodes=late, cause="no report within the reconfiguration "
+                              f"timeout ({self.cfg.reconfiguration_timeout} s)", step=None, **self._recovery_fields())
             time.sleep(POLL_S)
 
     def _lose_hung(self, g: int, late: list[str], waited: float) -> None:
@@ -420,13 +422,13 @@ class Coordinator:
         detail = (f"did not leave generation {g} within {waited:.1f} s of its abort (leave timeout "
                   f"{self.cfg.leave_timeout:g} s) while its peers did: hung inside a step")
         for n in late:
-            self._emit("node_lost", node=n, cause="hung", detail=detail, t=now,
-                       detection_seconds=(now - t_fault) if t_fault else None)
+            self.log.emit("node_lost", node=n, cause="hung", detail=detail, t=now,
+                          detection_seconds=(now - t_fault) if t_fault else None, **self._recovery_fields())
         self._failure_events(g, late, "hung", None, now)
 
     def _fallback(self, reason: str, lost: frozenset[str], recovery_id: int) -> None:
         """Stop every worker and restart all live nodes from the last complete checkpoint."""
-        self._emit("checkpoint_fallback", recovery_id, reason=reason, generation=self.gen)
+        self.log.emit("checkpoint_fallback", reason=reason, generation=self.gen, **self._recovery_fields(recovery_id))
         t_kill = self._killed_at(sorted(lost)) or time.time()
         live = [n for n in self.members if n not in lost] + list(self.pending_joins)
         self.pending_joins.clear()
@@ -450,11 +452,12 @@ class Coordinator:
         # Stopping the old workers is asynchronous (their agents kill them): skip a generation, so that
         # none of them, waiting for the next config, joins the restarted workers' group rendezvous.
         self.gen += 1
-        self._publish(plan, "checkpoint", step, "failure", checkpoint={"root": str(root), "step": step},
-                      recovery=recovery_id)
-        self.recovery = _Recovery(recovery_id, self.gen, t_kill, step)
-        self.trained = True
         self._to(Phase.RESTARTING)
+        restart_id = self.gen  # the restart is a recovery of its own (the fallback closed the in-memory one)
+        self._publish(plan, "checkpoint", step, "failure", checkpoint={"root": str(root), "step": step},
+                      recovery=restart_id)
+        self.recovery = _Recovery(restart_id, self.gen, t_kill, step)
+        self.trained = True
         for n in self.members:
             self.backend.start(n)
 
@@ -508,17 +511,21 @@ class Coordinator:
             names = [keys.rebuilt(g, w) for n in self.members for w in keys.node_workers(n, self.cfg.devices_per_node)]
             if self.store.check(names):
                 info = [json.loads(self.store.get(k)) for k in names]
-                self._emit("group_rebuild", r.id, generation=g, seconds=max(i["groups_s"] for i in info))
-                self._emit("state_copy", r.id, generation=g, seconds=max(i["copy_s"] for i in info),
-                           bytes=sum(i["bytes"] for i in info))
+                self.log.emit("group_rebuild", generation=g, seconds=max(i["groups_s"] for i in info),
+                              **self._recovery_fields(r.id))
+                self.log.emit("state_copy", generation=g, seconds=max(i["copy_s"] for i in info),
+                              bytes=sum(i["bytes"] for i in info), **self._recovery_fields(r.id))
                 r.rebuilt_at = max(i["t"] for i in info)
                 self._to(Phase.REPLAYING)
         if r is not None and self.phase == Phase.REPLAYING and self.store.check([keys.first_step(g)]):
             first = json.loads(self.store.get(keys.first_step(g)))
-            self._emit("replay", r.id, generation=g, step=first["step"], seconds=first["t"] - r.rebuilt_at)
-            self._emit("resumed", r.id, generation=g, step=first["step"], total_seconds=first["t"] - r.t_start)
+            self.log.emit("replay", generation=g, step=first["step"], seconds=first["t"] - r.rebuilt_at,
+                          **self._recovery_fields(r.id))
+            self.log.emit("resumed", generation=g, step=first["step"], total_seconds=first["t"] - r.t_start,
+                          **self._recovery_fields(r.id))
             for n in r.joined:
-                self._emit("node_joined", r.id, node=n, generation=g, seconds=first["t"] - r.started)
+                self.log.emit("node_joined", node=n, generation=g, seconds=first["t"] - r.started,
+                              **self._recovery_fields(r.id))
             self.recovery = None
             self._to(Phase.RUNNING)
         if self.cfg.checkpoint_dir and time.time() >= self._next_checkpoint_look:

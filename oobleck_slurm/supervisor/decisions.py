@@ -5,7 +5,7 @@ functions, and carries out the action they return. Modelled on torchelastic's re
 join/exit decisions are pure ops returning an action. Tested exhaustively in
 tests/supervisor/test_decisions.py.
 
-Phases of a job and their transitions (`TRANSITIONS`):
+Phases of a job (`Phase`, protocol/phases.py: the events carry them) and their transitions (`TRANSITIONS`):
 
     RUNNING        training in generation g           -> COLLECTING (a loss, a join, collective errors)
                                                        -> CHECKPOINTING (a preemption notice)
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
-from enum import StrEnum
 
 from oobleck_slurm.planning import Plan
 from oobleck_slurm.planning.reconfigure import (
@@ -44,19 +43,9 @@ from oobleck_slurm.planning.reconfigure import (
     reconfigure,
 )
 from oobleck_slurm.planning.templates import PipelineTemplate
+from oobleck_slurm.protocol.phases import Phase
 
 MAX_REFORMS_PER_STEP = 3  # re-forms that resume at the same step before the job stops trusting them
-
-
-class Phase(StrEnum):
-    RUNNING = "running"
-    COLLECTING = "collecting"
-    REBUILDING = "rebuilding"
-    RESTARTING = "restarting"
-    REPLAYING = "replaying"
-    ENDING = "ending"
-    CHECKPOINTING = "checkpointing"
-    DONE = "done"
 
 
 RECOVERING = frozenset({Phase.REBUILDING, Phase.RESTARTING, Phase.REPLAYING})
