@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
@@ -20,6 +21,10 @@ from oobleck_slurm.commands.common import (
     load_recipe_or_report,
 )
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
+
+if TYPE_CHECKING:  # the planner is imported when a command runs, not when the CLI starts
+    from oobleck_slurm.planning import PipelineTemplate, Plan, Profile
+    from oobleck_slurm.planning.pregenerate import PlanRequest
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -77,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def show(profile, source, request, templates, plan, status) -> None:  # noqa: ANN001
+def show(profile: Profile, source: str, request: PlanRequest, templates: list[PipelineTemplate], plan: Plan,
+         status: str) -> None:
     from rich.table import Table
 
     gib = 2**30

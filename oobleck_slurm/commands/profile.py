@@ -25,8 +25,10 @@ from oobleck_slurm.commands.common import (
     load_recipe_or_report,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the planner is imported when a command runs, not when the CLI starts
+    from oobleck_slurm.planning import Profile
     from oobleck_slurm.planning.pregenerate import Progress as PlanningProgress
+    from oobleck_slurm.recipe import Recipe
 
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +69,8 @@ def planning_progress(enabled: bool) -> Iterator[PlanningProgress | None]:
         yield report
 
 
-def resolve_profile(args: argparse.Namespace, recipe, progress: PlanningProgress | None):  # noqa: ANN001, ANN201
+def resolve_profile(args: argparse.Namespace, recipe: Recipe,
+                    progress: PlanningProgress | None) -> tuple[Profile, str]:
     """(Profile, source) for the command's arguments, or raise ProfileError / PlanningError / KeyError."""
     from oobleck_slurm.planning.cache import TemplateCache
     from oobleck_slurm.planning.pregenerate import recipe_profile
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def show_profile(profile, source: str) -> None:  # noqa: ANN001
+def show_profile(profile: Profile, source: str) -> None:
     from rich.table import Table
 
     # Names and labels come from a profile file (`--profile FILE`): escaped, a table cell or title is markup.

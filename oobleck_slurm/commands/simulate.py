@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from oobleck_slurm.commands.common import (
     EXIT_BAD_INPUT,
@@ -22,6 +23,9 @@ from oobleck_slurm.commands.common import (
     load_recipe_or_report,
 )
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
+
+if TYPE_CHECKING:  # the simulator is imported when the command runs, not when the CLI starts
+    from oobleck_slurm.simulate.traces import Trace
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, metavar="DIR", help="write result.json and PNG plots into DIR")
 
 
-def _trace(args: argparse.Namespace, default_nodes: int):  # noqa: ANN202
+def _trace(args: argparse.Namespace, default_nodes: int) -> Trace:
     from oobleck_slurm.simulate import (
         TraceError,
         fixed_interval_trace,

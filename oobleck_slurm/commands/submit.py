@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
@@ -26,6 +27,10 @@ from oobleck_slurm.commands.common import (
     load_recipe_or_report,
 )
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress
+
+if TYPE_CHECKING:  # imported when the command runs, not when the CLI starts
+    from oobleck_slurm.cluster.jobdir import JobDir
+    from oobleck_slurm.recipe import Recipe
 
 FOLLOW_POLL_S = 0.5
 
@@ -149,7 +154,7 @@ def _print_event(event: dict) -> None:
         console.print(f"[bold]{escape(kind)}[/] {escape(fields)}", highlight=False)  # event text: no markup
 
 
-def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001 - JobDir, Recipe
+def _submit_slurm(job: JobDir, recipe: Recipe, args: argparse.Namespace) -> int:
     """Submit the allocation (the supervisor in the batch step, one agent per node through srun).
     Returns once submitted (--detach) or finished."""
     from oobleck_slurm.submission import submit_slurm

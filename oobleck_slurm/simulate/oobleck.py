@@ -102,8 +102,9 @@ class OobleckSystem:
                                    microbatch_size=self.sc.microbatch_size, profile=self.sc.profile)
             except PlanningError:
                 continue
-            pipes = self._canonical([(p.template, tuple(p.nodes)) for p in plan.pipelines])
-            return pipes, list(plan.spare_nodes), plan.step_time_s, f
+            # Planned on names, every node is a str (NodeId also allows positions).
+            pipes = self._canonical([(p.template, tuple(str(x) for x in p.nodes)) for p in plan.pipelines])
+            return pipes, [str(x) for x in plan.spare_nodes], plan.step_time_s, f
         return None
 
     # -- one reconfiguration -------------------------------------------------------------------------
