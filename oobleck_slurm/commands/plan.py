@@ -41,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from oobleck_slurm.planning import PlanningError, ProfileError
+    from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
     from oobleck_slurm.planning.cache import TemplateCache
     from oobleck_slurm.planning.pregenerate import cached_templates, instantiate_for, plan_request
 
@@ -60,10 +60,8 @@ def run(args: argparse.Namespace) -> int:
         with planning_progress(not args.json) as progress:
             profile, source = resolve_profile(args, recipe, progress)
             templates, status = cached_templates(profile, request, TemplateCache(args.cache), progress)
-    except (ProfileError, PlanningError) as err:
+    except (ProfileError, PlanningError, UnknownGPU) as err:
         return fail(str(err))
-    except KeyError as err:
-        return fail(str(err.args[0]))
     try:
         plan = instantiate_for(profile, templates, request)
     except PlanningError as err:

@@ -71,7 +71,7 @@ def planning_progress(enabled: bool) -> Iterator[PlanningProgress | None]:
 
 def resolve_profile(args: argparse.Namespace, recipe: Recipe,
                     progress: PlanningProgress | None) -> tuple[Profile, str]:
-    """(Profile, source) for the command's arguments, or raise ProfileError / PlanningError / KeyError."""
+    """(Profile, source) for the command's arguments, or raise ProfileError / PlanningError / UnknownGPU."""
     from oobleck_slurm.planning.cache import TemplateCache
     from oobleck_slurm.planning.pregenerate import recipe_profile
 
@@ -83,7 +83,7 @@ def resolve_profile(args: argparse.Namespace, recipe: Recipe,
 
 
 def run(args: argparse.Namespace) -> int:
-    from oobleck_slurm.planning import PlanningError, ProfileError
+    from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
 
     recipe = load_recipe_or_report(args.recipe)
     if recipe is None:
@@ -91,10 +91,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with planning_progress(not args.json) as progress:
             profile, source = resolve_profile(args, recipe, progress)
-    except (ProfileError, PlanningError) as err:
+    except (ProfileError, PlanningError, UnknownGPU) as err:
         return fail(str(err))
-    except KeyError as err:  # unknown GPU name
-        return fail(str(err.args[0]))
     if args.json:
         print(json.dumps(profile.to_dict(), indent=2))
         return EXIT_OK

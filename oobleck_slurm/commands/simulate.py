@@ -86,7 +86,7 @@ def _trace(args: argparse.Namespace, default_nodes: int) -> Trace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from oobleck_slurm.planning import PlanningError, ProfileError
+    from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
     from oobleck_slurm.planning.cache import TemplateCache
     from oobleck_slurm.planning.pregenerate import cached_templates, plan_request, require_templates
     from oobleck_slurm.simulate import (
@@ -120,10 +120,8 @@ def run(args: argparse.Namespace) -> int:
         with planning_progress(not args.json) as progress:
             profile, source = resolve_profile(args, recipe, progress)
             templates, _ = cached_templates(profile, request, TemplateCache(args.cache), progress)
-    except (ProfileError, PlanningError) as err:
+    except (ProfileError, PlanningError, UnknownGPU) as err:
         return fail(str(err))
-    except KeyError as err:
-        return fail(str(err.args[0]))
     try:
         require_templates(profile, templates, request)
     except PlanningError as err:

@@ -49,15 +49,15 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe_or_report(args.recipe)
     if recipe is None:
         return EXIT_BAD_INPUT
-    from oobleck_slurm.planning import PlanningError, ProfileError
+    from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
     from oobleck_slurm.submission import prepare_job, start_local
 
     try:
         with planning_progress(console.is_terminal) as progress:
             job = prepare_job(recipe, cache_dir=args.cache, profile_file=args.profile, estimate_gpu=args.estimate,
                               job_root=args.job_root, drills=not args.no_drills, progress=progress)
-    except (PlanningError, ProfileError, KeyError) as err:
-        return fail(str(err).strip("'\""))
+    except (PlanningError, ProfileError, UnknownGPU) as err:
+        return fail(str(err))
     if recipe.cluster.backend == "slurm":
         return _submit_slurm(job, recipe, args)
     # The local backend runs the same supervisor and agents as Slurm, as processes on this machine.
