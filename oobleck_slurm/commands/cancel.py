@@ -27,7 +27,6 @@ if TYPE_CHECKING:  # imported when the command runs, not when the CLI starts
 TERM_GRACE_S = 10.0  # SIGTERM to SIGKILL: the supervisor and agents end at once; workers may be in a collective
 KILL_WAIT_S = 5.0  # after SIGKILL: only the kernel's tear-down is left
 POLL_S = 0.1
-FINISHED = ("completed", "failed", "unrecoverable", "cancelled", "preempted")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
