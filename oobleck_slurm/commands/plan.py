@@ -20,7 +20,7 @@ from oobleck_slurm.commands.common import (
     fail,
     load_recipe_or_report,
 )
-from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
+from oobleck_slurm.commands.profile import add_source_arguments, resolve_templates
 
 if TYPE_CHECKING:  # the planner is imported when a command runs, not when the CLI starts
     from oobleck_slurm.planning import PipelineTemplate, Plan, Profile
@@ -42,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
-    from oobleck_slurm.planning.cache import TemplateCache
-    from oobleck_slurm.planning.pregenerate import cached_templates, instantiate_for, plan_request
+    from oobleck_slurm.planning.pregenerate import instantiate_for, plan_request
 
     recipe = load_recipe_or_report(args.recipe)
     if recipe is None:
@@ -57,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
     request = replace(plan_request(recipe, nodes=args.nodes, failures=args.failures),
                       max_stage_devices=args.max_stage_devices)
     try:
-        with planning_progress(not args.json) as progress:
-            profile, source = resolve_profile(args, recipe, progress)
-            templates, status = cached_templates(profile, request, TemplateCache(args.cache), progress)
+        profile, source, templates, status = resolve_templates(args, recipe, request)
     except (ProfileError, PlanningError, UnknownGPU) as err:
         return fail(str(err))
     try:

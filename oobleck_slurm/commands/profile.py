@@ -26,7 +26,8 @@ from oobleck_slurm.commands.common import (
 )
 
 if TYPE_CHECKING:  # the planner is imported when a command runs, not when the CLI starts
-    from oobleck_slurm.planning import Profile
+    from oobleck_slurm.planning import PipelineTemplate, Profile
+    from oobleck_slurm.planning.pregenerate import PlanRequest
     from oobleck_slurm.planning.pregenerate import Progress as PlanningProgress
     from oobleck_slurm.recipe import Recipe
 
@@ -80,6 +81,19 @@ def resolve_profile(args: argparse.Namespace, recipe: Recipe,
     for problem in cache.problems:
         console.print(f"[yellow]warning:[/] {escape(problem)}", highlight=False)
     return result
+
+
+def resolve_templates(args: argparse.Namespace, recipe: Recipe,
+                      request: PlanRequest) -> tuple[Profile, str, list[PipelineTemplate], str]:
+    """(profile, its source, templates, cache status) for a planning command's arguments and `request`,
+    with progress bars unless --json; raises ProfileError / PlanningError / UnknownGPU."""
+    from oobleck_slurm.planning.cache import TemplateCache
+    from oobleck_slurm.planning.pregenerate import cached_templates
+
+    with planning_progress(not args.json) as progress:
+        profile, source = resolve_profile(args, recipe, progress)
+        templates, status = cached_templates(profile, request, TemplateCache(args.cache), progress)
+    return profile, source, templates, status
 
 
 def run(args: argparse.Namespace) -> int:

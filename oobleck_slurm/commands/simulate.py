@@ -22,7 +22,7 @@ from oobleck_slurm.commands.common import (
     fail,
     load_recipe_or_report,
 )
-from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
+from oobleck_slurm.commands.profile import add_source_arguments, resolve_templates
 
 if TYPE_CHECKING:  # the simulator is imported when the command runs, not when the CLI starts
     from oobleck_slurm.simulate.traces import Trace
@@ -87,8 +87,7 @@ def _trace(args: argparse.Namespace, default_nodes: int) -> Trace:
 
 def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
-    from oobleck_slurm.planning.cache import TemplateCache
-    from oobleck_slurm.planning.pregenerate import cached_templates, plan_request, require_templates
+    from oobleck_slurm.planning.pregenerate import plan_request, require_templates
     from oobleck_slurm.simulate import (
         DEFAULT_CALIBRATION,
         SYSTEMS,
@@ -117,9 +116,7 @@ def run(args: argparse.Namespace) -> int:
     max_nodes = max(len(trace.initial_nodes) + sum(e.kind == "join" for e in trace.events), 1)
     request = plan_request(recipe, nodes=min(max_nodes, len(trace.initial_nodes) + 64))
     try:
-        with planning_progress(not args.json) as progress:
-            profile, source = resolve_profile(args, recipe, progress)
-            templates, _ = cached_templates(profile, request, TemplateCache(args.cache), progress)
+        profile, source, templates, _ = resolve_templates(args, recipe, request)
     except (ProfileError, PlanningError, UnknownGPU) as err:
         return fail(str(err))
     try:
