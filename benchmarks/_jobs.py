@@ -9,24 +9,20 @@ does it; only its event log and folder are read afterwards.
 from __future__ import annotations
 
 import os
-import signal
 import statistics
-import subprocess
+import sys
 import tempfile
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from oobleck_slurm.cluster.jobdir import JobDir
-from oobleck_slurm.protocol.events import events_path, read_events
 from oobleck_slurm.recipe import Recipe, load_recipe, recipe_to_dict
-from oobleck_slurm.submission import prepare_job, start_local
+from oobleck_slurm.submission import prepare_job
 
-LOG_TAIL_CHARS = 3000
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from jobrun import JobRun, start_and_wait  # noqa: E402 - tests/jobrun.py: the one way to run a job and read it
 
 
 def recipe_dict(*, size: str, nodes: int, workers: int = 1, steps: int, global_batch: int, microbatch: int,
@@ -113,29 +109,6 @@ def budget_for_span(d: dict[str, Any], span: int, cache_dir: str | os.PathLike[s
                      f"{d['cluster']['nodes']} node(s) with f in {fs}")
 
 
-@dataclass
-class JobRun:
-    job: JobDir
-    exit_code: int
-    events: list[dict[str, Any]]
-    wall_s: float
-
-    def kind(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["kind"] == kind]
-
-    def first(self, kind: str) -> dict[str, Any] | None:
-        return next((e for e in self.events if e["kind"] == kind), None)
-
-    def log_tails(self) -> str:
-        tails = []
-        for path in sorted((self.job.path / "logs").glob("*.log")):
-            tails.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}")
-        err = self.job.path / "logs" / "supervisor.err"
-        if err.is_file():
-            tails.append(f"--- supervisor.err ---\n{err.read_text(errors='replace')[-LOG_TAIL_CHARS:]}")
-        return "\n".join(tails)
-
-
 def run_job(d: dict[str, Any], root: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *,
             faults: list[dict[str, Any]] | None = None, estimate: str | None = "A100-40",
             timeout: float = 900.0) -> JobRun:
@@ -145,18 +118,11 @@ def run_job(d: dict[str, Any], root: str | os.PathLike[str], cache_dir: str | os
     recipe = load(d, Path(root) / "recipes")
     job = prepare_job(recipe, cache_dir=cache_dir, estimate_gpu=estimate, job_root=Path(root) / "jobs",
                       faults=faults)
-    t0 = time.time()
-    process = start_local(job)
-    try:
-        code = process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        run = JobRun(job, -1, read_events(events_path(job.path)), time.time() - t0)
-        raise SystemExit(f"job {job.path} did not finish within {timeout:g} s\n{run.log_tails()}") from None
-    run = JobRun(job, code, read_events(events_path(job.path)), time.time() - t0)
-    if code != 0:
-        raise SystemExit(f"job {job.path} exited {code}\n{run.log_tails()}")
+    run = start_and_wait(job, timeout)
+    if run.exit_code == -1:
+        raise SystemExit(f"job {job.path} did not finish within {timeout:g} s\n{run.log_tails()}")
+    if run.exit_code != 0:
+        raise SystemExit(f"job {job.path} exited {run.exit_code}\n{run.log_tails()}")
     return run
 
 

@@ -88,28 +88,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _ddp_steps(job: Any, rank: int, world: int, steps: int, device: torch.device) -> list[float]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from oobleck_slurm.models.gpt import build_layers, lm_loss
+def _accumulation_steps(job: Any, model: torch.nn.Module, forward: Any, device: torch.device, steps: int,
+                        microbatches: range, no_sync: Any = None) -> list[float]:
+    """Time `steps` optimizer steps of `model`, each accumulating the gradients of `microbatches` of the
+    step through `forward` (the model, or its DDP wrapper: then all but the last run under `no_sync()`,
+    one all-reduce per step)."""
+    from oobleck_slurm.models.gpt import lm_loss
 
     t = job.train
-    model = torch.nn.Sequential(*build_layers(job.model.gpt, t.seed)).to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay,
                             foreach=device.type == "cuda")
     batches = _batches(job)
-    per_rank = t.num_microbatches // world
     times = []
     for step in range(steps):
         _sync(device)
         t0 = time.perf_counter()
         opt.zero_grad()
-        for m in range(per_rank):
-            x, y = (v.to(device) for v in batches.microbatch(step, rank * per_rank + m))
-            sync = m == per_rank - 1  # all-reduce once, on the last microbatch
-            with contextlib.nullcontext() if sync else ddp.no_sync(), _autocast(device, t.precision):
-                loss = lm_loss(ddp(x), y) / t.num_microbatches
+        for m in microbatches:
+            x, y = (v.to(device) for v in batches.microbatch(step, m))
+            sync = no_sync is None or m == microbatches[-1]
+            with contextlib.nullcontext() if sync else no_sync(), _autocast(device, t.precision):
+                loss = lm_loss(forward(x), y) / t.num_microbatches
             loss.backward()
         if t.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
@@ -117,6 +116,18 @@ def _ddp_steps(job: Any, rank: int, world: int, steps: int, device: torch.device
         _sync(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def _ddp_steps(job: Any, rank: int, world: int, steps: int, device: torch.device) -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from oobleck_slurm.models.gpt import build_layers
+
+    model = torch.nn.Sequential(*build_layers(job.model.gpt, job.train.seed)).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    per_rank = job.train.num_microbatches // world
+    return _accumulation_steps(job, model, ddp, device, steps, range(rank * per_rank, (rank + 1) * per_rank),
+                               ddp.no_sync)
 
 
 def _pipelining_steps(job: Any, rank: int, world: int, steps: int, bounds: list[int]) -> list[float]:
@@ -149,29 +160,11 @@ def _pipelining_steps(job: Any, rank: int, world: int, steps: int, bounds: list[
 
 def _single_gpu_steps(job: Any, steps: int) -> list[float]:
     """One GPU, no distribution: the same model, global batch and microbatches (accumulation)."""
-    from oobleck_slurm.models.gpt import build_layers, lm_loss
+    from oobleck_slurm.models.gpt import build_layers
 
     device = torch.device("cuda", 0)
-    t = job.train
-    model = torch.nn.Sequential(*build_layers(job.model.gpt, t.seed)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay, foreach=True)
-    batches = _batches(job)
-    times = []
-    for step in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        for m in range(t.num_microbatches):
-            x, y = (v.to(device) for v in batches.microbatch(step, m))
-            with _autocast(device, t.precision):
-                loss = lm_loss(model(x), y) / t.num_microbatches
-            loss.backward()
-        if t.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
+    model = torch.nn.Sequential(*build_layers(job.model.gpt, job.train.seed)).to(device)
+    return _accumulation_steps(job, model, model, device, steps, range(job.train.num_microbatches))
 
 
 def baseline_worker(kind: str, rank: int, world: int, port: int, config_path: str) -> None:

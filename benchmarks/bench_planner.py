@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "planning"))
 
+from bruteforce import best_counts_brute, best_template_brute  # noqa: E402 - tests/planning/bruteforce.py
+
 from oobleck_slurm.models.config import gpt_config  # noqa: E402
 from oobleck_slurm.planning import estimate_profile, generate_templates, instantiate  # noqa: E402
-from oobleck_slurm.planning.bruteforce import best_counts_brute, best_template_brute  # noqa: E402
 from oobleck_slurm.planning.instantiate import choose_counts, fluid_time  # noqa: E402
 
 REPEATS = 3

@@ -46,7 +46,7 @@ def prepare_job(recipe: Recipe, *, cache_dir: str | os.PathLike[str] = "template
     if profile_file is not None:
         shutil.copyfile(profile_file, job.path / PROFILE_FILE)
     if faults:
-        from oobleck_slurm.engine.elastic_process import load_faults
+        from oobleck_slurm.engine.faults import load_faults
 
         (job.path / FAULTS_FILE).write_text(json.dumps(list(faults)))
         load_faults(job.path / FAULTS_FILE)  # a bad drill is refused here, not in every worker

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from oobleck_slurm.protocol.events import events_path, read_events
 from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.submission import prepare_job, start_local
 
-LOG_TAIL_CHARS = 2500
+LOG_TAIL_CHARS = 3000
 
 
 def tiny_recipe(*, nodes: int = 4, workers: int = 1, steps: int = 5, f: int = 1, optimizer: str = "adamw",
@@ -48,11 +49,15 @@ def tiny_recipe(*, nodes: int = 4, workers: int = 1, steps: int = 5, f: int = 1,
 @dataclass
 class JobRun:
     job: JobDir
-    exit_code: int
+    exit_code: int  # -1: stopped after its timeout
     events: list[dict[str, Any]]
+    wall_s: float  # from the start to the supervisor's exit
 
     def kind(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["kind"] == kind]
+
+    def first(self, kind: str) -> dict[str, Any] | None:
+        return next((e for e in self.events if e["kind"] == kind), None)
 
     def losses(self) -> dict[int, float]:
         """The last reported loss of each step (a replayed step reports again)."""
@@ -72,10 +77,25 @@ class JobRun:
 
     def log_tails(self) -> str:
         tails = []
-        for path in sorted((self.job.path / "logs").glob("*.log")):
-            text = path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-            tails.append(f"--- {path.name} ---\n{text}")
+        for path in [*sorted((self.job.path / "logs").glob("*.log")), self.job.path / "logs" / "supervisor.err"]:
+            if path.is_file():
+                tails.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}")
         return "\n".join(tails)
+
+
+def start_and_wait(job: JobDir, timeout: float) -> JobRun:
+    """Start a prepared job on the local backend (`start_local`, as `submit` does) and wait for its
+    supervisor to exit; a job still running after `timeout` s is killed (its whole process session)
+    and comes back with exit code -1."""
+    t0 = time.time()
+    process = start_local(job)
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        code = -1
+    return JobRun(job, code, read_events(events_path(job.path)), time.time() - t0)
 
 
 def run_job(tmp_path: Path, recipe: dict[str, Any], cache_dir: Path, *, faults: list[dict[str, Any]] | None = None,
@@ -86,17 +106,11 @@ def run_job(tmp_path: Path, recipe: dict[str, Any], cache_dir: Path, *, faults: 
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     job = prepare_job(load_recipe(path), cache_dir=cache_dir, estimate_gpu=estimate, job_root=tmp_path / "jobs",
                       faults=faults)
-    process = start_local(job)
-    try:
-        code = process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        run = JobRun(job, -1, read_events(events_path(job.path)))
-        raise AssertionError(f"job did not finish within {timeout:g} s\n{run.log_tails()}") from None
-    run = JobRun(job, code, read_events(events_path(job.path)))
+    run = start_and_wait(job, timeout)
+    if run.exit_code == -1:
+        raise AssertionError(f"job did not finish within {timeout:g} s\n{run.log_tails()}")
     if expect_exit is not None:
-        assert code == expect_exit, f"job exited {code}, expected {expect_exit}\n{run.log_tails()}"
+        assert run.exit_code == expect_exit, f"job exited {run.exit_code}, expected {expect_exit}\n{run.log_tails()}"
     return run
 
 

@@ -11,8 +11,9 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.
 fi
 "$PY" -m pip install --quiet -e '.[test,dev]'
 
-# Lint and import order (config in pyproject.toml): a finding fails the run before any test.
+# Lint and import order, then types (configs in pyproject.toml): a finding fails the run before any test.
 "$PY" -m ruff check oobleck_slurm tests benchmarks
+"$PY" -m mypy
 
 # tmux: the dashboard's terminal test drives the real command in it.
 if ! command -v tmux >/dev/null; then

@@ -15,16 +15,18 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
 from oobleck_slurm.commands.common import EXIT_FAILED, EXIT_OK, console, fail
 
+if TYPE_CHECKING:  # imported when the command runs, not when the CLI starts
+    from oobleck_slurm.cluster.jobdir import JobDir
+
 TERM_GRACE_S = 10.0  # SIGTERM to SIGKILL: the supervisor and agents end at once; workers may be in a collective
 KILL_WAIT_S = 5.0  # after SIGKILL: only the kernel's tear-down is left
 POLL_S = 0.1
-FINISHED = ("completed", "failed", "unrecoverable", "cancelled", "preempted")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     return _cancel_local(job, meta, CANCEL_MARKER)
 
 
-def _cancel_local(job: Any, meta: dict[str, Any], marker: str) -> int:  # noqa: ANN401 - a JobDir
+def _cancel_local(job: JobDir, meta: dict[str, Any], marker: str) -> int:
     from oobleck_slurm.protocol.events import events_path, read_events
 
     finished = read_events(events_path(job.path), "job_finished")
@@ -108,7 +110,7 @@ def _cancel_local(job: Any, meta: dict[str, Any], marker: str) -> int:  # noqa: 
     return EXIT_OK
 
 
-def _record_cancelled(job: Any, started: float, was_running: bool) -> None:  # noqa: ANN401 - a JobDir
+def _record_cancelled(job: JobDir, started: float, was_running: bool) -> None:
     from oobleck_slurm.protocol.events import EventLog, events_path
 
     error = None if was_running else "no process was running when the job was cancelled (it had ended unrecorded)"
@@ -118,7 +120,7 @@ def _record_cancelled(job: Any, started: float, was_running: bool) -> None:  # n
     job.update_meta(status="cancelled", exit_code=None)
 
 
-def _recorded(job: Any) -> bool:  # noqa: ANN401 - a JobDir
+def _recorded(job: JobDir) -> bool:
     from oobleck_slurm.protocol.events import events_path, read_events
 
     return bool(read_events(events_path(job.path), "job_finished"))

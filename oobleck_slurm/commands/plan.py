@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
@@ -19,7 +20,11 @@ from oobleck_slurm.commands.common import (
     fail,
     load_recipe_or_report,
 )
-from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
+from oobleck_slurm.commands.profile import add_source_arguments, resolve_templates
+
+if TYPE_CHECKING:  # the planner is imported when a command runs, not when the CLI starts
+    from oobleck_slurm.planning import PipelineTemplate, Plan, Profile
+    from oobleck_slurm.planning.pregenerate import PlanRequest
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -36,9 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from oobleck_slurm.planning import PlanningError, ProfileError
-    from oobleck_slurm.planning.cache import TemplateCache
-    from oobleck_slurm.planning.pregenerate import cached_templates, instantiate_for, plan_request
+    from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
+    from oobleck_slurm.planning.pregenerate import instantiate_for, plan_request
 
     recipe = load_recipe_or_report(args.recipe)
     if recipe is None:
@@ -52,13 +56,9 @@ def run(args: argparse.Namespace) -> int:
     request = replace(plan_request(recipe, nodes=args.nodes, failures=args.failures),
                       max_stage_devices=args.max_stage_devices)
     try:
-        with planning_progress(not args.json) as progress:
-            profile, source = resolve_profile(args, recipe, progress)
-            templates, status = cached_templates(profile, request, TemplateCache(args.cache), progress)
-    except (ProfileError, PlanningError) as err:
+        profile, source, templates, status = resolve_templates(args, recipe, request)
+    except (ProfileError, PlanningError, UnknownGPU) as err:
         return fail(str(err))
-    except KeyError as err:
-        return fail(str(err.args[0]))
     try:
         plan = instantiate_for(profile, templates, request)
     except PlanningError as err:
@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def show(profile, source, request, templates, plan, status) -> None:  # noqa: ANN001
+def show(profile: Profile, source: str, request: PlanRequest, templates: list[PipelineTemplate], plan: Plan,
+         status: str) -> None:
     from rich.table import Table
 
     gib = 2**30

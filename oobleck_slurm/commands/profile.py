@@ -25,8 +25,11 @@ from oobleck_slurm.commands.common import (
     load_recipe_or_report,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the planner is imported when a command runs, not when the CLI starts
+    from oobleck_slurm.planning import PipelineTemplate, Profile
+    from oobleck_slurm.planning.pregenerate import PlanRequest
     from oobleck_slurm.planning.pregenerate import Progress as PlanningProgress
+    from oobleck_slurm.recipe import Recipe
 
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,8 +70,9 @@ def planning_progress(enabled: bool) -> Iterator[PlanningProgress | None]:
         yield report
 
 
-def resolve_profile(args: argparse.Namespace, recipe, progress: PlanningProgress | None):  # noqa: ANN001, ANN201
-    """(Profile, source) for the command's arguments, or raise ProfileError / PlanningError / KeyError."""
+def resolve_profile(args: argparse.Namespace, recipe: Recipe,
+                    progress: PlanningProgress | None) -> tuple[Profile, str]:
+    """(Profile, source) for the command's arguments, or raise ProfileError / PlanningError / UnknownGPU."""
     from oobleck_slurm.planning.cache import TemplateCache
     from oobleck_slurm.planning.pregenerate import recipe_profile
 
@@ -79,8 +83,21 @@ def resolve_profile(args: argparse.Namespace, recipe, progress: PlanningProgress
     return result
 
 
+def resolve_templates(args: argparse.Namespace, recipe: Recipe,
+                      request: PlanRequest) -> tuple[Profile, str, list[PipelineTemplate], str]:
+    """(profile, its source, templates, cache status) for a planning command's arguments and `request`,
+    with progress bars unless --json; raises ProfileError / PlanningError / UnknownGPU."""
+    from oobleck_slurm.planning.cache import TemplateCache
+    from oobleck_slurm.planning.pregenerate import cached_templates
+
+    with planning_progress(not args.json) as progress:
+        profile, source = resolve_profile(args, recipe, progress)
+        templates, status = cached_templates(profile, request, TemplateCache(args.cache), progress)
+    return profile, source, templates, status
+
+
 def run(args: argparse.Namespace) -> int:
-    from oobleck_slurm.planning import PlanningError, ProfileError
+    from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
 
     recipe = load_recipe_or_report(args.recipe)
     if recipe is None:
@@ -88,10 +105,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with planning_progress(not args.json) as progress:
             profile, source = resolve_profile(args, recipe, progress)
-    except (ProfileError, PlanningError) as err:
+    except (ProfileError, PlanningError, UnknownGPU) as err:
         return fail(str(err))
-    except KeyError as err:  # unknown GPU name
-        return fail(str(err.args[0]))
     if args.json:
         print(json.dumps(profile.to_dict(), indent=2))
         return EXIT_OK
@@ -99,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def show_profile(profile, source: str) -> None:  # noqa: ANN001
+def show_profile(profile: Profile, source: str) -> None:
     from rich.table import Table
 
     # Names and labels come from a profile file (`--profile FILE`): escaped, a table cell or title is markup.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from oobleck_slurm.commands.common import (
     EXIT_BAD_INPUT,
@@ -21,7 +22,10 @@ from oobleck_slurm.commands.common import (
     fail,
     load_recipe_or_report,
 )
-from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
+from oobleck_slurm.commands.profile import add_source_arguments, resolve_templates
+
+if TYPE_CHECKING:  # the simulator is imported when the command runs, not when the CLI starts
+    from oobleck_slurm.simulate.traces import Trace
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, metavar="DIR", help="write result.json and PNG plots into DIR")
 
 
-def _trace(args: argparse.Namespace, default_nodes: int):  # noqa: ANN202
+def _trace(args: argparse.Namespace, default_nodes: int) -> Trace:
     from oobleck_slurm.simulate import (
         TraceError,
         fixed_interval_trace,
@@ -82,9 +86,8 @@ def _trace(args: argparse.Namespace, default_nodes: int):  # noqa: ANN202
 
 
 def run(args: argparse.Namespace) -> int:
-    from oobleck_slurm.planning import PlanningError, ProfileError
-    from oobleck_slurm.planning.cache import TemplateCache
-    from oobleck_slurm.planning.pregenerate import cached_templates, plan_request, require_templates
+    from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
+    from oobleck_slurm.planning.pregenerate import plan_request, require_templates
     from oobleck_slurm.simulate import (
         DEFAULT_CALIBRATION,
         SYSTEMS,
@@ -113,13 +116,9 @@ def run(args: argparse.Namespace) -> int:
     max_nodes = max(len(trace.initial_nodes) + sum(e.kind == "join" for e in trace.events), 1)
     request = plan_request(recipe, nodes=min(max_nodes, len(trace.initial_nodes) + 64))
     try:
-        with planning_progress(not args.json) as progress:
-            profile, source = resolve_profile(args, recipe, progress)
-            templates, _ = cached_templates(profile, request, TemplateCache(args.cache), progress)
-    except (ProfileError, PlanningError) as err:
+        profile, source, templates, _ = resolve_templates(args, recipe, request)
+    except (ProfileError, PlanningError, UnknownGPU) as err:
         return fail(str(err))
-    except KeyError as err:
-        return fail(str(err.args[0]))
     try:
         require_templates(profile, templates, request)
     except PlanningError as err:

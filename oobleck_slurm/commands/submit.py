@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
@@ -26,6 +27,10 @@ from oobleck_slurm.commands.common import (
     load_recipe_or_report,
 )
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress
+
+if TYPE_CHECKING:  # imported when the command runs, not when the CLI starts
+    from oobleck_slurm.cluster.jobdir import JobDir
+    from oobleck_slurm.recipe import Recipe
 
 FOLLOW_POLL_S = 0.5
 
@@ -44,15 +49,15 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe_or_report(args.recipe)
     if recipe is None:
         return EXIT_BAD_INPUT
-    from oobleck_slurm.planning import PlanningError, ProfileError
+    from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
     from oobleck_slurm.submission import prepare_job, start_local
 
     try:
         with planning_progress(console.is_terminal) as progress:
             job = prepare_job(recipe, cache_dir=args.cache, profile_file=args.profile, estimate_gpu=args.estimate,
                               job_root=args.job_root, drills=not args.no_drills, progress=progress)
-    except (PlanningError, ProfileError, KeyError) as err:
-        return fail(str(err).strip("'\""))
+    except (PlanningError, ProfileError, UnknownGPU) as err:
+        return fail(str(err))
     if recipe.cluster.backend == "slurm":
         return _submit_slurm(job, recipe, args)
     # The local backend runs the same supervisor and agents as Slurm, as processes on this machine.
@@ -149,7 +154,7 @@ def _print_event(event: dict) -> None:
         console.print(f"[bold]{escape(kind)}[/] {escape(fields)}", highlight=False)  # event text: no markup
 
 
-def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001 - JobDir, Recipe
+def _submit_slurm(job: JobDir, recipe: Recipe, args: argparse.Namespace) -> int:
     """Submit the allocation (the supervisor in the batch step, one agent per node through srun).
     Returns once submitted (--detach) or finished."""
     from oobleck_slurm.submission import submit_slurm

@@ -89,7 +89,8 @@ def header(state: DashboardState, view: View) -> Panel:
     failures = [r for r in state.recoveries if r.trigger == "failure"]
     if failures:
         # An open recovery counts up to the newest event.
-        lost = sum(r.seconds if r.done else (state.t_last or r.t_start) - r.t_start for r in failures)
+        lost = sum(r.seconds if r.done and r.seconds is not None else (state.t_last or r.t_start) - r.t_start
+                   for r in failures)
         bottom.append("  failures ", "dim").append(f"{len(failures)}", "bold red")
         bottom.append(" recovering ", "dim").append(duration(lost), "yellow")
     if view.now is not None and state.t_last is not None and state.t_end is None and view.now - state.t_last > 10:

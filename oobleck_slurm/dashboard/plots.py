@@ -6,9 +6,13 @@ matplotlib is imported inside `load_pyplot` so the dashboard itself never needs 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from oobleck_slurm.dashboard.costs import CATEGORIES, time_split
 from oobleck_slurm.dashboard.state import PHASES, DashboardState, Recovery
+
+if TYPE_CHECKING:  # matplotlib is loaded only when a report is drawn
+    from matplotlib.axes import Axes
 
 PHASE_COLOURS = dict(zip(PHASES, ("tab:red", "tab:orange", "tab:olive", "tab:blue", "tab:purple")))
 OTHER_PHASE = "other"  # the part of a recovery's total no phase event accounts for
@@ -47,7 +51,7 @@ def recovery_phases(rec: Recovery) -> dict[str, float]:
     return phases
 
 
-def _bands(ax, state: DashboardState) -> None:
+def _bands(ax: Axes, state: DashboardState) -> None:
     t0 = state.t_start or 0.0
     end = (state.t_end or state.t_last or t0) - t0
     for rec in state.recoveries:
@@ -61,7 +65,7 @@ def _bands(ax, state: DashboardState) -> None:
         ax.axvline(cp.t - t0, color="tab:purple", lw=0.8, ls=":", label="checkpoint")
 
 
-def _dedup_legend(ax) -> None:
+def _dedup_legend(ax: Axes) -> None:
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
     if seen:

@@ -23,7 +23,7 @@ def sparkline(state: DashboardState, width: int, rows: int = 1) -> tuple[list[Te
     """
     width, rows = max(1, width), max(1, rows)
     blank = [Text(" " * width) for _ in range(rows)], Text(" " * width)
-    points = [p for p in state.history if p.samples_per_s is not None]
+    points = [(p.t, p.samples_per_s) for p in state.history if p.samples_per_s is not None]  # (t, samples/s)
     t0 = state.t_start
     t1 = state.t_end if state.t_end is not None else state.t_last
     if t0 is None or t1 is None or t1 <= t0 or not points:
@@ -34,19 +34,19 @@ def sparkline(state: DashboardState, width: int, rows: int = 1) -> tuple[list[Te
         return min(width - 1, max(0, int((t - t0) / span * width)))
 
     buckets: list[list[float]] = [[] for _ in range(width)]
-    for p in points:
-        buckets[column(p.t)].append(p.samples_per_s)
+    for t, rate in points:
+        buckets[column(t)].append(rate)
     recovering = [False] * width
     for rec in state.recoveries:
         end = rec.t_end if rec.t_end is not None else t1
         for col in range(column(rec.t_start), column(end)):
             recovering[col] = True
     values: list[float | None] = [sum(b) / len(b) if b else None for b in buckets]
-    last_col = column(points[-1].t)
+    last_col = column(points[-1][0])
     for col in range(1, last_col):
         if values[col] is None and values[col - 1] is not None and not recovering[col]:
             values[col] = values[col - 1]
-    peak = max(p.samples_per_s for p in points) or 1.0
+    peak = max(rate for _, rate in points) or 1.0
 
     lines = []
     for k in range(rows):

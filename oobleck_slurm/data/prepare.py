@@ -15,6 +15,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -108,7 +109,7 @@ def prepare(
 
     digest = hashlib.sha256()
 
-    def raw_chunks(f) -> Iterator[bytes]:  # hashes exactly the bytes it hands out
+    def raw_chunks(f: BinaryIO) -> Iterator[bytes]:  # hashes exactly the bytes it hands out
         while block := f.read(chunk_bytes):
             digest.update(block)
             yield block
@@ -132,8 +133,8 @@ def prepare(
         )
         side = sidecar_path(out)
         fd_json, tmp_json = tempfile.mkstemp(prefix=f".{side.name}.", suffix=".tmp", dir=out.parent)
-        with os.fdopen(fd_json, "w", encoding="utf-8") as f:
-            f.write(meta_to_json(meta))
+        with os.fdopen(fd_json, "w", encoding="utf-8") as sidecar:
+            sidecar.write(meta_to_json(meta))
         # Data first, sidecar last: a reader that sees the new sidecar also sees the new data.
         os.replace(tmp_bin, out)
         os.replace(tmp_json, side)

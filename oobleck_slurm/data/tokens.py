@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 FORMAT_VERSION = 1
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 class TokenFileError(ValueError):

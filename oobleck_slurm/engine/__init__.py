@@ -14,4 +14,5 @@ Runtime:
     recovery    step undo (an optimizer step everywhere or nowhere)
     from_recipe the recipe's tokens and JobSpec; from_planner: the planner's Plan as an ExecPlan
     elastic_process  the worker process an agent starts, one per device
+    faults      fault injection for drills and tests: the checked faults list, hooks the worker calls
 """

@@ -158,5 +158,6 @@ def build_generation(store: dist.Store, number: int, rank: int, world_size: int,
 def clone_store(store: dist.Store) -> dist.Store:
     """A second client connection to the same TCPStore (the same keys), for a thread that blocks in it."""
     if isinstance(store, dist.TCPStore):
-        return dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
+        # Store.timeout exists at run time but not in torch's stubs.
+        return dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)  # type: ignore[attr-defined]
     return store

@@ -37,6 +37,7 @@ class RandomTokens:
 def open_dataset(spec: DataSpec, seq_len: int, vocab_size: int) -> Dataset:
     if spec.kind == "random":
         return RandomTokens(spec.num_samples, seq_len, vocab_size, spec.seed)
+    assert spec.path is not None  # DataSpec requires a path for kind 'tokens'
     tf = TokenFile(spec.path)
     if tf.meta.vocab_size > vocab_size:
         raise ValueError(

@@ -26,6 +26,7 @@ import dataclasses
 import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -86,19 +87,22 @@ def make_group(store: dist.Store, prefix: str, rank: int, size: int, timeout: dt
     runs under `timeout`. NCCL: connected eagerly on `device` (the worker's GPU), under NCCL's own long
     timeout; the job's collective timeout is enforced by the generation's waits (abort.py)."""
     pstore = dist.PrefixStore(prefix, store)
+    pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(pstore, rank, size, connect_timeout)
         pg.set_timeout(timeout)
-        return pg
-    if backend == "nccl":
+    elif backend == "nccl":
         if device is None or device.type != "cuda":
             raise ValueError(f"an NCCL group needs the worker's CUDA device, got {device}")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = dt.timedelta(seconds=NCCL_PG_TIMEOUT_S)
         pg = dist.ProcessGroupNCCL(pstore, rank, size, opts)
         pg.eager_connect_single_device(device)
-        return pg
-    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    else:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    # torch's stubs derive ProcessGroupGloo/NCCL from Backend, which declares none of the operations
+    # (allreduce, send, recv, barrier) these classes have at run time: ProcessGroup's interface does.
+    return cast(dist.ProcessGroup, pg)
 
 
 def abort_groups(groups: list[dist.ProcessGroup]) -> None:

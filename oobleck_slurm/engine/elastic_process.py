@@ -13,22 +13,15 @@ worker writes the layers it holds first as the final checkpoint (`checkpoints/st
 trained model.
 
 Survivors never restart: they keep their process, their layers and optimizer state, and build the
-next generation's groups under a new store prefix. Fault injection (drills, tests, benchmarks): the job
-folder's faults.json = [{"node": N, "worker": i (default 0), "step": S, "at": "start" | "wait:K" |
-"wait:last" | "optimizer" | "adopt", "do": "kill" | "hang" | "pause", "seconds": T}] kills this process
-with SIGKILL (or, "hang", sleeps forever: a deadlocked worker that stays runnable; or, "pause", sleeps T
-seconds and goes on: a transient stall that makes its peers' collectives time out) at that point of
-step S (once per fault, even across restarts).
+next generation's groups under a new store prefix. Fault injection (drills, tests, benchmarks: the job
+folder's faults.json) is engine/faults.py's `FaultHooks`, called at its hook points.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import os
-import re
-import signal
 import sys
 import time
 import traceback
@@ -40,6 +33,7 @@ import torch
 from oobleck_slurm.engine.abort import GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import Timeouts, connect_store, is_collective_error
+from oobleck_slurm.engine.faults import FaultHooks, load_faults  # noqa: F401 - main.py's load_faults import
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.recovery import StepUndo
 from oobleck_slurm.engine.spec import JobSpec
@@ -47,44 +41,8 @@ from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog, events_path
 
-HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
 ELASTIC_FILE = "elastic.json"  # store address, timeouts, workers per node: written by the supervisor
-
-
-FAULT_POINTS = ("start", "wait:last", "optimizer", "adopt")  # and "wait:K"
-FAULT_ACTIONS = ("kill", "hang", "pause")
-
-
-def load_faults(path: Path) -> list[dict[str, Any]]:
-    """A drill's fault list (see the module doc), checked: a bad entry names the file, the entry and the
-    key, and every fault accepted is one a worker can carry out."""
-    try:
-        faults = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as err:  # deep nesting: RecursionError
-        raise ValueError(f"{path}: not a JSON list of faults: {type(err).__name__}: {err}") from None
-    if not isinstance(faults, list):
-        raise ValueError(f"{path}: must be a JSON list of faults, got {type(faults).__name__}")
-    for i, f in enumerate(faults):
-        where = f"{path}: fault {i}"
-        step = f.get("step") if isinstance(f, dict) else None
-        if not isinstance(f, dict) or "node" not in f or isinstance(step, bool) or not isinstance(step, int):
-            raise ValueError(f"{where}: needs 'node' and an integer 'step', got {f!r}")
-        if step < 0:
-            raise ValueError(f"{where}: 'step' must be >= 0, got {step}")
-        at = f.get("at", "start")
-        if at not in FAULT_POINTS and not (isinstance(at, str) and re.fullmatch(r"wait:[0-9]+", at)):
-            raise ValueError(f"{where}: 'at' must be one of {', '.join(FAULT_POINTS)} or wait:K, got {at!r}")
-        if f.get("do", "kill") not in FAULT_ACTIONS:
-            raise ValueError(f"{where}: 'do' must be one of {', '.join(FAULT_ACTIONS)}, got {f.get('do')!r}")
-        worker = f.get("worker", 0)
-        if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
-            raise ValueError(f"{where}: 'worker' must be a worker index >= 0, got {worker!r}")
-        seconds = f.get("seconds")
-        if f.get("do") == "pause" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                       or not math.isfinite(seconds) or seconds <= 0):
-            raise ValueError(f"{where}: 'pause' needs 'seconds' > 0, got {seconds!r} (a finite number)")
-    return faults
 
 
 class ElasticWorker:
@@ -103,38 +61,17 @@ class ElasticWorker:
         self.store = connect_store(launch["host"], int(launch["port"]), self.timeouts)
         device = torch.device("cuda", torch.cuda.current_device()) if self.job.backend == "nccl" else None
         self.worker = Worker(self.job, 0, device)
-        self.undo = StepUndo(self.worker, self._before_update)
+        self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local)
+        self.undo = StepUndo(self.worker, self.faults)
         self.log = EventLog(events_path(job_dir))
-        self.faults = list(self.job.extra.get("faults", []))
-        self.waits = 0  # waits in the current step (fault injection)
-        self.last_waits = 0
-        self.updates = 0
+        self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
 
-    # ---- fault injection: a real SIGKILL at a chosen point ---------------------------------------
-
-    def _maybe_die(self, point: str) -> None:
-        for i, f in enumerate(self.faults):
-            if (str(f["node"]), int(f.get("worker", 0)), int(f["step"])) != (self.node, self.local, self.worker.step):
-                continue
-            at = f.get("at", "start")
-            hit = at == point or (at == "wait:last" and point == f"wait:{self.last_waits}")
-            if not hit or self.store.add(keys.fault_fired(i), 1) != 1:
-                continue
-            if f.get("do") == "pause":  # no loss follows: no fault time for a detection figure
-                time.sleep(float(f["seconds"]))
-                return
-            self.store.set(keys.fault_time(self.node), repr(time.time()))
-            if f.get("do", "kill") == "hang":
-                while True:  # not stopped: its agent sees a live, sleeping process
-                    time.sleep(HANG_SLEEP_S)
-            os.kill(os.getpid(), signal.SIGKILL)
-
     def _on_wait(self) -> None:
-        self.waits += 1
-        self._maybe_die(f"wait:{self.waits}")
-        if self.waits == 1:
+        self.faults.before_wait(self.worker.step)
+        if not self.step_reported:
             self._report_step()
+            self.step_reported = True
 
     def _report_step(self) -> None:
         """Per-rank progress for the supervisor: this worker reached a collective of step s (it did its
@@ -148,11 +85,6 @@ class ElasticWorker:
         self.store.set(keys.error(g, self.name), json.dumps(
             {"step": self.worker.step, "error": message, "t": time.time()}))
         self.store.add(keys.errors(g), 1)
-
-    def _before_update(self, index: int) -> None:
-        self.updates += 1
-        if self.updates == 2:  # one layer already updated: the optimizer step is half applied
-            self._maybe_die("optimizer")
 
     # ---- the generation loop -----------------------------------------------------------------------
 
@@ -203,7 +135,7 @@ class ElasticWorker:
         gen = build_generation(self.store, g, w.rank, world_size, plan, self.timeouts,
                                self.job.backend, self._on_wait, w.device)
         t1 = time.perf_counter()
-        self._maybe_die("adopt")  # a failure during recovery: groups built, copies not done
+        self.faults.at_adopt(w.step)  # a failure during recovery: groups built, copies not done
         ckpt = cfg.get("checkpoint")
         received = w.adopt(plan, gen, cfg["source"], [tuple(t) for t in cfg.get("transfers", [])],
                            (ckpt["root"], int(ckpt["step"])) if ckpt else None)
@@ -213,10 +145,10 @@ class ElasticWorker:
             {"groups_s": t1 - t0, "copy_s": t2 - t1, "bytes": received, "t": time.time()}))
         first = True
         while w.step < self.job.train.steps:
-            self._maybe_die("start")
-            self.waits, self.updates = 0, 0
+            self.faults.at_step_start(w.step)
+            self.step_reported = False
             result = w.train_step()
-            self.last_waits = self.waits
+            self.faults.at_step_end()
             if w.rank == 0:
                 self.log.emit("step", **result.event(g, self.job.train.global_batch_size))
                 self.store.set(keys.progress(g), str(result.step))

@@ -44,9 +44,16 @@ def zero_grads(layers: list[nn.Module]) -> None:
                 p.grad.zero_()
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """The gradient of `p`: every parameter of a held layer has one from `zero_grads` on."""
+    if p.grad is None:
+        raise RuntimeError("a parameter has no gradient: zero_grads() must run before the step")
+    return p.grad
+
+
 def layer_sq_norm(layer: nn.Module) -> float:
     """Sum of squared gradient entries of one layer, in float64."""
-    return sum(float(p.grad.double().pow(2).sum()) for p in layer.parameters())
+    return sum(float(_grad(p).double().pow(2).sum()) for p in layer.parameters())
 
 
 def clip_coefficient(total_sq_norm: float, max_norm: float) -> float:
@@ -61,4 +68,4 @@ def scale_grads(layers: list[nn.Module], coef: float) -> None:
     if coef < 1.0:
         for layer in layers:
             for p in layer.parameters():
-                p.grad.mul_(coef)
+                _grad(p).mul_(coef)

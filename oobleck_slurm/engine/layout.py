@@ -151,23 +151,6 @@ def validate(plan: ExecPlan) -> None:
         raise PlanError(f"pipelines cover {next_mb} microbatches, the step has {plan.num_microbatches}")
 
 
-def make_plan(num_layers: int, stage_bounds: list[list[int]], mb_counts: list[int],
-              first_rank: int = 0) -> ExecPlan:
-    """A plan from per-pipeline bounds and microbatch counts, ranks numbered consecutively.
-
-    E.g. make_plan(6, [[0, 6], [0, 3, 6]], [2, 4]): a 1-stage pipeline on rank 0 with microbatches
-    0-1 and a 2-stage pipeline on ranks 1, 2 with microbatches 2-5.
-    """
-    pipelines = []
-    rank, mb = first_rank, 0
-    for bounds, count in zip(stage_bounds, mb_counts, strict=True):
-        n = len(bounds) - 1
-        pipelines.append(PipelineSpec(tuple(range(rank, rank + n)), tuple(bounds), mb, count))
-        rank += n
-        mb += count
-    return ExecPlan(num_layers, mb, tuple(pipelines))
-
-
 def layer_groups(plan: ExecPlan) -> dict[tuple[int, ...], list[int]]:
     """Layers by the set of ranks holding them (sorted tuple): one all-reduce group per set.
 
@@ -179,27 +162,3 @@ def layer_groups(plan: ExecPlan) -> dict[tuple[int, ...], list[int]]:
         if len(members) > 1:
             groups.setdefault(members, []).append(layer)
     return groups
-
-
-def plan_transfers(old_holders: dict[int, list[int]], new_plan: ExecPlan) -> list[tuple[int, int, int]]:
-    """(layer, src, dst) copies so that every rank of `new_plan` holds the layers of its stage.
-
-    `old_holders[layer]` lists the ranks (in the new generation's numbering) that hold the layer's
-    current state; a rank already holding a layer keeps it. Copies of one layer to several ranks are
-    spread over its holders round-robin, so big recoveries use several senders in parallel.
-    Deterministic: every rank computes the same list.
-    """
-    transfers = []
-    sent: dict[int, int] = {}
-    for p in new_plan.pipelines:
-        for stage, rank in enumerate(p.ranks):
-            for layer in p.stage_layers(stage):
-                sources = old_holders.get(layer, [])
-                if rank in sources:
-                    continue
-                if not sources:
-                    raise PlanError(f"layer {layer} has no holder to copy it from (needed by rank {rank})")
-                k = sent.get(layer, 0)
-                sent[layer] = k + 1
-                transfers.append((layer, sources[k % len(sources)], rank))
-    return transfers

@@ -18,9 +18,11 @@ interrupted copy drops the half-received layers, so only valid layers are report
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from oobleck_slurm.engine.faults import FaultHooks
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.optim import load_optimizer_state_tensors, optimizer_state_tensors
 
@@ -32,9 +34,9 @@ class RollbackError(RuntimeError):
 class StepUndo:
     """Pre-update copies of this worker's layers for rolling back the last optimizer step."""
 
-    def __init__(self, worker: Worker, before_update: Callable[[int], None] | None = None) -> None:
+    def __init__(self, worker: Worker, faults: FaultHooks | None = None) -> None:
         self.worker = worker
-        self.before_update = before_update  # called with the layer index (fault injection)
+        self.faults = faults  # its `before_update` hook runs before each layer's update
         self.saved: dict[int, tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._hooked: set[int] = set()
 
@@ -42,13 +44,18 @@ class StepUndo:
         """Hook every optimizer of the worker (new layers included); forget older copies."""
         for index, opt in self.worker.optimizers.items():
             if id(opt) not in self._hooked:
-                opt.register_step_pre_hook(lambda o, args, kwargs, index=index: self._save(index, o))
+                opt.register_step_pre_hook(self._pre_step_hook(index))
                 self._hooked.add(id(opt))
         self.saved.clear()
 
+    def _pre_step_hook(self, index: int) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self._save(index, opt)
+        return hook
+
     def _save(self, index: int, opt: torch.optim.Optimizer) -> None:
-        if self.before_update is not None:
-            self.before_update(index)
+        if self.faults is not None:
+            self.faults.before_update(self.worker.step)
         layer = self.worker.layers[index]
         self.saved[index] = (
             self.worker.step,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -145,6 +145,3 @@ class JobSpec:
             backend=d.get("backend", "gloo"),
             extra=d.get("extra", {}),
         )
-
-    def with_train(self, **changes: Any) -> JobSpec:
-        return replace(self, train=replace(self.train, **changes))

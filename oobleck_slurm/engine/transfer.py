@@ -9,6 +9,7 @@ own tag) and then waited for, so copies from several holders proceed in parallel
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from oobleck_slurm.engine.comm import Generation
@@ -30,7 +31,9 @@ def run_transfers(gen: Generation, transfers: list[tuple[int, int, int]],
     optimizer under the same index beforehand: they are overwritten. Returns bytes received.
     """
     device_for_p2p = None if gen.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-    works, loads = [], []
+    works: list[tuple[dist.Work, torch.Tensor]] = []  # posted, with their buffers kept alive
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, GPU receive buffer)
+    state_loads: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # after the copies
     received = 0
     for index, (layer, src, dst) in enumerate(transfers):
         if gen.rank not in (src, dst):
@@ -51,14 +54,13 @@ def run_transfers(gen: Generation, transfers: list[tuple[int, int, int]],
                 buf = t if device_for_p2p is None or t.device.type != "cpu" else t.to(device_for_p2p)
                 works.append((gen.recv(buf, src, base + k), buf))
                 if buf is not t:
-                    loads.append((t, buf))
+                    copies.append((t, buf))
                 received += t.numel() * t.element_size()
-            loads.append((opt, state))
+            state_loads.append((opt, state))
     for work, _ in works:
         gen.wait(work)
-    for dst_t, src_t in loads:
-        if isinstance(dst_t, torch.optim.Optimizer):
-            load_optimizer_state_tensors(dst_t, src_t)
-        else:
-            dst_t.copy_(src_t)
+    for dst_t, buf in copies:
+        dst_t.copy_(buf)
+    for opt, state in state_loads:
+        load_optimizer_state_tensors(opt, state)
     return received

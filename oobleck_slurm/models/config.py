@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,6 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def gpt_config(size: str, **overrides: int | bool) -> GPTConfig:
+def gpt_config(size: str, **overrides: Any) -> GPTConfig:
     """The preset `size` with any of its fields overridden (e.g. `n_layer=32` for the planner bench)."""
     return replace(GPT_PRESETS[size], **overrides)

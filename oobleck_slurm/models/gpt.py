@@ -62,6 +62,8 @@ class CausalSelfAttention(nn.Module):
     runs that sum the same gradients in a different order (e.g. different pipeline plans).
     """
 
+    qkv_bias_mask: torch.Tensor  # a buffer: declared for the type checker (nn.Module.__getattr__ is untyped)
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.d_model % cfg.n_head:
@@ -157,7 +159,9 @@ def build_layers(cfg: GPTConfig, seed: int, start: int = 0, stop: int | None = N
         _init_layer(layer, gen, cfg.n_layer)
         layers.append(layer)
     if cfg.tie_embeddings:  # full build only (checked above)
-        layers[-1].lm_head.weight = layers[0].tok.weight
+        embedding, head = layers[0], layers[-1]
+        assert isinstance(embedding, Embedding) and isinstance(head, Head)
+        head.lm_head.weight = embedding.tok.weight
     return layers
 
 

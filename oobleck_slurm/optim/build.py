@@ -46,7 +46,7 @@ def build_optimizer(
     eps = (1e-30, 1e-16) if eps is None else eps
     if len(betas) != 3 or isinstance(eps, (int, float)) or len(eps) != 2:
         raise ValueError(f"came: betas must be 3 values and eps 2 values, got {betas}, {eps}")
-    return CAME(params, lr=lr, betas=betas, eps=tuple(eps), weight_decay=weight_decay)
+    return CAME(params, lr=lr, betas=betas, eps=(eps[0], eps[1]), weight_decay=weight_decay)
 
 
 def optimizer_name(opt: torch.optim.Optimizer) -> str:

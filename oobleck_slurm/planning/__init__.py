@@ -9,7 +9,7 @@ Pure logic (profile, cost, templates, instantiate, estimate) does no I/O; `measu
 """
 
 from oobleck_slurm.planning.estimate import estimate_profile
-from oobleck_slurm.planning.gpus import GPUS, gpu_spec
+from oobleck_slurm.planning.gpus import GPUS, UnknownGPU, gpu_spec
 from oobleck_slurm.planning.instantiate import PipelinePlan, Plan, choose_counts, distribute_batch, instantiate
 from oobleck_slurm.planning.profile import (
     LayerProfile,
@@ -30,7 +30,7 @@ from oobleck_slurm.planning.templates import (
 
 __all__ = [
     "GPUS", "LayerProfile", "Link", "PipelinePlan", "PipelineTemplate", "Plan", "PlanningError", "Profile",
-    "ProfileError", "StageTemplate", "choose_counts", "distribute_batch", "estimate_profile",
+    "ProfileError", "StageTemplate", "UnknownGPU", "choose_counts", "distribute_batch", "estimate_profile",
     "explain_infeasible", "generate_templates", "gpu_spec", "instantiate", "load_profile",
     "profile_from_dict", "save_profile",
 ]

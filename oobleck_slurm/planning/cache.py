@@ -58,7 +58,7 @@ def atomic_write_json(path: Path, data: Any) -> None:
 class TemplateCache:
     """A directory of cached planner outputs. Statuses: 'hit', 'miss', 'corrupt', 'stale'."""
 
-    def __init__(self, root: str | Path = "templates_cache") -> None:
+    def __init__(self, root: str | os.PathLike[str] = "templates_cache") -> None:
         self.root = Path(root)
         self.problems: list[str] = []  # what was found wrong and regenerated, for the caller to show
 

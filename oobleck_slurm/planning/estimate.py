@@ -28,9 +28,9 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 def gpt_layer_shapes(cfg: GPTConfig) -> list[list[tuple[int, ...]]]:
     """Parameter shapes of each layer of `models.gpt.build_layers(cfg)`, without building it."""
     d, v = cfg.d_model, cfg.vocab_size
-    embed = [(v, d), (cfg.seq_len, d)]
-    block = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
-    head = [(d,), (d,), (v, d)]
+    embed: list[tuple[int, ...]] = [(v, d), (cfg.seq_len, d)]
+    block: list[tuple[int, ...]] = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    head: list[tuple[int, ...]] = [(d,), (d,), (v, d)]
     return [embed] + [block] * cfg.n_layer + [head]
 
 

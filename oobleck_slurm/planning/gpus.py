@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class UnknownGPU(LookupError):
+    """A GPU name that is not in GPUS (`--estimate NAME`); the message lists the known names."""
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     name: str
@@ -46,4 +50,4 @@ def gpu_spec(name: str) -> GPUSpec:
     for key, spec in GPUS.items():
         if key.lower() == name.lower():
             return spec
-    raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    raise UnknownGPU(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")

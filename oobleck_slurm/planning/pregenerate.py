@@ -10,9 +10,9 @@ generated (the coverage guarantee in `instantiate`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from oobleck_slurm.planning.cache import TemplateCache
@@ -57,7 +57,7 @@ def recipe_profile(
     recipe: Any,
     cache: TemplateCache,
     *,
-    profile_file: str | Path | None = None,
+    profile_file: str | os.PathLike[str] | None = None,
     estimate_gpu: str | None = None,
     progress: Progress | None = None,
 ) -> tuple[Profile, str]:
@@ -79,7 +79,7 @@ def _source_profile(
     recipe: Any,
     cache: TemplateCache,
     *,
-    profile_file: str | Path | None = None,
+    profile_file: str | os.PathLike[str] | None = None,
     estimate_gpu: str | None = None,
     progress: Progress | None = None,
 ) -> tuple[Profile, str]:
@@ -149,9 +149,9 @@ def cached_templates(
 
 def pregenerate(
     recipe: Any,
-    cache_dir: str | Path = "templates_cache",
+    cache_dir: str | os.PathLike[str] = "templates_cache",
     *,
-    profile_file: str | Path | None = None,
+    profile_file: str | os.PathLike[str] | None = None,
     estimate_gpu: str | None = None,
     progress: Progress | None = None,
 ) -> tuple[Profile, list[PipelineTemplate]]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -222,7 +223,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> Profile:
     )
 
 
-def load_profile(path: str | Path) -> Profile:
+def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Read a profile JSON file; a ProfileError names the file and the bad key."""
     path = Path(path)
     if path.exists() and not path.is_file():  # a directory, or a FIFO that would block the read

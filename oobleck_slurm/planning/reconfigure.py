@@ -436,8 +436,10 @@ def _replan(templates: tuple[PipelineTemplate, ...], n: int, f: int, batch: int,
     except PlanningError:
         return None
     position = {id(t): i for i, t in reversed(list(enumerate(templates)))}
-    pipelines = tuple((position[id(p.template)], tuple(p.nodes)) for p in plan.pipelines)
-    return _predicted_fast([p.template for p in plan.pipelines], batch), pipelines, tuple(plan.spare_nodes)
+    # Planned on a count, the nodes are the positions 0..n-1 (ints; NodeId also allows names).
+    pipelines = tuple((position[id(p.template)], tuple(int(x) for x in p.nodes)) for p in plan.pipelines)
+    spares = tuple(int(x) for x in plan.spare_nodes)
+    return _predicted_fast([p.template for p in plan.pipelines], batch), pipelines, spares
 
 
 def reconfigure(

@@ -74,7 +74,7 @@ def _read(path: Path, chain: tuple[Path, ...], budget: list[int]) -> Source:
         line = node.start_mark.line + 1
         raise RecipeError([RecipeIssue(shown, "", "a recipe must be a mapping of sections (cluster:, model:, ...)", line)])
     else:
-        origin = {}
+        origin: dict[KeyPath, tuple[str, int]] = {}
         issues: list[RecipeIssue] = []
         tree = _to_python(node, (), shown, origin, issues)
         if issues:
@@ -180,7 +180,7 @@ def _check_shape(text: str, shown: str) -> None:
             if event.anchor is not None:
                 anchored[event.anchor] = (1, 0)
             sizes[-1] += 1
-        elif isinstance(event, yaml.AliasEvent):
+        elif isinstance(event, yaml.AliasEvent) and event.anchor is not None:  # an alias always names one
             if event.anchor in open_anchors:
                 raise RecipeError([RecipeIssue(
                     shown, "", f"alias *{event.anchor} refers to a node that contains it (a cycle)", line)])

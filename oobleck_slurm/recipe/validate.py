@@ -77,7 +77,7 @@ def _build(cls: type, raw: Any, path: KeyPath, source: Source, issues: list[Reci
 
 def _convert(tp: Any, value: Any, path: KeyPath, source: Source, issues: list[RecipeIssue]) -> Any:
     origin = get_origin(tp)
-    if is_dataclass(tp):
+    if isinstance(tp, type) and is_dataclass(tp):
         return _build(tp, value, path, source, issues)
     if origin in (Union, UnionType):
         options = [a for a in get_args(tp) if a is not type(None)]
@@ -237,7 +237,9 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
         add(("training", "lr_schedule", "min_lr"), f"min_lr {t.lr_schedule.min_lr:g} exceeds optimizer.lr {opt.lr:g}")
 
     # `model:` with nothing after it is None in the tree (all defaults), not a mapping.
-    model_tree = source.tree.get("model") if isinstance(source.tree.get("model"), dict) else {}
+    model_tree = source.tree.get("model")
+    if not isinstance(model_tree, dict):
+        model_tree = {}
     shape_keys = [k for k in ("size", "n_layer", "d_model", "n_head", "seq_len", "vocab_size")
                   if model_tree.get(k) is not None]
     if m.factory and shape_keys:

@@ -92,7 +92,7 @@ class Ledger:
             left = (K - self.steps_since_checkpoint) if K > 0 else math.inf
             run = min(seconds, left * S - self.partial)
             total = self.partial + run
-            n = min(int(math.floor(total / S + 1e-9)), left)
+            n = int(min(math.floor(total / S + 1e-9), left))  # left may be inf: no checkpoints
             self.partial = max(0.0, total - n * S)
             self.steps += n
             self.steps_since_checkpoint += n

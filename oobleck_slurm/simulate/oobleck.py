@@ -17,7 +17,7 @@ which place in it, which spare, which newcomer), so it is cached under (template
 lost positions, newcomers, f) and replayed on other ids by position. The plan is exactly what a
 direct call returns on the canonically ordered plan; `plan_copies` breaks ties between equally
 loaded holders by node name, so on a cache hit the sender of a copy may differ from a direct call's
-(the bytes moved do not). `tests/simulate/test_oobleck.py` compares cached and direct runs.
+(the bytes moved do not). `tests/simulate/test_simulate.py` compares cached and direct runs.
 """
 
 from __future__ import annotations
@@ -102,8 +102,9 @@ class OobleckSystem:
                                    microbatch_size=self.sc.microbatch_size, profile=self.sc.profile)
             except PlanningError:
                 continue
-            pipes = self._canonical([(p.template, tuple(p.nodes)) for p in plan.pipelines])
-            return pipes, list(plan.spare_nodes), plan.step_time_s, f
+            # Planned on names, every node is a str (NodeId also allows positions).
+            pipes = self._canonical([(p.template, tuple(str(x) for x in p.nodes)) for p in plan.pipelines])
+            return pipes, [str(x) for x in plan.spare_nodes], plan.step_time_s, f
         return None
 
     # -- one reconfiguration -------------------------------------------------------------------------

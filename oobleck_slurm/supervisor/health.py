@@ -10,22 +10,27 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported only where a check runs: the agent's module import stays light
+    from torch.distributed import Store
 
 HEALTH_VALUE = 1.0 + 2.0**-20  # not a round number: a garbled reduction does not pass by luck
 
 
-def _allreduce(store: object, prefix: str, rank: int, timeout_s: float) -> float:
+def _allreduce(store: Store, prefix: str, rank: int, timeout_s: float) -> float:
     import torch
-    import torch.distributed as dist
+
+    from oobleck_slurm.engine.comm import make_group
 
     timeout = dt.timedelta(seconds=timeout_s)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, timeout)
+    pg = make_group(store, prefix, rank, 2, timeout, "gloo", timeout)
     t = torch.full((1024,), HEALTH_VALUE, dtype=torch.float64)
     pg.allreduce([t]).wait(timeout)
     return float(t[0])
 
 
-def health_peer(store: object, prefix: str, timeout_s: float) -> bool:
+def health_peer(store: Store, prefix: str, timeout_s: float) -> bool:
     """The supervisor's side (rank 0); True when the sum is right."""
     return _allreduce(store, prefix, 0, timeout_s) == 2 * HEALTH_VALUE
 

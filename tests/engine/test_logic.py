@@ -1,12 +1,13 @@
-"""Pure engine logic: 1F1B schedule, plan validation and roles, layer groups, transfers, lr."""
+"""Pure engine logic: 1F1B schedule, plan validation and roles, layer groups, lr."""
 
 import math
 
 import pytest
+from exec_plans import make_plan
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec, PlanError, layer_groups, make_plan, plan_transfers
+from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec, PlanError, layer_groups
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.schedule import one_f_one_b
 
@@ -61,22 +62,6 @@ def test_roles_holders_and_groups():
 def test_bad_plans_are_clear_errors(pipelines, match):
     with pytest.raises(PlanError, match=match):
         ExecPlan(6, 8, tuple(pipelines))
-
-
-def test_transfers_spread_over_holders_and_skip_held_layers():
-    old = make_plan(4, [[0, 4], [0, 4]], [2, 2])  # ranks 0 and 1 hold everything
-    new = make_plan(4, [[0, 2, 4], [0, 1, 4]], [2, 2], first_rank=2)  # ranks 2..5 hold nothing yet
-    holders = {layer: list(old.holders(layer)) for layer in range(4)}
-    transfers = plan_transfers(holders, new)
-    assert sorted((layer, d) for layer, _, d in transfers) == sorted(
-        [(0, 2), (1, 2), (2, 3), (3, 3), (0, 4), (1, 5), (2, 5), (3, 5)]
-    )
-    by_layer0 = [s for layer, s, _ in transfers if layer == 0]
-    assert by_layer0 == [0, 1]  # two copies of layer 0 come from two different holders
-    same = make_plan(4, [[0, 4], [0, 4]], [2, 2])
-    assert plan_transfers(holders, same) == []
-    with pytest.raises(PlanError, match="layer 3 has no holder"):
-        plan_transfers({0: [0], 1: [0], 2: [0]}, same)
 
 
 def test_lr_warmup_then_cosine_to_min():

@@ -1,4 +1,4 @@
-"""Fuzzing a drill's faults file loader (`load_faults`, engine/elastic_process.py): a checked list or
+"""Fuzzing a drill's faults file loader (`load_faults`, engine/faults.py): a checked list or
 a ValueError naming the file; and every fault it accepts is one the worker can carry out.
 
 The cases below were bugs found by this fuzzing (deep nesting, non-finite pauses, non-ASCII wait
@@ -18,7 +18,7 @@ from fuzzlib import byte_mutations, fuzz_settings, json_values
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oobleck_slurm.engine.elastic_process import FAULT_ACTIONS, FAULT_POINTS, load_faults
+from oobleck_slurm.engine.faults import FAULT_ACTIONS, FAULT_POINTS, load_faults
 
 VALID = [{"node": "node2", "step": 3, "at": "wait:1", "do": "kill"},
          {"node": "node3", "step": 5, "at": "optimizer", "do": "pause", "seconds": 0.5},
@@ -81,7 +81,7 @@ def test_directory_and_missing_file(folder: Path) -> None:
             load_faults(path)
 
 
-# ---- bugs found by fuzzing, in engine/elastic_process.py (not edited on this branch) --------------
+# ---- bugs found by fuzzing, fixed in load_faults (now engine/faults.py) ---------------------------
 
 
 def test_deeply_nested_faults_file(folder: Path) -> None:

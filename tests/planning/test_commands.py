@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from oobleck_slurm.commands import plan, profile
+from oobleck_slurm.commands import plan, profile, simulate, submit
+from oobleck_slurm.planning import UnknownGPU, gpu_spec
 
 JURECA = "recipes/gpt-1.3b-jureca.yaml"
 
@@ -64,3 +65,14 @@ def test_measured_profile_and_plan_of_the_local_recipe(tmp_path, capsys):
     assert run(plan, ["recipes/local-tiny.yaml", "--json", "--cache", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["profile"]["source"] == "cache hit" and len(out["plan"]["pipelines"]) >= 2
+
+
+def test_an_unknown_gpu_is_one_typed_error_that_every_planning_command_reports(tmp_path, capsys):
+    assert gpu_spec("h100").name == "H100"  # case-insensitive
+    with pytest.raises(UnknownGPU, match="unknown GPU 'B200'; known: V100, "):
+        gpu_spec("B200")
+    for module in (plan, profile, simulate, submit):
+        extra = {simulate: ["--mtbf", "1h", "--hours", "1"], submit: ["--job-root", str(tmp_path / "jobs")]}.get(module, [])
+        assert run(module, [JURECA, "--estimate", "B200", "--cache", str(tmp_path), *extra]) == 2, module.__name__
+        err = capsys.readouterr().err
+        assert "unknown GPU 'B200'; known: V100" in err and "Traceback" not in err, module.__name__

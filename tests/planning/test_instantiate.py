@@ -6,11 +6,11 @@ import itertools
 import math
 
 import pytest
+from bruteforce import best_counts_brute
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from planning_helpers import make_profile
 
-from oobleck_slurm.planning.bruteforce import best_counts_brute
 from oobleck_slurm.planning.instantiate import Plan, choose_counts, distribute_batch, fluid_time, instantiate
 from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, StageTemplate, generate_templates
 

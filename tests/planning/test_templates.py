@@ -6,12 +6,12 @@ import math
 import random
 
 import pytest
+from bruteforce import best_template_brute
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planning_helpers import make_profile, random_profile
 
 from oobleck_slurm.planning import cost
-from oobleck_slurm.planning.bruteforce import best_template_brute
 from oobleck_slurm.planning.templates import (
     PipelineTemplate,
     PlanningError,

@@ -7,9 +7,9 @@ import datetime as dt
 import pytest
 import torch
 import torch.distributed as dist
+from exec_plans import make_plan
 
 from oobleck_slurm.engine.comm import Generation, Timeouts
-from oobleck_slurm.engine.layout import make_plan
 from oobleck_slurm.engine.recovery import RollbackError, StepUndo
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from recorded_run import simulate_recorded
 
 from oobleck_slurm.protocol.events import read_events
 from oobleck_slurm.simulate import job_events
-from oobleck_slurm.simulate.recorded import simulate_recorded
 
 REPO = Path(__file__).resolve().parents[2]
 

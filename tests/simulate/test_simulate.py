@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from recorded_run import simulate_recorded
 
 from oobleck_slurm.cli import main
 from oobleck_slurm.planning import LayerProfile, Link, Profile, generate_templates
@@ -28,7 +29,6 @@ from oobleck_slurm.simulate import (
     scenario_from,
     simulate,
 )
-from oobleck_slurm.simulate.recorded import simulate_recorded
 from oobleck_slurm.simulate.traces import TraceEvent, build_trace
 
 LOGS = Path(__file__).resolve().parent.parent / "dashboard" / "logs"

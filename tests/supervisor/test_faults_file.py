@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_slurm.engine.elastic_process import load_faults
+from oobleck_slurm.engine.faults import load_faults
 
 
 @pytest.mark.parametrize("faults, message", [

@@ -1,0 +1,134 @@
+"""Fault injection for drills, tests and benchmarks: one hook object that a worker calls at named points.
+
+The job folder's faults.json (copied into the job spec as `extra["faults"]` by the supervisor) is a
+list of faults:
+
+    {"node": N, "worker": i (default 0), "step": S, "at": POINT (default "start"),
+     "do": "kill" (default) | "hang" | "pause", "seconds": T (pause only)}
+
+POINT is where in step S the fault strikes worker i of node N:
+
+    start       before the step's first operation
+    wait:K      before the step's K-th wait on a collective or p2p operation
+    wait:last   before the step's last wait (as many waits as the previous step had)
+    optimizer   during the optimizer step, after one layer was updated (half applied)
+    adopt       while the worker adopts a new generation: groups built, layers not copied yet
+
+and what it does: "kill" sends this process SIGKILL, "hang" sleeps forever (a deadlocked worker that
+stays runnable), "pause" sleeps T seconds and goes on (a transient stall that makes its peers'
+collectives time out). Each fault strikes once, even across restarts (a store counter per fault), and
+a kill or hang writes its time to the store for the detection figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from oobleck_slurm.protocol import keys
+
+FAULT_POINTS = ("start", "wait:last", "optimizer", "adopt")  # and "wait:K"
+FAULT_ACTIONS = ("kill", "hang", "pause")
+HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
+
+
+def load_faults(path: Path) -> list[dict[str, Any]]:
+    """A drill's fault list (see the module doc), checked: a bad entry names the file, the entry and the
+    key, and every fault accepted is one a worker can carry out."""
+    try:
+        faults = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as err:  # deep nesting: RecursionError
+        raise ValueError(f"{path}: not a JSON list of faults: {type(err).__name__}: {err}") from None
+    if not isinstance(faults, list):
+        raise ValueError(f"{path}: must be a JSON list of faults, got {type(faults).__name__}")
+    for i, f in enumerate(faults):
+        where = f"{path}: fault {i}"
+        step = f.get("step") if isinstance(f, dict) else None
+        if not isinstance(f, dict) or "node" not in f or isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"{where}: needs 'node' and an integer 'step', got {f!r}")
+        if step < 0:
+            raise ValueError(f"{where}: 'step' must be >= 0, got {step}")
+        at = f.get("at", "start")
+        if at not in FAULT_POINTS and not (isinstance(at, str) and re.fullmatch(r"wait:[0-9]+", at)):
+            raise ValueError(f"{where}: 'at' must be one of {', '.join(FAULT_POINTS)} or wait:K, got {at!r}")
+        if f.get("do", "kill") not in FAULT_ACTIONS:
+            raise ValueError(f"{where}: 'do' must be one of {', '.join(FAULT_ACTIONS)}, got {f.get('do')!r}")
+        worker = f.get("worker", 0)
+        if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
+            raise ValueError(f"{where}: 'worker' must be a worker index >= 0, got {worker!r}")
+        seconds = f.get("seconds")
+        if f.get("do") == "pause" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                       or not math.isfinite(seconds) or seconds <= 0):
+            raise ValueError(f"{where}: 'pause' needs 'seconds' > 0, got {seconds!r} (a finite number)")
+    return faults
+
+
+class FaultHooks:
+    """The faults of one worker (worker `local` of `node`), struck at the hook points the worker calls.
+
+    Every hook takes the worker's current step. With no fault for this worker every hook returns at
+    once: production runs carry the object but nothing happens.
+    """
+
+    def __init__(self, faults: Sequence[Mapping[str, Any]], store: dist.Store, node: str, local: int) -> None:
+        # (index in the job's list: the store's once-only counter is per index, fault) for this worker
+        self._mine = [(i, f) for i, f in enumerate(faults)
+                      if (str(f["node"]), int(f.get("worker", 0))) == (node, local)]
+        self._store = store
+        self._node = node
+        self._waits = 0  # waits so far in the current step
+        self._last_waits = 0  # waits of the last finished step: where "wait:last" strikes
+        self._updates = 0  # layers updated so far in the current step's optimizer step
+
+    def at_step_start(self, step: int) -> None:
+        if not self._mine:
+            return
+        self._strike("start", step)
+        self._waits, self._updates = 0, 0
+
+    def at_step_end(self) -> None:
+        self._last_waits = self._waits
+
+    def before_wait(self, step: int) -> None:
+        if not self._mine:
+            return
+        self._waits += 1
+        self._strike(f"wait:{self._waits}", step)
+
+    def before_update(self, step: int) -> None:
+        """Called before each layer's optimizer update; the fault strikes before the second one."""
+        if not self._mine:
+            return
+        self._updates += 1
+        if self._updates == 2:
+            self._strike("optimizer", step)
+
+    def at_adopt(self, step: int) -> None:
+        if self._mine:
+            self._strike("adopt", step)
+
+    def _strike(self, point: str, step: int) -> None:
+        for i, f in self._mine:
+            if int(f["step"]) != step:
+                continue
+            at = f.get("at", "start")
+            hit = at == point or (at == "wait:last" and point == f"wait:{self._last_waits}")
+            if not hit or self._store.add(keys.fault_fired(i), 1) != 1:
+                continue
+            if f.get("do") == "pause":  # no loss follows: no fault time for a detection figure
+                time.sleep(float(f["seconds"]))
+                return
+            self._store.set(keys.fault_time(self._node), repr(time.time()))
+            if f.get("do", "kill") == "hang":
+                while True:  # not stopped: its agent sees a live, sleeping process
+                    time.sleep(HANG_SLEEP_S)
+            os.kill(os.getpid(), signal.SIGKILL)
