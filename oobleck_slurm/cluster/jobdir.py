@@ -6,7 +6,7 @@
         secret          per-job control-plane secret, mode 0600
         events.jsonl    the event log (engine, supervisor), read by `dashboard`, `events`, `report`
         profile.json    the profile given to `submit --profile` (the job plans with it, as `plan` does)
-        faults.json     optional drill: faults the workers inject (engine/elastic_process.py)
+        faults.json     optional drill: faults the workers inject (engine/faults.py)
         checkpoints/    step<S>/<layer>.pt: periodic, on-demand and final checkpoints
         logs/           per-process logs
 """

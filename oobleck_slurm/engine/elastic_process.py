@@ -33,7 +33,7 @@ import torch
 from oobleck_slurm.engine.abort import GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import Timeouts, connect_store, is_collective_error
-from oobleck_slurm.engine.faults import FaultHooks, load_faults  # noqa: F401 - main.py's load_faults import
+from oobleck_slurm.engine.faults import FaultHooks
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.recovery import StepUndo
 from oobleck_slurm.engine.spec import JobSpec

@@ -42,6 +42,19 @@ from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
 
 
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    """`p`'s gradient; every held parameter has one in a step (zero_grads gives it before the schedule)."""
+    if p.grad is None:
+        raise RuntimeError("a held parameter has no gradient in a step")
+    return p.grad
+
+
+def peer(rank: int | None) -> int:
+    """A stage's neighbour rank, where the schedule needs one (only the ends lack a neighbour)."""
+    if rank is None:
+        raise RuntimeError("the schedule sends to or receives from a stage that does not exist")
+    return rank
+
 @dataclass
 class StepResult:
     step: int
@@ -122,12 +135,16 @@ class Worker:
         needed = set(role.layers) if role else set()
         received = 0
         if source == "seed":
-            self.layers.clear(), self.optimizers.clear()
+            self.layers.clear()
+            self.optimizers.clear()
             for index in sorted(needed):
                 self._fresh_layer(index)
         elif source == "checkpoint":
+            if checkpoint is None:
+                raise ValueError("adopt from a checkpoint needs its (root, step)")
             root, step = checkpoint
-            self.layers.clear(), self.optimizers.clear()
+            self.layers.clear()
+            self.optimizers.clear()
             for index in sorted(needed):
                 self._fresh_layer(index)
                 received += load_layer(root, step, self.keys[index], self.layers[index], self.optimizers[index])
@@ -174,7 +191,7 @@ class Worker:
 
         def reduce_layer(index: int) -> None:
             layer = self.layers[index]
-            flat = torch.cat([p.grad.reshape(-1) for p in layer.parameters()])
+            flat = torch.cat([grad_of(p).reshape(-1) for p in layer.parameters()])
             group = gen.layer_group.get(index)
             reductions.append((index, group.allreduce([flat]) if group is not None else None, flat))
 
@@ -185,30 +202,34 @@ class Worker:
             last_mb = role.mb_count - 1
             for op, m in one_f_one_b(role.stage, role.num_stages, role.mb_count):
                 if op == "F":
-                    x = y = None
+                    y = None
                     if role.is_first or role.is_last:
-                        x, y = self.batches.microbatch(self.step, role.mb_start + m)
-                        x, y = x.to(self.device), y.to(self.device)
-                    if not role.is_first:
+                        tokens, y = self.batches.microbatch(self.step, role.mb_start + m)
+                        tokens, y = tokens.to(self.device), y.to(self.device)
+                    if role.is_first:
+                        x = tokens
+                    else:
                         x = self._hidden_buffer()
-                        gen.wait(gen.recv(x, role.prev_rank, 2 * m))
+                        gen.wait(gen.recv(x, peer(role.prev_rank), 2 * m))
                     c = time.perf_counter()
                     out = stage.forward(m, x, y, scale)
                     compute += time.perf_counter() - c
                     if role.is_last:
                         loss_sum += float(out)
                     else:
-                        pending.append((gen.send(out, role.next_rank, 2 * m), out))
+                        pending.append((gen.send(out, peer(role.next_rank), 2 * m), out))
                 else:
                     grad = None
                     if not role.is_last:
                         grad = self._hidden_buffer()
-                        gen.wait(gen.recv(grad, role.next_rank, 2 * m + 1))
+                        gen.wait(gen.recv(grad, peer(role.next_rank), 2 * m + 1))
                     c = time.perf_counter()
                     grad_in = stage.backward(m, grad, reduce_layer if m == last_mb else None)
                     compute += time.perf_counter() - c
                     if not role.is_first:
-                        pending.append((gen.send(grad_in, role.prev_rank, 2 * m + 1), grad_in))
+                        if grad_in is None:
+                            raise RuntimeError("a stage after the first returned no input gradient")
+                        pending.append((gen.send(grad_in, peer(role.prev_rank), 2 * m + 1), grad_in))
             if role.mb_count == 0:  # no microbatch: still take part in every layer's all-reduce
                 for index in reversed(role.layers):
                     reduce_layer(index)
@@ -218,13 +239,14 @@ class Worker:
 
         # Gradients: wait for each layer's all-reduce, unpack; per-layer squared norms.
         sq = torch.zeros(plan.num_layers, dtype=torch.float64, device=self.device)  # nccl: on the GPU
-        for index, work, flat in reductions:
-            if work is not None:
-                gen.wait(work)
+        for index, reduction, flat in reductions:
+            if reduction is not None:
+                gen.wait(reduction)
             offset = 0
             for p in self.layers[index].parameters():
                 n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                grad = grad_of(p)
+                grad.copy_(flat[offset : offset + n].view_as(grad))
                 offset += n
             sq[index] = layer_sq_norm(self.layers[index])
         if gen.pipeline is not None:

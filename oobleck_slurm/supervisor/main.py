@@ -98,7 +98,8 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
 
     from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, FAULTS_FILE, PROFILE_FILE
     from oobleck_slurm.engine.comm import Timeouts
-    from oobleck_slurm.engine.elastic_process import ELASTIC_FILE, load_faults
+    from oobleck_slurm.engine.elastic_process import ELASTIC_FILE
+    from oobleck_slurm.engine.faults import load_faults
     from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for
     from oobleck_slurm.engine.worker import check_supported
     from oobleck_slurm.planning import instantiate
@@ -126,7 +127,7 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
     token_file = token_file_for(recipe, job.path / "data")
     spec = job_from_recipe(recipe, token_file)
     check_supported(spec)
-    if (job.path / FAULTS_FILE).is_file():  # drills: worker faults (engine/elastic_process.py)
+    if (job.path / FAULTS_FILE).is_file():  # drills: worker faults (engine/faults.py)
         spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.path / FAULTS_FILE)})
     # The profile `submit` planned with: a file given to it (kept in the job folder), an estimate, or
     # the measured one in the cache; the job's plan is the one `plan` shows for the same inputs.
