@@ -121,6 +121,7 @@ class ElasticWorker:
                     self._report_error(g, e)
                     if not self._wait_key(keys.failed(g), self.reconfiguration_s):
                         raise
+                self.faults.before_report(self.worker.step)
                 self.store.set(keys.report(g, self.name), json.dumps(
                     {"step": self.worker.step, "layers": sorted(self.worker.layers)}))
                 g += 1
@@ -131,6 +132,8 @@ class ElasticWorker:
         w.rank = cfg["members"].index(self.node) * self.per_node + self.local
         world_size = len(cfg["members"]) * self.per_node
         self.undo.rollback_to(int(cfg["resume_step"]))
+        self.faults.generation = g
+        self.faults.before_groups(w.step)
         t0 = time.perf_counter()
         gen = build_generation(self.store, g, w.rank, world_size, plan, self.timeouts,
                                self.job.backend, self._on_wait, w.device)
@@ -145,6 +148,8 @@ class ElasticWorker:
             {"groups_s": t1 - t0, "copy_s": t2 - t1, "bytes": received, "t": time.time()}))
         first = True
         while w.step < self.job.train.steps:
+            if first and g > 0:
+                self.faults.before_replay(w.step)
             self.faults.at_step_start(w.step)
             self.step_reported = False
             result = w.train_step()

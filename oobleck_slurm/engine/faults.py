@@ -3,16 +3,21 @@
 The job folder's faults.json (copied into the job spec as `extra["faults"]` by the supervisor) is a
 list of faults:
 
-    {"node": N, "worker": i (default 0), "step": S, "at": POINT (default "start"),
+    {"node": N, "worker": i (default 0), "step": S, "generation": G, "at": POINT (default "start"),
      "do": "kill" (default) | "hang" | "pause", "seconds": T (pause only)}
 
-POINT is where in step S the fault strikes worker i of node N:
+POINT is where in step S (and, if given, generation G; one of the two is needed) the fault strikes
+worker i of node N:
 
     start       before the step's first operation
     wait:K      before the step's K-th wait on a collective or p2p operation
     wait:last   before the step's last wait (as many waits as the previous step had)
     optimizer   during the optimizer step, after one layer was updated (half applied)
+    report      after leaving an aborted generation, before reporting its step and layers (the
+                coordinator is collecting reports)
+    groups      before building a new generation's process groups (the others are building theirs)
     adopt       while the worker adopts a new generation: groups built, layers not copied yet
+    replay      before the first step of a generation after the first (a recovery's replay)
 
 and what it does: "kill" sends this process SIGKILL, "hang" sleeps forever (a deadlocked worker that
 stays runnable), "pause" sleeps T seconds and goes on (a transient stall that makes its peers'
@@ -36,7 +41,7 @@ import torch.distributed as dist
 
 from oobleck_slurm.protocol import keys
 
-FAULT_POINTS = ("start", "wait:last", "optimizer", "adopt")  # and "wait:K"
+FAULT_POINTS = ("start", "wait:last", "optimizer", "report", "groups", "adopt", "replay")  # and "wait:K"
 FAULT_ACTIONS = ("kill", "hang", "pause")
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 
@@ -52,11 +57,12 @@ def load_faults(path: Path) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: must be a JSON list of faults, got {type(faults).__name__}")
     for i, f in enumerate(faults):
         where = f"{path}: fault {i}"
-        step = f.get("step") if isinstance(f, dict) else None
-        if not isinstance(f, dict) or "node" not in f or isinstance(step, bool) or not isinstance(step, int):
-            raise ValueError(f"{where}: needs 'node' and an integer 'step', got {f!r}")
-        if step < 0:
-            raise ValueError(f"{where}: 'step' must be >= 0, got {step}")
+        if not isinstance(f, dict) or "node" not in f or ("step" not in f and "generation" not in f):
+            raise ValueError(f"{where}: needs 'node' and an integer 'step' or 'generation', got {f!r}")
+        for key in ("step", "generation"):
+            value = f.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{where}: '{key}' must be an integer >= 0, got {value!r}")
         at = f.get("at", "start")
         if at not in FAULT_POINTS and not (isinstance(at, str) and re.fullmatch(r"wait:[0-9]+", at)):
             raise ValueError(f"{where}: 'at' must be one of {', '.join(FAULT_POINTS)} or wait:K, got {at!r}")
@@ -85,6 +91,7 @@ class FaultHooks:
                       if (str(f["node"]), int(f.get("worker", 0))) == (node, local)]
         self._store = store
         self._node = node
+        self.generation = 0  # the generation the worker is in (or leaving): set by the worker
         self._waits = 0  # waits so far in the current step
         self._last_waits = 0  # waits of the last finished step: where "wait:last" strikes
         self._updates = 0  # layers updated so far in the current step's optimizer step
@@ -112,13 +119,25 @@ class FaultHooks:
         if self._updates == 2:
             self._strike("optimizer", step)
 
+    def before_report(self, step: int) -> None:
+        if self._mine:
+            self._strike("report", step)
+
+    def before_groups(self, step: int) -> None:
+        if self._mine:
+            self._strike("groups", step)
+
     def at_adopt(self, step: int) -> None:
         if self._mine:
             self._strike("adopt", step)
 
+    def before_replay(self, step: int) -> None:
+        if self._mine:
+            self._strike("replay", step)
+
     def _strike(self, point: str, step: int) -> None:
         for i, f in self._mine:
-            if int(f["step"]) != step:
+            if f.get("step", step) != step or f.get("generation", self.generation) != self.generation:
                 continue
             at = f.get("at", "start")
             hit = at == point or (at == "wait:last" and point == f"wait:{self._last_waits}")
