@@ -13,15 +13,9 @@ import argparse
 import json
 from pathlib import Path
 
-from oobleck_slurm.commands.common import (
-    EXIT_BAD_INPUT,
-    EXIT_OK,
-    add_recipe_argument,
-    console,
-    fail,
-    load_recipe_or_report,
-)
+from oobleck_slurm.commands.common import add_recipe_argument, console, fail, load_recipe_or_report
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress, resolve_profile
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
