@@ -16,16 +16,9 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from oobleck_slurm.commands.common import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_OK,
-    add_recipe_argument,
-    console,
-    fail,
-    load_recipe_or_report,
-)
+from oobleck_slurm.commands.common import add_recipe_argument, console, fail, load_recipe_or_report
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 FOLLOW_POLL_S = 0.5
 
@@ -176,9 +169,10 @@ def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001
 
 def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
     """Follow until the supervisor records job_finished, or Slurm says the job is gone without it."""
+    from oobleck_slurm.cluster.slurm import in_queue
     from oobleck_slurm.protocol.events import events_path, read_events
 
-    _follow(job_dir, dashboard, running=lambda: _in_slurm_queue(slurm_job_id))
+    _follow(job_dir, dashboard, running=lambda: in_queue(slurm_job_id))
     finished = read_events(events_path(job_dir), "job_finished")
     if finished:
         return int(finished[-1].get("exit_code") or 0)
@@ -186,11 +180,3 @@ def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
                   "cancelled, or it never started); see the submitit/ folder[/]")
     return EXIT_FAILED
 
-
-def _in_slurm_queue(slurm_job_id: str) -> bool:
-    from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
-
-    try:
-        return bool(run_slurm(["squeue", "-h", "-j", slurm_job_id, "-o", "%T"]).strip())
-    except SlurmError:  # squeue refuses an id it no longer knows: the job is gone
-        return False

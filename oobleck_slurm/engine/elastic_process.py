@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from oobleck_slurm.cluster.jobdir import ELASTIC_FILE, JOB_SPEC_FILE
 from oobleck_slurm.engine.abort import GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import Timeouts, connect_store, is_collective_error
@@ -49,7 +50,6 @@ from oobleck_slurm.protocol.events import EventLog, events_path
 
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
-ELASTIC_FILE = "elastic.json"  # store address, timeouts, workers per node: written by the supervisor
 
 
 FAULT_POINTS = ("start", "wait:last", "optimizer", "adopt")  # and "wait:K"
@@ -91,7 +91,7 @@ class ElasticWorker:
     def __init__(self, job_dir: Path, node: str, local: int) -> None:
         self.job_dir, self.node, self.local = job_dir, node, local
         self.name = keys.worker_id(node, local)
-        self.job = JobSpec.from_json((job_dir / "job.json").read_text())
+        self.job = JobSpec.from_json((job_dir / JOB_SPEC_FILE).read_text())
         launch = json.loads((job_dir / ELASTIC_FILE).read_text())
         self.per_node = int(launch.get("workers_per_node", 1))
         if not 0 <= local < self.per_node:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EVENTS_FILE = "events.jsonl"
+from oobleck_slurm.cluster.jobdir import EVENTS_FILE
 
 
 def events_path(job_dir: str | os.PathLike[str]) -> Path:
