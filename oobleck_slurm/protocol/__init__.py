@@ -2,5 +2,6 @@
 
     keys      every key of the job's TCPStore (the coordinator <-> worker data plane of control)
     wire      authenticated JSON frames of the control plane (supervisor <-> agents, CLI)
+    messages  the control plane's messages, one type each, validated where they are received
     events    the event log (`events.jsonl`): writer, readers
 """
