@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from oobleck_slurm.cluster.jobdir import JobDir
+from oobleck_slurm.cluster.jobdir import SUPERVISOR_ERROR, JobDir
 from oobleck_slurm.protocol.events import events_path, read_events
 from oobleck_slurm.recipe import Recipe, load_recipe, recipe_to_dict
 from oobleck_slurm.submission import prepare_job, start_local
@@ -128,9 +128,9 @@ class JobRun:
 
     def log_tails(self) -> str:
         tails = []
-        for path in sorted((self.job.path / "logs").glob("*.log")):
+        for path in sorted(self.job.logs.glob("*.log")):
             tails.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}")
-        err = self.job.path / "logs" / "supervisor.err"
+        err = self.job.logs / SUPERVISOR_ERROR
         if err.is_file():
             tails.append(f"--- supervisor.err ---\n{err.read_text(errors='replace')[-LOG_TAIL_CHARS:]}")
         return "\n".join(tails)

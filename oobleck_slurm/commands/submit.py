@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     code = process.wait()
     print_summary(job.path)
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
+        console.print(f"[red]job failed (exit {code}); see {escape(str(job.logs))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 
@@ -162,7 +162,7 @@ def _submit_slurm(job, recipe, args: argparse.Namespace) -> int:  # noqa: ANN001
         return 130
     print_summary(job.path)
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
+        console.print(f"[red]job failed (exit {code}); see {escape(str(job.logs))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 

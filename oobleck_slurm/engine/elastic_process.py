@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from oobleck_slurm.cluster.jobdir import ELASTIC_FILE, JOB_SPEC_FILE
+from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE
 from oobleck_slurm.engine.abort import GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import Timeouts, connect_store, is_collective_error
@@ -99,7 +99,7 @@ class ElasticWorker:
         self.timeouts = Timeouts(**launch["timeouts"])
         self.reconfiguration_s = float(launch["reconfiguration_timeout"])
         self.checkpoint_interval = int(launch.get("checkpoint_interval", 0))
-        self.checkpoint_root = launch.get("checkpoint_dir") or str(job_dir / "checkpoints")
+        self.checkpoint_root = launch.get("checkpoint_dir") or str(job_dir / CHECKPOINTS_DIR)
         self.store = connect_store(launch["host"], int(launch["port"]), self.timeouts)
         device = torch.device("cuda", torch.cuda.current_device()) if self.job.backend == "nccl" else None
         self.worker = Worker(self.job, 0, device)

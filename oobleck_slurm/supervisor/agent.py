@@ -131,6 +131,7 @@ class Agent:
         if any(w.poll() is None for w in self.workers):
             raise RuntimeError(f"node {self.node} already runs workers of {self.worker_id}")
         self.workers = []
+        self.worker_id = node_id  # before the workers: the beat loop reports their exits under it
         for local in range(count):
             log = open(self.job.worker_log(node_id, local), "ab")  # noqa: SIM115 - the child owns it
             self.workers.append(subprocess.Popen(
@@ -138,7 +139,6 @@ class Agent:
                 stdout=log, stderr=subprocess.STDOUT, env=worker_env(os.environ, local, threads, device),
                 preexec_fn=_die_with_parent))
             log.close()
-        self.worker_id = node_id
 
     def stop_workers(self) -> None:
         workers, self.workers = self.workers, []
@@ -161,18 +161,18 @@ class Agent:
     def _check_workers(self) -> None:
         """Report the node's end: the first worker that failed (its peers are killed: the node is the
         failure unit), or every worker done."""
-        if not self.workers:
+        node_id = self.worker_id
+        if not self.workers or node_id is None:
             return
         codes = [w.poll() for w in self.workers]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        assert self.worker_id is not None  # set with the workers
         if failed:
             local, code = failed[0]
             self.stop_workers()
-            self.send(WorkerExit(node=self.node, node_id=self.worker_id, code=code, worker=local))
+            self.send(WorkerExit(node=self.node, node_id=node_id, code=code, worker=local))
         elif all(c == 0 for c in codes):
             self.workers = []
-            self.send(WorkerExit(node=self.node, node_id=self.worker_id, code=0))
+            self.send(WorkerExit(node=self.node, node_id=node_id, code=0))
 
     # ---- commands ----------------------------------------------------------------------------------
 

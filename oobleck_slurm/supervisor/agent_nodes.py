@@ -436,6 +436,7 @@ class AgentNodes:
                 self.on_preempt()
         elif isinstance(message, Status):
             return self.status()
+        # A metrics message (agent -> supervisor: [time, metric, value] samples) is handled here too.
         else:
             raise ProtocolError(f"the supervisor does not take {message.TYPE} messages")
         return None
