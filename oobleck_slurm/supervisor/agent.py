@@ -150,7 +150,7 @@ class Agent:
 
     def worker_states(self) -> list[str]:
         """psutil's state of each worker ("running", "sleeping", "stopped", ...; "gone" once reaped)."""
-        states = []
+        states: list[str] = []
         for w in self.workers:
             try:
                 states.append(psutil.Process(w.pid).status())
