@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from oobleck_slurm import __version__
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT
 
 # Order shown in --help. Modules import heavy dependencies (torch) inside run(), so --help is fast.
 COMMANDS = ("validate", "prepare", "profile", "plan", "submit", "dashboard", "report", "status", "events", "cancel",
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return args.run(args)
     except KeyboardInterrupt:

@@ -21,11 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from oobleck_slurm.cluster.jobdir import FAULTS_FILE, PROFILE_FILE, JobDir, create_job_dir
+from oobleck_slurm.cluster.jobdir import SUPERVISOR_LOG, JobDir, create_job_dir
 from oobleck_slurm.planning.pregenerate import Progress, instantiate_for, plan_request, pregenerate
 from oobleck_slurm.recipe import Recipe
-
-SUPERVISOR_LOG = "supervisor.log"
 
 
 def prepare_job(recipe: Recipe, *, cache_dir: str | os.PathLike[str] = "templates_cache",
@@ -44,19 +42,19 @@ def prepare_job(recipe: Recipe, *, cache_dir: str | os.PathLike[str] = "template
     job = create_job_dir(recipe, job_root)
     job.update_meta(templates_cache=str(Path(cache_dir).resolve()), estimate_gpu=estimate_gpu, drills=drills)
     if profile_file is not None:
-        shutil.copyfile(profile_file, job.path / PROFILE_FILE)
+        shutil.copyfile(profile_file, job.profile)
     if faults:
         from oobleck_slurm.engine.faults import load_faults
 
-        (job.path / FAULTS_FILE).write_text(json.dumps(list(faults)))
-        load_faults(job.path / FAULTS_FILE)  # a bad drill is refused here, not in every worker
+        job.faults.write_text(json.dumps(list(faults)))
+        load_faults(job.faults)  # a bad drill is refused here, not in every worker
     return job
 
 
 def start_local(job: JobDir) -> subprocess.Popen:
     """Run the job's supervisor on this machine (local backend), in its own process session so that
     the job outlives the caller and can be stopped as a whole (`os.killpg`)."""
-    log = open(job.path / "logs" / SUPERVISOR_LOG, "wb")  # noqa: SIM115 - owned by the child
+    log = open(job.logs / SUPERVISOR_LOG, "wb")  # noqa: SIM115 - owned by the child
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job.path), "--backend", "local"],
@@ -70,14 +68,11 @@ def start_local(job: JobDir) -> subprocess.Popen:
 
 def submit_slurm(job: JobDir, recipe: Recipe) -> str:
     """Submit the allocation through submitit (`--no-kill`, the recipe's time limit, the supervisor in
-    the batch step); returns the Slurm job id. sbatch's refusal raises (the caller reports it)."""
-    import submitit
-
-    from oobleck_slurm.cluster.slurm import allocation_parameters
+    the batch step); returns the Slurm job id. sbatch's refusal raises SlurmError (the caller reports it)."""
+    from oobleck_slurm.cluster.slurm import allocation_parameters, submit
     from oobleck_slurm.supervisor.main import SupervisorJob
 
-    executor = submitit.AutoExecutor(folder=job.path / "submitit", cluster="slurm")
-    executor.update_parameters(**allocation_parameters(recipe.cluster, recipe.name))
-    slurm_job = executor.submit(SupervisorJob(str(job.path)))
-    job.update_meta(slurm_job_id=slurm_job.job_id)
-    return str(slurm_job.job_id)
+    slurm_job_id = submit(job.submitit, allocation_parameters(recipe.cluster, recipe.name),
+                          SupervisorJob(str(job.path)))
+    job.update_meta(slurm_job_id=slurm_job_id)
+    return slurm_job_id

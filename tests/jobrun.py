@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from oobleck_slurm.cluster.jobdir import JobDir
+from oobleck_slurm.cluster.jobdir import SUPERVISOR_ERROR, JobDir
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.protocol.events import events_path, read_events
 from oobleck_slurm.recipe import load_recipe
@@ -64,20 +64,20 @@ class JobRun:
         return {e["step"]: e["loss"] for e in self.kind("step")}
 
     def spec(self) -> JobSpec:
-        return JobSpec.from_json((self.job.path / "job.json").read_text())
+        return JobSpec.from_json(self.job.job_spec.read_text())
 
     def final_params(self) -> dict[str, dict[str, torch.Tensor]]:
         """The final checkpoint's parameters, by layer key then parameter name."""
         steps = self.spec().train.steps
         out = {}
-        for path in sorted((self.job.path / "checkpoints" / f"step{steps}").glob("*.pt")):
+        for path in sorted((self.job.checkpoints / f"step{steps}").glob("*.pt")):
             payload = torch.load(path, weights_only=True)  # tensors the job itself wrote
             out[path.stem] = {k[len("param."):]: v for k, v in payload.items() if k.startswith("param.")}
         return out
 
     def log_tails(self) -> str:
         tails = []
-        for path in [*sorted((self.job.path / "logs").glob("*.log")), self.job.path / "logs" / "supervisor.err"]:
+        for path in [*sorted(self.job.logs.glob("*.log")), self.job.logs / SUPERVISOR_ERROR]:
             if path.is_file():
                 tails.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-LOG_TAIL_CHARS:]}")
         return "\n".join(tails)

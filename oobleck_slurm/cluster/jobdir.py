@@ -1,40 +1,70 @@
 """The job folder: everything about one job in one place, readable after the job and elsewhere.
 
+Every file name of a job folder is defined here and nowhere else (other modules import the names or
+ask `JobDir` for the paths):
+
     <job_root>/<job_id>/
         recipe.yaml     the resolved recipe (every default filled in, data paths absolute)
-        meta.json       job id, backend, creation time, the recipe it came from
-        secret          per-job control-plane secret, mode 0600
+        meta.json       job id, backend, creation time, the recipe it came from; status and exit code at the end
+        secret          per-job control-plane secret, mode 0600 (`create_secret`, `load_secret`)
         events.jsonl    the event log (engine, supervisor), read by `dashboard`, `events`, `report`
+        metrics.csv     node metrics, `time,node,metric,value` (detection/metrics.py)
         profile.json    the profile given to `submit --profile` (the job plans with it, as `plan` does)
         faults.json     optional drill: faults the workers inject (engine/faults.py)
+        job.json        the workers' JobSpec (model, data, training), written by the supervisor
+        elastic.json    the store's address, timeouts, workers per node: written by the supervisor for workers
+        supervisor.json the control server's address (host, port, heartbeat interval): for agents and commands
+        cancelled       marker written by `cancel` before it stops the job: losses that follow are no failure
+        requeue         marker written on preemption / time limit: the requeued run resumes from a checkpoint
+        data/           token files prepared for the job
         checkpoints/    step<S>/<layer>.pt: periodic, on-demand and final checkpoints
-        logs/           per-process logs
+        logs/           per-process logs: supervisor.log (local backend), supervisor.err (its traceback),
+                        agent-<node>.log, worker-<node id>-<i>.log
+        submitit/       submitit's files and Slurm's output of the allocation and of replacement jobs
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from oobleck_slurm.protocol.events import EVENTS_FILE
-from oobleck_slurm.recipe import Recipe, load_recipe, recipe_to_dict
-from oobleck_slurm.supervisor.secret import create_secret
+if TYPE_CHECKING:  # the recipe package is imported where a recipe is read: naming a path stays cheap
+    from oobleck_slurm.recipe import Recipe
 
 RECIPE_FILE = "recipe.yaml"
 META_FILE = "meta.json"
+SECRET_FILE = "secret"
+EVENTS_FILE = "events.jsonl"
+METRICS_FILE = "metrics.csv"
 PROFILE_FILE = "profile.json"
 FAULTS_FILE = "faults.json"
+JOB_SPEC_FILE = "job.json"
+ELASTIC_FILE = "elastic.json"
+SUPERVISOR_FILE = "supervisor.json"
+CANCEL_MARKER = "cancelled"
+REQUEUE_MARKER = "requeue"
+DATA_DIR = "data"
 CHECKPOINTS_DIR = "checkpoints"
+LOGS_DIR = "logs"
+SUBMITIT_DIR = "submitit"
+SUPERVISOR_LOG = "supervisor.log"
+SUPERVISOR_ERROR = "supervisor.err"
+
+SECRET_BYTES = 32
 
 
 class JobNotFound(Exception):
     """No job folder matches what the user named; the message says what was looked for, and where."""
+
+
+class SecretError(Exception):
+    """The job secret is missing, malformed or readable by others."""
 
 
 @dataclass(frozen=True)
@@ -42,25 +72,118 @@ class JobDir:
     path: Path
     job_id: str
 
+    @classmethod
+    def at(cls, path: str | os.PathLike[str]) -> JobDir:
+        """The job folder at `path` (its name is the job id)."""
+        resolved = Path(path).resolve()
+        return cls(resolved, resolved.name)
+
+    # ---- files ------------------------------------------------------------------------------------
+
     @property
     def recipe_path(self) -> Path:
         return self.path / RECIPE_FILE
 
+    @property
+    def meta_path(self) -> Path:
+        return self.path / META_FILE
+
+    @property
+    def events(self) -> Path:
+        return self.path / EVENTS_FILE
+
+    @property
+    def profile(self) -> Path:
+        return self.path / PROFILE_FILE
+
+    @property
+    def faults(self) -> Path:
+        return self.path / FAULTS_FILE
+
+    @property
+    def job_spec(self) -> Path:
+        return self.path / JOB_SPEC_FILE
+
+    @property
+    def elastic(self) -> Path:
+        return self.path / ELASTIC_FILE
+
+    @property
+    def supervisor_file(self) -> Path:
+        return self.path / SUPERVISOR_FILE
+
+    @property
+    def cancel_marker(self) -> Path:
+        return self.path / CANCEL_MARKER
+
+    @property
+    def requeue_marker(self) -> Path:
+        return self.path / REQUEUE_MARKER
+
+    @property
+    def data(self) -> Path:
+        return self.path / DATA_DIR
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS_DIR
+
+    @property
+    def logs(self) -> Path:
+        return self.path / LOGS_DIR
+
+    @property
+    def submitit(self) -> Path:
+        return self.path / SUBMITIT_DIR
+
+    def agent_log(self, node: str) -> Path:
+        return self.logs / f"agent-{node}.log"
+
+    def worker_log(self, node_id: str, local: int) -> Path:
+        return self.logs / f"worker-{node_id}-{local}.log"
+
+    # ---- contents ---------------------------------------------------------------------------------
+
     def recipe(self) -> Recipe:
+        from oobleck_slurm.recipe import load_recipe
+
         return load_recipe(self.recipe_path)
 
     def meta(self) -> dict[str, Any]:
-        return json.loads((self.path / META_FILE).read_text())
+        return json.loads(self.meta_path.read_text())
 
     def update_meta(self, **fields: Any) -> None:
-        meta = {**self.meta(), **fields}
-        tmp = self.path / f".{META_FILE}.tmp"
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, self.path / META_FILE)
+        _write_json(self.meta_path, {**self.meta(), **fields}, indent=2)
+
+    def write_supervisor_address(self, **address: Any) -> None:
+        """Publish the control server's address (written whole: an agent may be reading already)."""
+        _write_json(self.supervisor_file, address)
+
+    def supervisor_address(self) -> dict[str, Any] | None:
+        """The control server's address, or None before the supervisor published it."""
+        try:
+            address = json.loads(self.supervisor_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        if not isinstance(address, dict) or not isinstance(address.get("host"), str) \
+                or not isinstance(address.get("port"), int):
+            return None
+        return address
+
+
+def _write_json(path: Path, value: Any, indent: int | None = None) -> None:
+    """Write a JSON file so that a reader sees the old or the new content, never a part."""
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(json.dumps(value, indent=indent))
+    os.replace(tmp, path)
 
 
 def create_job_dir(recipe: Recipe, job_root: str | os.PathLike[str] | None = None) -> JobDir:
     """A new, uniquely named job folder holding the resolved recipe and a fresh secret."""
+    import yaml
+
+    from oobleck_slurm.recipe import recipe_to_dict
+
     root = Path(job_root if job_root is not None else recipe.cluster.job_root)
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -82,7 +205,7 @@ def create_job_dir(recipe: Recipe, job_root: str | os.PathLike[str] | None = Non
         "recipe_source": recipe.source, "created": time.time(),
     }, indent=2))
     create_secret(path)
-    (path / "logs").mkdir()
+    (path / LOGS_DIR).mkdir()
     return JobDir(path.resolve(), job_id)
 
 
@@ -120,3 +243,38 @@ def find_job(
     if candidates:
         raise JobNotFound(f"{str(name)!r} matches several jobs under {root}: {', '.join(p.name for p in candidates)}")
     raise JobNotFound(f"no job folder {str(name)!r} ({looked}, and for jobs named {path.name}* under {root})")
+
+
+# ---- the secret: authenticates every control-plane connection (protocol/wire.py) ------------------
+# Anyone who can read it can steer the job, so a file that others can read is refused rather than used.
+
+
+def create_secret(job_dir: str | os.PathLike[str]) -> bytes:
+    """Write a fresh secret for a new job; refuses to overwrite an existing one."""
+    path = Path(job_dir) / SECRET_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_bytes(SECRET_BYTES)
+    # O_EXCL + mode at creation: the file is never visible with wider permissions.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(value.hex() + "\n")
+    return value
+
+
+def load_secret(job_dir: str | os.PathLike[str]) -> bytes:
+    path = Path(job_dir) / SECRET_FILE
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise SecretError(f"{path}: job secret not found (was the job created by `submit`?)") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretError(f"{path}: job secret is accessible by other users (mode {stat.S_IMODE(mode):o}); "
+                          "expected 600")
+    text = path.read_text().strip()
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        raise SecretError(f"{path}: job secret is not hex text") from None
+    if len(value) != SECRET_BYTES:
+        raise SecretError(f"{path}: job secret has {len(value)} bytes, expected {SECRET_BYTES}")
+    return value

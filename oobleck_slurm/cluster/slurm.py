@@ -1,7 +1,9 @@
-"""Slurm mechanics: the allocation's submitit parameters, and reading node and job state.
+"""Slurm, in one module: every Slurm command this package runs (srun, sbatch through submitit, scontrol,
+squeue, sacct, scancel) is run from here, and the parameters of the jobs it submits are built here.
 
-Parsing is pure (`parse_scontrol_records`, `node_health`) so it is tested on captured output; the
-few functions that call Slurm's clients name every timeout.
+Parsing and parameters are pure (`parse_scontrol_records`, `node_health`, `srun_argv`,
+`allocation_parameters`, `replacement_parameters`), so they are tested without Slurm; the functions
+that call Slurm's clients name every timeout and raise `SlurmError` with the client's message.
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from oobleck_slurm.recipe import ClusterConfig
@@ -19,6 +22,7 @@ SLURM_COMMAND_TIMEOUT_S = 10.0  # slurmctld answers in milliseconds; 10 s means 
 # Node states in which a node's processes cannot be trusted to run (scontrol's base state or flags).
 BAD_NODE_STATES = frozenset({"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING",
                              "POWERED_DOWN", "POWERING_DOWN", "FUTURE", "UNKNOWN"})
+AGENT_STEP_NAME = "oobleck-agent"
 
 
 _KEY_VALUE = re.compile(r"(?:^| )([A-Za-z][\w/:]*)=(.*?)(?= [A-Za-z][\w/:]*=|$)")
@@ -28,18 +32,15 @@ class SlurmError(Exception):
     """A Slurm client command failed or could not be reached."""
 
 
-def allocation_parameters(cluster: ClusterConfig, job_name: str) -> dict[str, Any]:
-    """submitit `update_parameters` for the main allocation: one agent task per node, `--no-kill`.
+# ---- what is submitted (pure) ---------------------------------------------------------------------
 
-    The supervisor runs in the batch step itself (`use_srun=False`) and starts the agents with its
-    own `srun --kill-on-bad-exit=0`, so that losing a node ends neither the job nor the step.
-    """
-    additional: dict[str, Any] = {"no_kill": True}
-    for key, value in cluster.sbatch.items():
-        additional[key] = True if value == "" else value  # `exclusive: true` -> plain --exclusive
+def _job_parameters(cluster: ClusterConfig, job_name: str, nodes: int, additional: dict[str, Any]) -> dict[str, Any]:
+    """submitit `update_parameters` shared by the allocation and replacement jobs: one task per node,
+    the batch step runs the Python callable itself (`use_srun=False`), the recipe's time, setup and
+    placement options."""
     params: dict[str, Any] = {
         "name": job_name,
-        "nodes": cluster.nodes + cluster.spare_nodes,
+        "nodes": nodes,
         "tasks_per_node": 1,
         "cpus_per_task": cluster.cpus_per_node,
         "timeout_min": slurm_time_minutes(cluster.time),
@@ -54,6 +55,38 @@ def allocation_parameters(cluster: ClusterConfig, job_name: str) -> dict[str, An
     }
     params.update({k: v for k, v in optional.items() if v is not None})
     return params
+
+
+def allocation_parameters(cluster: ClusterConfig, job_name: str) -> dict[str, Any]:
+    """submitit `update_parameters` for the main allocation: one agent task per node, `--no-kill`.
+
+    The supervisor runs in the batch step itself (`use_srun=False`) and starts the agents with its
+    own `srun --kill-on-bad-exit=0`, so that losing a node ends neither the job nor the step.
+    """
+    additional: dict[str, Any] = {"no_kill": True}
+    for key, value in cluster.sbatch.items():
+        additional[key] = True if value == "" else value  # `exclusive: true` -> plain --exclusive
+    return _job_parameters(cluster, job_name, cluster.nodes + cluster.spare_nodes, additional)
+
+
+def replacement_parameters(cluster: ClusterConfig, job_name: str, token: str) -> dict[str, Any]:
+    """submitit `update_parameters` for a replacement node: a one-node `--exclusive` job (it never
+    shares a node with another job) named `<job>-<token>`, whose batch step runs an agent that joins
+    the running job. submitit's USR2 notice reaches only steps, and this job has none: the
+    replacement's own time limit ends it like a lost node, as the allocation's ends the job."""
+    return _job_parameters(cluster, f"{job_name}-{token}", 1, {"exclusive": True})
+
+
+def srun_argv(node: str, command: Sequence[str], cpus: int, gpus: int = 0) -> list[str]:
+    """The step that runs `command` (a node's agent) on `node`. `--no-kill --kill-on-bad-exit=0`: the
+    loss of another node or task must not end this one (measured: `--kill-on-bad-exit=0` alone is not
+    enough); `--overlap`: the agent shares the node's CPUs with nothing else of ours but the batch step.
+    With GPUs the step takes all of the node's (`--gpus-per-node`) with no per-task binding
+    (`--gpu-bind=none`): the agent starts one worker per GPU and pins each itself before CUDA
+    initialises, and every worker sees its peers' GPUs for NCCL's peer access (nccl-notes.md, 4.3)."""
+    gpu_args = [f"--gpus-per-node={gpus}", "--gpu-bind=none"] if gpus else []
+    return ["srun", "--no-kill", "--kill-on-bad-exit=0", "--overlap", "-N1", "-n1", f"--nodelist={node}",
+            f"--cpus-per-task={cpus}", *gpu_args, f"--job-name={AGENT_STEP_NAME}", *command]
 
 
 def slurm_time_minutes(text: str) -> int:
@@ -99,13 +132,79 @@ def node_health(records: list[dict[str, str]]) -> dict[str, NodeHealth]:
             for r in records if "NodeName" in r}
 
 
+# ---- Slurm's clients ------------------------------------------------------------------------------
+
+def submit(folder: Path, parameters: Mapping[str, Any], function: Callable[[], Any]) -> str:
+    """Submit `function` as a batch job through submitit (which runs sbatch, and keeps its files and
+    the job's output in `folder`); returns the Slurm job id. SlurmError when sbatch refuses."""
+    import submitit
+    from submitit.core.utils import FailedJobError
+
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    executor.update_parameters(**parameters)
+    try:
+        return str(executor.submit(function).job_id)
+    except (FailedJobError, OSError) as err:
+        raise SlurmError(str(err).strip() or f"sbatch failed: {type(err).__name__}") from None
+
+
+def start_step(node: str, command: Sequence[str], cpus: int, gpus: int, output: Path) -> subprocess.Popen:
+    """Start `command` as its own srun step on `node` (see `srun_argv`); its output goes to `output`.
+    The step's exit is the evidence that the node's task ended."""
+    with open(output, "ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(srun_argv(node, command, cpus, gpus), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+
+def expand_hostnames(nodelist: str) -> list[str]:
+    """`node[1-4]` -> node1..node4, as Slurm expands it."""
+    return _run(["scontrol", "show", "hostnames", nodelist]).split()
+
+
 def query_nodes(names: list[str] | None = None, env: Mapping[str, str] | None = None) -> dict[str, NodeHealth]:
     """Current Slurm state of `names` (all nodes when None)."""
     args = ["scontrol", "show", "node", "-o"] + ([",".join(names)] if names else [])
-    return node_health(parse_scontrol_records(run_slurm(args, env)))
+    return node_health(parse_scontrol_records(_run(args, env)))
 
 
-def run_slurm(args: list[str], env: Mapping[str, str] | None = None, timeout: float = SLURM_COMMAND_TIMEOUT_S) -> str:
+def set_node_down(node: str, reason: str) -> None:
+    """What an admin (or slurmctld) does to a failed node: DOWN, with a reason (a drill)."""
+    _run(["scontrol", "update", f"nodename={node}", "state=down", f"reason={reason}"])
+
+
+def cancel_jobs(job_ids: Sequence[str]) -> None:
+    if job_ids:
+        _run(["scancel", *job_ids])
+
+
+def in_queue(job_id: str) -> bool:
+    """The job is pending or running. squeue refuses an id it no longer knows: the job is gone."""
+    try:
+        return bool(_run(["squeue", "-h", "-j", job_id, "-o", "%T"]).strip())
+    except SlurmError:
+        return False
+
+
+def accounting(job_id: str) -> str:
+    """sacct's `State ExitCode NodeList` of the job ("" when it has no record yet)."""
+    out = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode,NodeList"]).strip()
+    return out.splitlines()[0].replace("|", " ") if out else ""
+
+
+def job_state(job_id: str, timeout: float = SLURM_COMMAND_TIMEOUT_S) -> str | None:
+    """`RUNNING`, `PENDING`, `COMPLETED`, ...: from squeue, or sacct once the job left the queue. Best
+    effort: no Slurm client, a slow controller or an unknown job give None, never an error."""
+    for args in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"]):
+        try:
+            words = _run(args, timeout=timeout).split()
+        except SlurmError:
+            continue
+        if words:
+            return words[0]  # sacct: "CANCELLED by 0" -> CANCELLED
+    return None
+
+
+def _run(args: list[str], env: Mapping[str, str] | None = None, timeout: float = SLURM_COMMAND_TIMEOUT_S) -> str:
     """Run a Slurm client command and return its stdout; SlurmError with its stderr otherwise."""
     try:
         result = subprocess.run(args, capture_output=True, text=True, timeout=timeout,

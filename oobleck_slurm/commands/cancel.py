@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
-from oobleck_slurm.commands.common import EXIT_FAILED, EXIT_OK, console, fail
+from oobleck_slurm.commands.common import console, fail
+from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 
 if TYPE_CHECKING:  # imported when the command runs, not when the CLI starts
     from oobleck_slurm.cluster.jobdir import JobDir
@@ -45,9 +46,8 @@ def slurm_job_ids(meta: dict, events: list[dict]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
-    from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
+    from oobleck_slurm.cluster.slurm import SlurmError, cancel_jobs
     from oobleck_slurm.protocol.events import events_path, read_events
-    from oobleck_slurm.supervisor.main import CANCEL_MARKER
 
     try:
         job = find_job(args.job, args.job_root)
@@ -57,18 +57,18 @@ def run(args: argparse.Namespace) -> int:
     if meta.get("backend") == "slurm":
         ids = slurm_job_ids(meta, read_events(events_path(job.path), "replacement_requested"))
         if not ids:
-            return fail(f"{job.job_id}: no Slurm job id recorded in {job.path / 'meta.json'}")
-        (job.path / CANCEL_MARKER).write_text("cancelled by the user\n")
+            return fail(f"{job.job_id}: no Slurm job id recorded in {job.meta_path}")
+        job.cancel_marker.write_text("cancelled by the user\n")
         try:
-            run_slurm(["scancel", *ids])
+            cancel_jobs(ids)
         except SlurmError as err:
             return fail(str(err), EXIT_FAILED)
         console.print(f"cancelled Slurm job(s) {escape(', '.join(ids))} of {escape(job.job_id)}", highlight=False)
         return EXIT_OK
-    return _cancel_local(job, meta, CANCEL_MARKER)
+    return _cancel_local(job, meta)
 
 
-def _cancel_local(job: JobDir, meta: dict[str, Any], marker: str) -> int:
+def _cancel_local(job: JobDir, meta: dict[str, Any]) -> int:
     from oobleck_slurm.protocol.events import events_path, read_events
 
     finished = read_events(events_path(job.path), "job_finished")
@@ -82,10 +82,10 @@ def _cancel_local(job: JobDir, meta: dict[str, Any], marker: str) -> int:
     if not pid and meta.get("supervisor"):
         pid, group = meta["supervisor"].get("pid"), False
     if not pid:
-        return fail(f"{job.job_id}: no process id recorded in {job.path / 'meta.json'}")
+        return fail(f"{job.job_id}: no process id recorded in {job.meta_path}")
     pid = int(pid)
     # The marker first: a supervisor that sees it while dying reports "cancelled", never "failed".
-    (job.path / marker).write_text("cancelled by the user\n")
+    job.cancel_marker.write_text("cancelled by the user\n")
     alive = (lambda: _group_alive(pid)) if group else (lambda: _process_alive(pid))
     if not _ours(pid, job.path):
         # The job ended unrecorded long ago and its pid now names another program: signal nothing.

@@ -1,4 +1,5 @@
-"""What every command shares: the console, exit codes, and loading a recipe with a clear report."""
+"""What every command shares: the console, error lines, and loading a recipe with a clear report
+(exit codes: oobleck_slurm/exit_codes.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT
 from oobleck_slurm.recipe import Recipe, RecipeError, load_recipe
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2  # bad recipe, bad arguments, missing files: fix the input and run again
 
 console = Console()
 # soft_wrap: an error line is copied into tickets and grepped; never break it at the terminal width.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from oobleck_slurm.commands.common import EXIT_OK, console, fail, is_interactive
+from oobleck_slurm.commands.common import console, fail, is_interactive
+from oobleck_slurm.exit_codes import EXIT_OK
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oobleck_slurm.commands.common import EXIT_OK, console, fail
+from oobleck_slurm.commands.common import console, fail
+from oobleck_slurm.exit_codes import EXIT_OK
 
 FOLLOW_POLL_S = 0.5
 QUIET_KINDS = ("step", "node")  # frequent: shown with --all or asked for by --kind

@@ -19,7 +19,8 @@ import argparse
 import signal
 from pathlib import Path
 
-from oobleck_slurm.commands.common import EXIT_FAILED, EXIT_OK, console, fail
+from oobleck_slurm.commands.common import console, fail
+from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 
 HOWS = ("agent", "worker", "hang", "down", "freeze", "node")
 
@@ -63,7 +64,7 @@ def local_node_processes(agent_pid: int | None) -> list:
 
 def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
-    from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
+    from oobleck_slurm.cluster.slurm import SlurmError, set_node_down
     from oobleck_slurm.commands.cancel import slurm_job_ids
     from oobleck_slurm.protocol.events import events_path, read_events
     from oobleck_slurm.supervisor.client import SupervisorUnreachable, live_status, notify_fault
@@ -79,20 +80,20 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--worker must be >= 0, got {args.worker}")
     try:
         live = live_status(job.path)
-        slurm_node = live["node_of"].get(args.node, args.node)
+        slurm_node = live.node_of.get(args.node, args.node)
         reply = notify_fault(job.path, args.node, args.how, worker=args.worker)
     except SupervisorUnreachable as err:
         return fail(f"{job.job_id}: {err}", EXIT_FAILED)
-    if not reply.get("ok", False):
-        return fail(f"{job.job_id}: {reply.get('detail', 'the supervisor refused the drill')}", EXIT_FAILED)
+    if not reply.ok:
+        return fail(f"{job.job_id}: {reply.detail or 'the supervisor refused the drill'}", EXIT_FAILED)
     if args.how == "down":
         try:
-            run_slurm(["scontrol", "update", f"nodename={slurm_node}", "state=down", "reason=oobleck-drill"])
+            set_node_down(slurm_node, "oobleck-drill")
         except SlurmError as err:
             return fail(str(err), EXIT_FAILED)
     elif args.how in ("freeze", "node"):
         if local:
-            procs = local_node_processes(live.get("agent_pids", {}).get(slurm_node))
+            procs = local_node_processes(live.agent_pids.get(slurm_node))
             if not procs:
                 return fail(f"{job.job_id}: no live agent for {args.node}", EXIT_FAILED)
         else:

@@ -12,15 +12,9 @@ from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
-from oobleck_slurm.commands.common import (
-    EXIT_BAD_INPUT,
-    EXIT_OK,
-    add_recipe_argument,
-    console,
-    fail,
-    load_recipe_or_report,
-)
+from oobleck_slurm.commands.common import add_recipe_argument, console, fail, load_recipe_or_report
 from oobleck_slurm.commands.profile import add_source_arguments, resolve_templates
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
 if TYPE_CHECKING:  # the planner is imported when a command runs, not when the CLI starts
     from oobleck_slurm.planning import PipelineTemplate, Plan, Profile

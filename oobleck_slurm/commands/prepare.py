@@ -8,7 +8,8 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, console, fail
+from oobleck_slurm.commands.common import console, fail
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

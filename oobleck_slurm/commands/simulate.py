@@ -14,15 +14,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from oobleck_slurm.commands.common import (
-    EXIT_BAD_INPUT,
-    EXIT_OK,
-    add_recipe_argument,
-    console,
-    fail,
-    load_recipe_or_report,
-)
+from oobleck_slurm.commands.common import add_recipe_argument, console, fail, load_recipe_or_report
 from oobleck_slurm.commands.profile import add_source_arguments, resolve_templates
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
 if TYPE_CHECKING:  # the simulator is imported when the command runs, not when the CLI starts
     from oobleck_slurm.simulate.traces import Trace

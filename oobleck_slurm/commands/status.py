@@ -11,7 +11,8 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from oobleck_slurm.commands.common import EXIT_OK, console, fail
+from oobleck_slurm.commands.common import console, fail
+from oobleck_slurm.exit_codes import EXIT_OK
 
 PHASES = ("detection", "replan", "group_rebuild", "state_copy", "replay", "resumed")
 
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         summary["slurm_state"] = _slurm_state(str(summary["slurm_job_id"]))
     if summary["state"] == "running":
         try:
-            summary["supervisor"] = live_status(job.path)
+            summary["supervisor"] = live_status(job.path).to_dict()
         except SupervisorUnreachable as err:
             summary["supervisor"] = f"unreachable: {err}"
     if args.json:
@@ -85,13 +86,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _slurm_state(job_id: str) -> str:
-    from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
+    from oobleck_slurm.cluster.slurm import SlurmError, accounting
 
     try:
-        out = run_slurm(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode,NodeList"]).strip()
+        return accounting(job_id) or "unknown"
     except SlurmError as err:
         return f"unknown ({err})"
-    return out.splitlines()[0].replace("|", " ") if out else "unknown"
 
 
 def _print(s: dict[str, Any]) -> None:

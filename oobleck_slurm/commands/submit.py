@@ -17,16 +17,9 @@ from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
-from oobleck_slurm.commands.common import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_OK,
-    add_recipe_argument,
-    console,
-    fail,
-    load_recipe_or_report,
-)
+from oobleck_slurm.commands.common import add_recipe_argument, console, fail, load_recipe_or_report
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 if TYPE_CHECKING:  # imported when the command runs, not when the CLI starts
     from oobleck_slurm.cluster.jobdir import JobDir
@@ -76,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     code = process.wait()
     print_summary(job.path)
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
+        console.print(f"[red]job failed (exit {code}); see {escape(str(job.logs))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 
@@ -174,16 +167,17 @@ def _submit_slurm(job: JobDir, recipe: Recipe, args: argparse.Namespace) -> int:
         return 130
     print_summary(job.path)
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {escape(str(job.path / 'logs'))}[/]")
+        console.print(f"[red]job failed (exit {code}); see {escape(str(job.logs))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 
 
 def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
     """Follow until the supervisor records job_finished, or Slurm says the job is gone without it."""
+    from oobleck_slurm.cluster.slurm import in_queue
     from oobleck_slurm.protocol.events import events_path, read_events
 
-    _follow(job_dir, dashboard, running=lambda: _in_slurm_queue(slurm_job_id))
+    _follow(job_dir, dashboard, running=lambda: in_queue(slurm_job_id))
     finished = read_events(events_path(job_dir), "job_finished")
     if finished:
         return int(finished[-1].get("exit_code") or 0)
@@ -191,11 +185,3 @@ def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
                   "cancelled, or it never started); see the submitit/ folder[/]")
     return EXIT_FAILED
 
-
-def _in_slurm_queue(slurm_job_id: str) -> bool:
-    from oobleck_slurm.cluster.slurm import SlurmError, run_slurm
-
-    try:
-        return bool(run_slurm(["squeue", "-h", "-j", slurm_job_id, "-o", "%T"]).strip())
-    except SlurmError:  # squeue refuses an id it no longer knows: the job is gone
-        return False

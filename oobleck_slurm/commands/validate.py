@@ -8,7 +8,8 @@ import json
 from rich.markup import escape
 from rich.tree import Tree
 
-from oobleck_slurm.commands.common import EXIT_BAD_INPUT, EXIT_OK, add_recipe_argument, console, load_recipe_or_report
+from oobleck_slurm.commands.common import add_recipe_argument, console, load_recipe_or_report
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 from oobleck_slurm.recipe import recipe_to_dict
 
 

@@ -13,14 +13,15 @@ from pathlib import Path
 
 from rich.console import Console
 
+from oobleck_slurm.cluster.slurm import job_state
 from oobleck_slurm.dashboard.keys import KeyReader
 from oobleck_slurm.dashboard.panels import View
 from oobleck_slurm.dashboard.render import Dashboard
-from oobleck_slurm.dashboard.slurm import slurm_job_state
 from oobleck_slurm.dashboard.state import DashboardState
 from oobleck_slurm.protocol.events import EventTail, events_path
 
 SLURM_POLL_S = 10.0  # squeue is a controller RPC; do not hammer it
+SLURM_TIMEOUT_S = 5.0  # a slow controller must not freeze the screen for longer
 PAGE = 10
 
 
@@ -110,10 +111,10 @@ def _wants_slurm_state(state: DashboardState) -> bool:
 
 
 def _poll_slurm(state: DashboardState, now: float) -> None:
-    job_state = slurm_job_state(str(state.slurm_job_id))
-    if job_state is not None:
+    current = job_state(str(state.slurm_job_id), timeout=SLURM_TIMEOUT_S)
+    if current is not None:
         # Through the reducer, like any event, so the state stays a fold over events.
-        state.apply({"t": now, "kind": "slurm_job", "slurm_job_id": state.slurm_job_id, "state": job_state})
+        state.apply({"t": now, "kind": "slurm_job", "slurm_job_id": state.slurm_job_id, "state": current})
 
 
 def job_summary(state: DashboardState, job_dir: Path) -> str:

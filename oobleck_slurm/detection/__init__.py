@@ -13,7 +13,6 @@ sockets or files: callers pass `now`/`t` and the observations.
 from oobleck_slurm.detection.lease import LeaseTable
 from oobleck_slurm.detection.metrics import (
     HEADER,
-    METRICS_FILE,
     MetricsFileError,
     MetricsSampler,
     MetricsWriter,
@@ -26,7 +25,7 @@ from oobleck_slurm.detection.progress import ProgressWatch
 from oobleck_slurm.detection.straggler import Straggler, StragglerWatch, find_stragglers
 
 __all__ = [
-    "HEADER", "METRICS_FILE", "DetectorConfig", "Flag", "LeaseTable", "MetricsFileError", "MetricsSampler",
+    "HEADER", "DetectorConfig", "Flag", "LeaseTable", "MetricsFileError", "MetricsSampler",
     "MetricsWriter", "MinderDetector", "ProgressWatch", "Straggler", "StragglerWatch", "bucket", "detect",
     "find_stragglers", "metrics_files", "read_metrics",
 ]

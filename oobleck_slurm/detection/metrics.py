@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from oobleck_slurm.cluster.jobdir import METRICS_FILE
+
 HEADER = "time,node,metric,value"
-METRICS_FILE = "metrics.csv"
 DEFAULT_MAX_BYTES = 64 * 2**20  # all rotated files together
 DEFAULT_READ_LIMIT = 512 * 2**20  # a larger file is refused with a message, not parsed for minutes
 

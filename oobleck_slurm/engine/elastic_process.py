@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE
 from oobleck_slurm.engine.abort import GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import Timeouts, connect_store, is_collective_error
@@ -42,14 +43,13 @@ from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog, events_path
 
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
-ELASTIC_FILE = "elastic.json"  # store address, timeouts, workers per node: written by the supervisor
 
 
 class ElasticWorker:
     def __init__(self, job_dir: Path, node: str, local: int) -> None:
         self.job_dir, self.node, self.local = job_dir, node, local
         self.name = keys.worker_id(node, local)
-        self.job = JobSpec.from_json((job_dir / "job.json").read_text())
+        self.job = JobSpec.from_json((job_dir / JOB_SPEC_FILE).read_text())
         launch = json.loads((job_dir / ELASTIC_FILE).read_text())
         self.per_node = int(launch.get("workers_per_node", 1))
         if not 0 <= local < self.per_node:
@@ -57,7 +57,7 @@ class ElasticWorker:
         self.timeouts = Timeouts(**launch["timeouts"])
         self.reconfiguration_s = float(launch["reconfiguration_timeout"])
         self.checkpoint_interval = int(launch.get("checkpoint_interval", 0))
-        self.checkpoint_root = launch.get("checkpoint_dir") or str(job_dir / "checkpoints")
+        self.checkpoint_root = launch.get("checkpoint_dir") or str(job_dir / CHECKPOINTS_DIR)
         self.store = connect_store(launch["host"], int(launch["port"]), self.timeouts)
         device = torch.device("cuda", torch.cuda.current_device()) if self.job.backend == "nccl" else None
         self.worker = Worker(self.job, 0, device)

@@ -2,6 +2,7 @@
 
     keys          every key of the job's TCPStore (the coordinator <-> worker data plane of control)
     wire          authenticated JSON frames of the control plane (supervisor <-> agents, CLI)
+    messages      the control plane's messages, one type each, validated where they are received
     events        the event log (`events.jsonl`): writer, readers
     event_schema  one typed event per kind: what `emit` accepts and `read_event` returns
 """

@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oobleck_slurm.cluster.jobdir import EVENTS_FILE
 from oobleck_slurm.protocol.event_schema import check_event
-
-EVENTS_FILE = "events.jsonl"
 
 
 def events_path(job_dir: str | os.PathLike[str]) -> Path:

@@ -1,5 +1,5 @@
 """The rank supervisor and its control plane.
 
-    secret      the per-job secret (0600 file in the job folder)
     server      a threaded control server: authenticate, dispatch, survive bad peers
+(the per-job secret lives with the job folder: cluster/jobdir.py; the messages: protocol/messages.py)
 """

@@ -2,7 +2,8 @@
 
 One per node (Slurm: one srun task per node; local backend: a process per virtual node). It connects
 to the supervisor over the authenticated control plane, beats every `heartbeat_interval` seconds
-(with its workers' process states, so that a SIGSTOPped worker can be named), and obeys:
+(with its workers' process states, so that a SIGSTOPped worker can be named), and obeys (messages:
+protocol/messages.py):
 
     start {node_id, workers, threads, device}
                         start this node's workers (engine/elastic_process.py), one per device: worker
@@ -26,7 +27,6 @@ that nothing outlives the job on the node.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -38,11 +38,26 @@ from typing import Any
 
 import psutil
 
+from oobleck_slurm.cluster.jobdir import JobDir, load_secret
+from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
+from oobleck_slurm.protocol.messages import (
+    Drill,
+    Health,
+    HealthResult,
+    Heartbeat,
+    Hello,
+    Message,
+    Preempt,
+    Register,
+    Shutdown,
+    Start,
+    Stop,
+    WorkerExit,
+    parse,
+)
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
-from oobleck_slurm.supervisor.secret import load_secret
 from oobleck_slurm.supervisor.server import connect
 
-SUPERVISOR_FILE = "supervisor.json"  # host, port, heartbeat_interval: written by the supervisor
 ADDRESS_WAIT_S = 120.0  # a replacement job may start before the supervisor wrote its address
 CONNECT_TIMEOUT_S = 10.0
 # Set in every NCCL worker's environment, before torch starts (shared/docs/nccl-notes.md, "Recommended
@@ -82,22 +97,19 @@ def node_name(explicit: str | None = None) -> str:
     return explicit or os.environ.get("SLURMD_NODENAME") or os.uname().nodename
 
 
-def read_address(job_dir: Path, wait_s: float = ADDRESS_WAIT_S) -> dict[str, Any]:
-    path = job_dir / SUPERVISOR_FILE
+def read_address(job: JobDir, wait_s: float = ADDRESS_WAIT_S) -> dict[str, Any]:
     deadline = time.time() + wait_s
-    while True:
-        try:
-            return json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            if time.time() > deadline:
-                raise RuntimeError(f"{path}: no supervisor address after {wait_s:g} s") from None
-            time.sleep(0.2)
+    while (address := job.supervisor_address()) is None:
+        if time.time() > deadline:
+            raise RuntimeError(f"{job.supervisor_file}: no supervisor address after {wait_s:g} s")
+        time.sleep(0.2)
+    return address
 
 
 class Agent:
     def __init__(self, job_dir: Path, node: str, replacement: str | None = None) -> None:
-        self.job_dir, self.node, self.replacement = job_dir, node, replacement
-        self.address = read_address(job_dir)
+        self.job, self.node, self.replacement = JobDir.at(job_dir), node, replacement
+        self.address = read_address(self.job)
         self.interval = float(self.address["heartbeat_interval"])
         self.workers: list[subprocess.Popen] = []  # index = the worker's local index (device)
         self.worker_id: str | None = None  # the node id the supervisor gave this node's workers
@@ -105,13 +117,13 @@ class Agent:
         self._done = threading.Event()
         self._preempt = threading.Event()  # Slurm's SIGUSR2 arrived: relay it once
         self.channel: Channel = connect(self.address["host"], int(self.address["port"]), load_secret(job_dir),
-                                        {"role": "agent", "node": node}, timeout=CONNECT_TIMEOUT_S)
-        self.send({"type": "register", "node": node, "replacement": replacement, "pid": os.getpid(),
-                   "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+                                        Hello(role="agent", node=node).to_dict(), timeout=CONNECT_TIMEOUT_S)
+        self.send(Register(node=node, replacement=replacement, pid=os.getpid(),
+                           slurm_job_id=os.environ.get("SLURM_JOB_ID")))
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Message) -> None:
         with self._lock:
-            self.channel.send(message)
+            self.channel.send(message.to_dict())
 
     # ---- the workers -----------------------------------------------------------------------------
 
@@ -119,14 +131,14 @@ class Agent:
         if any(w.poll() is None for w in self.workers):
             raise RuntimeError(f"node {self.node} already runs workers of {self.worker_id}")
         self.workers = []
+        self.worker_id = node_id  # before the workers: the beat loop reports their exits under it
         for local in range(count):
-            log = open(self.job_dir / "logs" / f"worker-{node_id}-{local}.log", "ab")  # noqa: SIM115 - the child owns it
+            log = open(self.job.worker_log(node_id, local), "ab")  # noqa: SIM115 - the child owns it
             self.workers.append(subprocess.Popen(
-                [sys.executable, "-m", "oobleck_slurm.engine.elastic_process", str(self.job_dir), node_id, str(local)],
+                [sys.executable, "-m", "oobleck_slurm.engine.elastic_process", str(self.job.path), node_id, str(local)],
                 stdout=log, stderr=subprocess.STDOUT, env=worker_env(os.environ, local, threads, device),
                 preexec_fn=_die_with_parent))
             log.close()
-        self.worker_id = node_id
 
     def stop_workers(self) -> None:
         workers, self.workers = self.workers, []
@@ -138,7 +150,7 @@ class Agent:
 
     def worker_states(self) -> list[str]:
         """psutil's state of each worker ("running", "sleeping", "stopped", ...; "gone" once reaped)."""
-        states = []
+        states: list[str] = []
         for w in self.workers:
             try:
                 states.append(psutil.Process(w.pid).status())
@@ -149,37 +161,37 @@ class Agent:
     def _check_workers(self) -> None:
         """Report the node's end: the first worker that failed (its peers are killed: the node is the
         failure unit), or every worker done."""
-        if not self.workers:
+        node_id = self.worker_id
+        if not self.workers or node_id is None:
             return
         codes = [w.poll() for w in self.workers]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             local, code = failed[0]
             self.stop_workers()
-            self.send({"type": "worker_exit", "node": self.node, "node_id": self.worker_id, "code": code,
-                       "worker": local})
+            self.send(WorkerExit(node=self.node, node_id=node_id, code=code, worker=local))
         elif all(c == 0 for c in codes):
             self.workers = []
-            self.send({"type": "worker_exit", "node": self.node, "node_id": self.worker_id, "code": 0})
+            self.send(WorkerExit(node=self.node, node_id=node_id, code=0))
 
     # ---- commands ----------------------------------------------------------------------------------
 
     def _read_commands(self) -> None:
         try:
             while not self._done.is_set():
-                message = self.channel.recv()
-                kind = message["type"]
-                if kind == "start":
-                    self.start_workers(str(message["node_id"]), int(message.get("workers", 1)),
-                                       int(message.get("threads", 1)), str(message.get("device", "cpu")))
-                elif kind == "stop":
+                message = parse(self.channel.recv())
+                if isinstance(message, Start):
+                    self.start_workers(message.node_id, message.workers, message.threads, message.device)
+                elif isinstance(message, Stop):
                     self.stop_workers()
-                elif kind == "health":
+                elif isinstance(message, Health):
                     threading.Thread(target=self._health, args=(message,), daemon=True).start()
-                elif kind == "drill":
-                    self._drill(str(message.get("how")), int(message.get("worker") or 0))
-                elif kind == "shutdown":
+                elif isinstance(message, Drill):
+                    self._drill(message.how, message.worker)
+                elif isinstance(message, Shutdown):
                     break
+                else:
+                    raise ProtocolError(f"an agent does not take {message.TYPE} messages")
         except (EOFError, OSError, ProtocolError):
             pass  # the supervisor is gone (or dropped us): the job is over for this node
         self._done.set()
@@ -191,15 +203,15 @@ class Agent:
         if 0 <= worker < len(workers) and how in ("worker", "hang"):
             workers[worker].send_signal(signal.SIGKILL if how == "worker" else signal.SIGSTOP)
 
-    def _health(self, message: dict[str, Any]) -> None:
+    def _health(self, message: Health) -> None:
         t0 = time.time()
         done = subprocess.run(
-            [sys.executable, "-m", "oobleck_slurm.supervisor.health", message["host"], str(message["port"]),
-             message["prefix"], str(message["timeout"])],
+            [sys.executable, "-m", "oobleck_slurm.supervisor.health", message.host, str(message.port),
+             message.prefix, str(message.timeout)],
             capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False,
-            timeout=float(message["timeout"]) + 60)
-        self.send({"type": "health_result", "node": self.node, "ok": done.returncode == 0,
-                   "seconds": time.time() - t0, "detail": (done.stdout + done.stderr).strip()[-500:]})
+            timeout=message.timeout + 60)
+        self.send(HealthResult(node=self.node, prefix=message.prefix, ok=done.returncode == 0,
+                               seconds=time.time() - t0, detail=(done.stdout + done.stderr).strip()[-500:]))
 
     # ---- the loop ----------------------------------------------------------------------------------
 
@@ -214,10 +226,10 @@ class Agent:
                 self._check_workers()
                 if self._preempt.is_set() and not relayed:
                     relayed = True
-                    self.send({"type": "preempt", "node": self.node, "signal": "SIGUSR2", "t": now})
+                    self.send(Preempt(node=self.node, signal="SIGUSR2", t=now))
                 if now >= next_beat:
-                    self.send({"type": "heartbeat", "node": self.node, "workers": self.worker_states(),
-                               "cpu": psutil.cpu_percent(interval=None), "t": now})
+                    self.send(Heartbeat(node=self.node, workers=tuple(self.worker_states()),
+                                        cpu=psutil.cpu_percent(interval=None), t=now))
                     next_beat = now + self.interval
                 self._done.wait(WATCH_S)
         except (OSError, ProtocolError):
@@ -225,7 +237,7 @@ class Agent:
         finally:
             self.stop_workers()
             self.channel.close()
-        return 0
+        return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         agent = Agent(args.job_dir.resolve(), node_name(args.node), args.replacement)
     except Exception as err:  # noqa: BLE001 - reported plainly; srun's log keeps it
         print(f"agent: cannot reach the supervisor: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     return agent.run()
 
 

@@ -9,6 +9,38 @@ and the node is fenced: its agent, if it still answers, kills the worker.
 Node ids: the coordinator's ids are Slurm node names, except requested replacements, which get a
 token ("r1", "r2", ...) when asked for (the coordinator needs an id at once) and are bound to the
 Slurm node whose agent registers with that token. Joining nodes are health-checked first.
+
+One `NodeRecord` per node id holds everything about the node (its Slurm node, agent connection,
+srun step, replacement request, trust, fault time, loss) and its `NodeState`. The state changes only
+through `transition(state, event)`, by this table (a dot: the event is refused in that state,
+`transition` raises IllegalTransition):
+
+    state           register      assign  start_worker  check_health  await_agent     stop       finish    lose
+    launching       idle          .       .             .             awaiting_agent  launching  .         .
+    spare           spare         idle    .             .             .               .          .         .
+    requested       idle          .       .             .             awaiting_agent  requested  .         .
+    idle            idle          .       running       health_check  awaiting_agent  idle       .         .
+    awaiting_agent  health_check  .       .             .             .               idle       .         .
+    health_check    .             .       running       .             .               idle       .         lost
+    running         .             .       .             .             .               idle       finished  lost
+    finished        .             .       running       .             awaiting_agent  finished   .         .
+    lost            .             .       lost          lost          lost            lost       lost      .
+
+States: `launching` an allocation member whose agent's step is launched and has not registered;
+`spare` an allocation node held in reserve (its agent waits); `requested` a replacement asked of Slurm;
+`idle` an agent may be up, no worker runs (before the start, or stopped by the coordinator);
+`awaiting_agent` started by the coordinator before its agent registered (a replacement whose job has
+not started); `health_check` a joining node proves it can run a collective; `running` its workers run
+and every detection path watches it; `finished` its workers completed training; `lost` named lost by
+the first evidence, or its join failed: reported to the coordinator once, fenced, never started again
+under this id (a start, stop or finish that races with the report leaves it lost).
+Events: `register` its agent registered; `assign` `new_node` hands a spare to the coordinator;
+`start_worker` its workers start (a trusted node: an initial member or one that ran before, or one
+that passed its health check); `check_health` the coordinator starts an untrusted node whose agent is
+up; `await_agent` the coordinator starts a node whose agent is not up; `stop` the coordinator stops it;
+`finish` every worker exited 0; `lose` a detection path named it, or its health check failed.
+A registration that the table refuses (a second agent for a node, a node that is running or lost) is
+refused on the control plane (`refused` event) and changes nothing.
 """
 
 from __future__ import annotations
@@ -21,13 +53,32 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch.distributed as dist
 
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog
-from oobleck_slurm.protocol.wire import Channel
+from oobleck_slurm.protocol.messages import (
+    Drill,
+    Fault,
+    FaultResult,
+    Health,
+    HealthResult,
+    Heartbeat,
+    Message,
+    Preempt,
+    Register,
+    Shutdown,
+    Start,
+    Status,
+    StatusResult,
+    Stop,
+    WorkerExit,
+    parse,
+)
+from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.health import health_peer
 from oobleck_slurm.supervisor.launchers import AgentLauncher
 from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, LossCause, Membership
@@ -41,31 +92,127 @@ HEALTH_TIMEOUT_S = 60.0  # a joining node's collective with the supervisor (incl
 RELAYED_DRILLS = ("agent", "worker", "hang")  # faults that the node's agent injects (see agent.py)
 
 
-def node_worker_state(states: Any) -> str:
+# ---- a node's life: pure ---------------------------------------------------------------------------
+
+class NodeState(StrEnum):
+    LAUNCHING = "launching"
+    SPARE = "spare"
+    REQUESTED = "requested"
+    IDLE = "idle"
+    AWAITING_AGENT = "awaiting_agent"
+    HEALTH_CHECK = "health_check"
+    RUNNING = "running"
+    FINISHED = "finished"
+    LOST = "lost"
+
+
+class NodeEvent(StrEnum):
+    REGISTER = "register"
+    ASSIGN = "assign"
+    START_WORKER = "start_worker"
+    CHECK_HEALTH = "check_health"
+    AWAIT_AGENT = "await_agent"
+    STOP = "stop"
+    FINISH = "finish"
+    LOSE = "lose"
+
+
+_S, _E = NodeState, NodeEvent
+TRANSITIONS: dict[tuple[NodeState, NodeEvent], NodeState] = {
+    (_S.LAUNCHING, _E.REGISTER): _S.IDLE,
+    (_S.LAUNCHING, _E.AWAIT_AGENT): _S.AWAITING_AGENT,
+    (_S.LAUNCHING, _E.STOP): _S.LAUNCHING,
+    (_S.SPARE, _E.REGISTER): _S.SPARE,
+    (_S.SPARE, _E.ASSIGN): _S.IDLE,
+    (_S.REQUESTED, _E.REGISTER): _S.IDLE,
+    (_S.REQUESTED, _E.AWAIT_AGENT): _S.AWAITING_AGENT,
+    (_S.REQUESTED, _E.STOP): _S.REQUESTED,
+    (_S.IDLE, _E.REGISTER): _S.IDLE,  # its agent had gone (the backend refuses a second agent)
+    (_S.IDLE, _E.START_WORKER): _S.RUNNING,
+    (_S.IDLE, _E.CHECK_HEALTH): _S.HEALTH_CHECK,
+    (_S.IDLE, _E.AWAIT_AGENT): _S.AWAITING_AGENT,
+    (_S.IDLE, _E.STOP): _S.IDLE,
+    (_S.AWAITING_AGENT, _E.REGISTER): _S.HEALTH_CHECK,  # a node that was not up is checked before it joins
+    (_S.AWAITING_AGENT, _E.STOP): _S.IDLE,
+    (_S.HEALTH_CHECK, _E.START_WORKER): _S.RUNNING,
+    (_S.HEALTH_CHECK, _E.STOP): _S.IDLE,  # the check's result is then ignored
+    (_S.HEALTH_CHECK, _E.LOSE): _S.LOST,
+    (_S.RUNNING, _E.STOP): _S.IDLE,
+    (_S.RUNNING, _E.FINISH): _S.FINISHED,
+    (_S.RUNNING, _E.LOSE): _S.LOST,
+    (_S.FINISHED, _E.START_WORKER): _S.RUNNING,  # a restart from a checkpoint
+    (_S.FINISHED, _E.AWAIT_AGENT): _S.AWAITING_AGENT,
+    (_S.FINISHED, _E.STOP): _S.FINISHED,
+    # Lost is final; what races with its report changes nothing. It is reported once: no second loss.
+    **{(_S.LOST, e): _S.LOST for e in (_E.START_WORKER, _E.CHECK_HEALTH, _E.AWAIT_AGENT, _E.STOP, _E.FINISH)},
+}
+
+
+class IllegalTransition(Exception):
+    """An event that a node's state does not allow (see the module's table)."""
+
+
+def transition(state: NodeState, event: NodeEvent) -> NodeState:
+    """The state after `event`; IllegalTransition if `state` does not allow it."""
+    try:
+        return TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransition(f"a node in state {state} cannot {event}") from None
+
+
+def transition_table() -> str:
+    """TRANSITIONS as the module docstring shows it (a test keeps the two the same)."""
+    rows = [["state", *[str(e) for e in NodeEvent]]]
+    rows += [[str(s), *[str(TRANSITIONS.get((s, e), ".")) for e in NodeEvent]] for s in NodeState]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("    " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def node_worker_state(states: Sequence[str]) -> str:
     """One state for a node's workers: "stopped" if any is stopped (a SIGSTOPped worker stalls the
     whole node), else the first worker's, "none" before any started."""
-    if not isinstance(states, list) or not states:
+    if not states:
         return "none"
     stopped = [s for s in states if s in STOPPED_STATES]
     return str(stopped[0] if stopped else states[0])
 
 
+# ---- records ---------------------------------------------------------------------------------------
+
 @dataclass
 class AgentConn:
-    node: str  # Slurm node name
-    channel: Channel
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    replacement: str | None = None
-    health: queue.Queue = field(default_factory=queue.Queue)
-    pid: int | None = None  # the agent's process id on its node (local drills find the node's processes by it)
+    """A registered agent's control connection."""
 
-    def send(self, message: dict[str, Any]) -> bool:
+    channel: Channel
+    pid: int | None = None  # the agent's process id on its node (local drills find the node's processes by it)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    checks: dict[str, queue.Queue[HealthResult]] = field(default_factory=dict)  # health check prefix -> its result
+
+    def send(self, message: Message) -> bool:
         try:
             with self.lock:
-                self.channel.send(message)
+                self.channel.send(message.to_dict())
             return True
         except OSError:
             return False
+
+
+@dataclass
+class NodeRecord:
+    """Everything the backend knows about one coordinator node id."""
+
+    node_id: str
+    state: NodeState
+    slurm_node: str | None  # the machine; None for a replacement until its agent registers
+    replacement: bool = False  # a requested node, known by its token until then
+    request: str | None = None  # the replacement's Slurm job id (local: the agent's pid)
+    trusted: bool = False  # its workers may start without a health check (an initial member, or it ran)
+    agent: AgentConn | None = None
+    step: subprocess.Popen | None = None  # the srun step (local: the process) running its agent, until it ends
+    last_beat: Heartbeat | None = None
+    fault_at: float | None = None  # when a drill injected a fault (detection times are measured from it)
+    health_check: str | None = None  # the store prefix of the health check in progress
+    loss: Loss | None = None
 
 
 @dataclass(frozen=True)
@@ -88,23 +235,17 @@ class AgentNodes:
         self.launcher, self.log, self.cfg = launcher, log, config
         self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
         self.drills = sorted(drills, key=lambda d: d.step)  # recipe DrillConfigs not yet run
-        self.members, self.spares = list(members), list(spares)
         self.membership = Membership(config.heartbeat_lease, config.step_timeout)
-        self.agents: dict[str, AgentConn] = {}  # Slurm node -> live connection
-        self.node_of: dict[str, str] = {n: n for n in [*members, *spares]}  # coordinator id -> Slurm node
-        self.id_of: dict[str, str] = dict(self.node_of)  # Slurm node -> coordinator id
-        self.sruns: dict[str, subprocess.Popen] = {}  # Slurm node -> its agent's step
-        self.starting: set[str] = set()  # ids to start once their agent is up and healthy
-        self.requests: dict[str, str] = {}  # token -> Slurm job id
-        self.fault_at: dict[str, float] = {}  # id -> time a drill injected a fault (for detection times)
+        self.nodes: dict[str, NodeRecord] = {  # node id -> record; members first, then spares, then replacements
+            **{n: NodeRecord(n, NodeState.LAUNCHING, n, trusted=True) for n in members},
+            **{n: NodeRecord(n, NodeState.SPARE, n) for n in spares}}
+        self._ids: dict[str, str] = {n: n for n in self.nodes}  # index: Slurm node -> node id
         self._exits: queue.Queue[tuple[str, Loss | None]] = queue.Queue()  # (id, None) once its workers finished
         self._lock = threading.RLock()
         self._tokens = itertools.count(1)
         self._stop = threading.Event()
         self._registered = threading.Condition(self._lock)
         self.server = ControlServer(secret, self._on_message, self._on_refused, on_disconnect=self._on_disconnect)
-        self._last_metrics: dict[str, dict[str, Any]] = {}  # id -> its agent's last heartbeat
-        self.trusted: set[str] = set(members)  # ids whose worker may start without a health check
         self._store: dist.TCPStore | None = None  # the watcher's own client (a store object per thread)
         self._watcher = threading.Thread(target=self._watch, name="agent-nodes-watch", daemon=True)
 
@@ -114,20 +255,28 @@ class AgentNodes:
     def port(self) -> int:
         return self.server.port
 
+    @property
+    def members(self) -> list[str]:
+        """The node ids handed to the coordinator, in order."""
+        with self._lock:
+            return [i for i, r in self.nodes.items() if r.state is not NodeState.SPARE]
+
     def launch_agents(self, timeout: float) -> None:
         """Start an agent on every node of the allocation and wait until all have registered
         (the server must be started, and its address published, before)."""
-        for node in [*self.members, *self.spares]:
-            self.sruns[node] = self.launcher.launch(node)
+        launched = list(self.nodes.values())
+        for record in launched:
+            assert record.slurm_node is not None  # allocation nodes are named
+            record.step = self.launcher.launch(record.slurm_node)
         deadline = time.time() + timeout
         with self._lock:
-            while missing := [n for n in self.sruns if n not in self.agents]:
-                ended = {n: self.sruns[n].poll() for n in missing if self.sruns[n].poll() is not None}
+            while missing := [r for r in launched if r.agent is None]:
+                ended = {r.slurm_node: code for r in missing if r.step is not None and (code := r.step.poll()) is not None}
                 if ended:
                     raise RuntimeError(f"agent step(s) ended before registering: {ended}; see logs/agent-*.log")
                 if time.time() > deadline:
-                    raise RuntimeError(f"agents of {missing} did not register within {timeout:g} s; "
-                                       "see logs/agent-*.log")
+                    raise RuntimeError(f"agents of {[r.slurm_node for r in missing]} did not register within "
+                                       f"{timeout:g} s; see logs/agent-*.log")
                 self._registered.wait(0.2)
         self._watcher.start()
 
@@ -135,11 +284,12 @@ class AgentNodes:
         """Tell every agent to stop its worker and exit; then end what is left."""
         self._stop.set()
         with self._lock:
-            agents = list(self.agents.values())
+            agents = [r.agent for r in self.nodes.values() if r.agent is not None]
+            steps = [r.step for r in self.nodes.values() if r.step is not None]
         for agent in agents:
-            agent.send({"type": "shutdown"})
+            agent.send(Shutdown())
         deadline = time.time() + 10
-        for proc in self.sruns.values():
+        for proc in steps:
             try:
                 proc.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
@@ -152,13 +302,13 @@ class AgentNodes:
 
     def start(self, node: str) -> None:
         with self._lock:
-            slurm = self.node_of.get(node)
-            if slurm is not None and slurm in self.agents and node in self.trusted:
-                self._start_worker(node)  # an initial member, or a restart (checkpoint fallback)
-            else:  # a replacement or spare: started once registered and health-checked
-                self.starting.add(node)
-                if slurm is not None and slurm in self.agents:
-                    self._health_then_start(node)
+            record = self.nodes[node]
+            if record.agent is None:  # a replacement before its job runs: checked once its agent registers
+                self._fire(record, NodeEvent.AWAIT_AGENT)
+            elif record.trusted:  # an initial member, or a restart (checkpoint fallback)
+                self._start_worker(record)
+            elif self._fire(record, NodeEvent.CHECK_HEALTH) is NodeState.HEALTH_CHECK:  # a spare or replacement
+                self._begin_health_check(record)
 
     def exited(self) -> dict[str, Loss | None]:
         out: dict[str, Loss | None] = {}
@@ -172,45 +322,55 @@ class AgentNodes:
     def stop(self, nodes: Sequence[str]) -> None:
         with self._lock:
             for node in nodes:
+                record = self.nodes.get(node)
+                if record is None:
+                    continue
                 self.membership.unwatch(node)
-                self.starting.discard(node)
-                agent = self.agents.get(self.node_of.get(node, ""))
-                if agent is not None:
-                    agent.send({"type": "stop"})
+                self._fire(record, NodeEvent.STOP)
+                if record.agent is not None:
+                    record.agent.send(Stop())
 
     def new_node(self) -> str | None:
         with self._lock:
             if self.cfg.replacement == "spare":
-                used = set(self.members) | self.starting
-                free = [s for s in self.spares if s not in used and s in self.agents]
+                free = [r for r in self.nodes.values() if r.state is NodeState.SPARE and r.agent is not None]
                 if not free:
                     self.log.emit("replacement_requested", node=None, how="spare", ok=False,
                                   detail="no spare node left in the allocation")
                     return None
-                node = free[0]
-                self.members.append(node)
-                self.log.emit("replacement_requested", node=node, how="spare", ok=True)
-                return node
+                self._fire(free[0], NodeEvent.ASSIGN)
+                self.log.emit("replacement_requested", node=free[0].node_id, how="spare", ok=True)
+                return free[0].node_id
             if self.cfg.replacement != "request":
                 return None
             token = f"r{next(self._tokens)}"
-        handle = self.launcher.request(token)
+            # Known before the request: its agent may register before the request returns.
+            self.nodes[token] = NodeRecord(token, NodeState.REQUESTED, None, replacement=True)
+        handle = self.launcher.request(token)  # outside the lock: sbatch may take seconds
         with self._lock:
             self.log.emit("replacement_requested", node=token, how="request", ok=handle is not None,
                           slurm_job=handle)
             if handle is None:
+                del self.nodes[token]  # never handed out; an agent that registers with it is refused
                 return None
-            self.requests[token] = handle
-            self.members.append(token)
+            self.nodes[token].request = handle
             return token
 
     # ---- fault drills ------------------------------------------------------------------------------
 
+    def _lookup(self, name: str) -> NodeRecord | None:
+        """The record of a Slurm node or of a node id (commands name either)."""
+        return self.nodes.get(self._ids.get(name, name))
+
     def note_fault(self, node: str, t: float, how: str) -> None:
         """A drill says it injects a fault into `node` at `t`: detection times are measured from it."""
-        ident = self.id_of.get(node, node)
-        self.fault_at[ident] = t
-        self.log.emit("fault_injected", node=ident, slurm_node=self.node_of.get(ident, node), how=how, at=t)
+        with self._lock:
+            record = self._lookup(node)
+            ident = record.node_id if record is not None else node
+            if record is not None:
+                record.fault_at = t
+            slurm = record.slurm_node if record is not None and record.slurm_node is not None else node
+        self.log.emit("fault_injected", node=ident, slurm_node=slurm, how=how, at=t)
         if self._store is not None:
             try:
                 self._store.set(keys.fault_time(ident), repr(t))
@@ -224,10 +384,11 @@ class AgentNodes:
         if how not in RELAYED_DRILLS:
             return True, ""  # kill-node does it itself (down, freeze, node)
         with self._lock:
-            agent = self.agents.get(self.node_of.get(node, node))
+            record = self._lookup(node)
+            agent = record.agent if record is not None else None
         if agent is None:
             return False, f"no agent on {node}"
-        agent.send({"type": "drill", "how": how, "worker": worker if isinstance(worker, int) else 0})
+        agent.send(Drill(how=how, worker=worker if isinstance(worker, int) and worker >= 0 else 0))
         return True, ""
 
     def _run_drills(self, step: int) -> None:
@@ -240,152 +401,190 @@ class AgentNodes:
 
     # ---- control messages (server threads) ---------------------------------------------------------
 
-    def _on_message(self, channel: Channel, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        now = time.time()
-        if kind == "register":
-            self._register(channel, message, now)
-        elif kind == "heartbeat":
+    def _on_message(self, channel: Channel, raw: dict[str, Any]) -> dict[str, Any] | None:
+        """Validate a received message (a bad one drops the peer: ProtocolError) and act on it."""
+        message = parse(raw)
+        reply = self._handle(channel, message, time.time())
+        return reply.to_dict() if reply is not None else None
+
+    def _handle(self, channel: Channel, message: Message, now: float) -> Message | None:
+        if isinstance(message, Register):
+            self._register(channel, message)
+        elif isinstance(message, Heartbeat):
             with self._lock:
-                ident = self.id_of.get(str(message.get("node")))
-                if ident is not None:
-                    self.membership.heartbeat(ident, now, node_worker_state(message.get("workers")))
-                    self._last_metrics[ident] = message
-        elif kind == "worker_exit":
+                record = self._lookup(message.node)
+                if record is not None:
+                    self.membership.heartbeat(record.node_id, now, node_worker_state(message.workers))
+                    record.last_beat = message
+        elif isinstance(message, WorkerExit):
+            self._worker_exit(message, now)
+        elif isinstance(message, HealthResult):
             with self._lock:
-                ident = str(message.get("node_id"))
-                if ident in self.membership.watched:
-                    code = int(message["code"])
-                    loss = self.membership.worker_exited(ident, code, now)
-                    if loss is not None:
-                        self._lost(loss)
-                    elif code == 0:
-                        self.membership.unwatch(ident)
-                        self._exits.put((ident, None))
-        elif kind == "health_result":
-            agent = self.agents.get(str(message.get("node")))
-            if agent is not None:
-                agent.health.put(message)
-        elif kind == "fault":
-            ok, detail = self.inject(str(message["node"]), str(message.get("how", "")), message.get("worker"),
-                                     float(message["t"]))
-            return {"type": "fault_result", "ok": ok, "detail": detail}
-        elif kind == "preempt":
-            self.log.emit("preempt_notice", node=self.id_of.get(str(message.get("node")), message.get("node")),
-                          signal=message.get("signal"))
+                record = self._lookup(message.node)
+                waiting = record.agent.checks.get(message.prefix) if record is not None and record.agent else None
+            if waiting is not None:  # else a check that was given up
+                waiting.put(message)
+        elif isinstance(message, Fault):
+            ok, detail = self.inject(message.node, message.how, message.worker, message.t)
+            return FaultResult(ok=ok, detail=detail)
+        elif isinstance(message, Preempt):
+            with self._lock:
+                record = self._lookup(message.node)
+            self.log.emit("preempt_notice", node=record.node_id if record is not None else message.node,
+                          signal=message.signal)
             if self.on_preempt is not None:
                 self.on_preempt()
-        elif kind == "status":
-            return self.status()  # type: ignore[return-value]
+        elif isinstance(message, Status):
+            return self.status()
+        # A metrics message (agent -> supervisor: [time, metric, value] samples) is handled here too.
+        else:
+            raise ProtocolError(f"the supervisor does not take {message.TYPE} messages")
         return None
+
+    def _worker_exit(self, message: WorkerExit, now: float) -> None:
+        with self._lock:
+            record = self.nodes.get(message.node_id)
+            if record is None or record.state is not NodeState.RUNNING:
+                return  # stopped or lost meanwhile: the coordinator knows already
+            loss = self.membership.worker_exited(record.node_id, message.code, now)
+            if loss is not None:
+                self._lost(loss)
+            elif message.code == 0:
+                self._fire(record, NodeEvent.FINISH)
+                self.membership.unwatch(record.node_id)
+                self._exits.put((record.node_id, None))
 
     def _on_refused(self, peer: str, reason: str) -> None:
         self.log.emit("refused", peer=peer, reason=reason)
 
     def _on_disconnect(self, channel: Channel) -> None:
-        node = str(channel.peer.get("node"))
         with self._lock:
-            agent = self.agents.get(node)
-            if agent is None or agent.channel is not channel:
-                return  # a drill or status client, or an agent that was already replaced
-            del self.agents[node]
-            ident = self.id_of.get(node)
-            if ident is not None and not self._stop.is_set():
-                loss = self.membership.agent_lost(ident, time.time())
+            record = self._lookup(str(channel.peer.get("node")))
+            if record is None or record.agent is None or record.agent.channel is not channel:
+                return  # a drill or status client, or a connection that never registered
+            record.agent = None
+            if not self._stop.is_set():
+                loss = self.membership.agent_lost(record.node_id, time.time())
                 if loss is not None:
                     self._lost(loss)
 
-    def _register(self, channel: Channel, message: dict[str, Any], now: float) -> None:
-        node = str(message["node"])
-        token = message.get("replacement")
+    def _register(self, channel: Channel, message: Register) -> None:
+        node, token = message.node, message.replacement
         with self._lock:
+            record = self.nodes.get(token) if token else self._lookup(node)
+            if token and (record is None or not record.replacement or record.slurm_node is not None):
+                return self._refuse(channel, node, f"unknown or already bound replacement {token!r}")
+            if record is None:
+                return self._refuse(channel, node, f"{node} is not a node of this job")
+            if record.agent is not None:
+                return self._refuse(channel, node, f"{record.node_id} already has an agent")
+            try:
+                self._fire(record, NodeEvent.REGISTER)
+            except IllegalTransition:
+                return self._refuse(channel, node, f"{record.node_id} is {record.state}: no agent may register")
             if token:
-                if token not in self.requests or token in self.node_of:
-                    self.log.emit("refused", peer=node, reason=f"unknown or already bound replacement {token!r}")
-                    channel.close()
-                    return
-                self.node_of[token], self.id_of[node] = node, token
-            pid = message.get("pid")
-            self.agents[node] = AgentConn(node, channel, replacement=token, pid=pid if isinstance(pid, int) else None)
-            self.log.emit("node", node=self.id_of.get(node, node), slurm_node=node,
-                          state="joining" if token else ("spare" if node in self.spares else "healthy"),
-                          agent_pid=message.get("pid"))
+                record.slurm_node = node
+                self._ids[node] = token
+            record.agent = AgentConn(channel, pid=message.pid)
+            self.log.emit("node", node=record.node_id, slurm_node=node,
+                          state="joining" if token else ("spare" if record.state is NodeState.SPARE else "healthy"),
+                          agent_pid=message.pid)
             self._registered.notify_all()
-            ident = self.id_of.get(node)
-            if ident is not None and ident in self.starting:
-                self._health_then_start(ident)
+            if record.state is NodeState.HEALTH_CHECK:  # the coordinator is waiting for it
+                self._begin_health_check(record)
+
+    def _refuse(self, channel: Channel, peer: str, reason: str) -> None:
+        self.log.emit("refused", peer=peer, reason=reason)
+        channel.close()
 
     # ---- starting workers --------------------------------------------------------------------------
 
-    def _start_worker(self, ident: str) -> None:
-        agent = self.agents[self.node_of[ident]]
-        self.starting.discard(ident)
-        self.trusted.add(ident)
-        self.membership.watch(ident, time.time())
-        agent.send({"type": "start", "node_id": ident, "workers": self.cfg.workers_per_node,
-                    "threads": self.cfg.threads_per_worker, "device": self.cfg.device})
+    def _fire(self, record: NodeRecord, event: NodeEvent) -> NodeState:
+        record.state = transition(record.state, event)
+        return record.state
 
-    def _health_then_start(self, ident: str) -> None:
-        threading.Thread(target=self._health_check, args=(ident,), name=f"health-{ident}", daemon=True).start()
+    def _start_worker(self, record: NodeRecord) -> None:
+        if self._fire(record, NodeEvent.START_WORKER) is not NodeState.RUNNING:
+            return  # lost meanwhile: the coordinator learns it from exited()
+        assert record.agent is not None  # the caller checked
+        record.trusted = True
+        self.membership.watch(record.node_id, time.time())
+        record.agent.send(Start(node_id=record.node_id, workers=self.cfg.workers_per_node,
+                                threads=self.cfg.threads_per_worker, device=self.cfg.device))
 
-    def _health_check(self, ident: str) -> None:
+    def _begin_health_check(self, record: NodeRecord) -> None:
+        assert record.agent is not None and record.state is NodeState.HEALTH_CHECK
+        record.health_check = keys.health_prefix(record.node_id, time.time_ns())
+        threading.Thread(target=self._health_check, args=(record, record.agent, record.health_check),
+                         name=f"health-{record.node_id}", daemon=True).start()
+
+    def _health_check(self, record: NodeRecord, agent: AgentConn, prefix: str) -> None:
         """A node that joins proves it can run a collective (here: with the supervisor) first."""
-        node = self.node_of[ident]
-        agent = self.agents.get(node)
-        if agent is None:
-            return
-        prefix = keys.health_prefix(ident, time.time_ns())
         t0 = time.time()
-        agent.send({"type": "health", "host": self.cfg.store_host, "port": self.cfg.store_port,
-                    "prefix": prefix, "timeout": HEALTH_TIMEOUT_S})
+        results: queue.Queue[HealthResult] = queue.Queue()
+        with self._lock:
+            agent.checks[prefix] = results
+        agent.send(Health(host=self.cfg.store_host, port=self.cfg.store_port, prefix=prefix,
+                          timeout=HEALTH_TIMEOUT_S))
         try:
             store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
                                   timeout=dt.timedelta(seconds=HEALTH_TIMEOUT_S))
             ok_here = health_peer(store, prefix, HEALTH_TIMEOUT_S)
-            result = agent.health.get(timeout=HEALTH_TIMEOUT_S)
-            ok, detail = ok_here and bool(result.get("ok")), str(result.get("detail", ""))
+            result = results.get(timeout=HEALTH_TIMEOUT_S)
+            ok, detail = ok_here and result.ok, result.detail
         except Exception as err:  # noqa: BLE001 - any failure means "not healthy"
             ok, detail = False, f"{type(err).__name__}: {err}"
-        self.log.emit("health_check", node=ident, slurm_node=node, ok=ok, seconds=time.time() - t0, detail=detail)
+        finally:
+            with self._lock:
+                del agent.checks[prefix]
+        self.log.emit("health_check", node=record.node_id, slurm_node=record.slurm_node, ok=ok,
+                      seconds=time.time() - t0, detail=detail)
         with self._lock:
-            if ident not in self.starting:
-                return
-            if ok:
-                self._start_worker(ident)
+            if record.state is not NodeState.HEALTH_CHECK or record.health_check != prefix:
+                return  # stopped meanwhile (and maybe started again: a newer check decides)
+            record.health_check = None
+            if ok and record.agent is agent:
+                self._start_worker(record)
             else:
-                self.starting.discard(ident)
-                self._exits.put((ident, Loss(ident, LossCause.JOIN_FAILED, f"health check failed: {detail}",
-                                             time.time())))
+                why = detail if not ok else "its agent went away"
+                loss = Loss(record.node_id, LossCause.JOIN_FAILED, f"health check failed: {why}", time.time())
+                self._fire(record, NodeEvent.LOSE)
+                record.loss = loss
+                self._exits.put((record.node_id, loss))
 
     # ---- detection ---------------------------------------------------------------------------------
 
     def _lost(self, loss: Loss) -> None:
         """Report a loss once: to the coordinator as an exit, to the log with cause and timing."""
-        fault = self.fault_at.get(loss.node)
-        slurm = self.node_of.get(loss.node, loss.node)
+        record = self.nodes[loss.node]
+        self._fire(record, NodeEvent.LOSE)
+        record.loss = loss
+        fault = record.fault_at
+        slurm = record.slurm_node or loss.node
         self.log.emit("node_lost", node=loss.node, slurm_node=slurm, cause=loss.cause, detail=loss.detail,
                       detection_seconds=(loss.t - fault) if fault else None, t=loss.t)
         self.log.emit("node", node=loss.node, slurm_node=slurm, state="lost", cause=loss.cause)
-        agent = self.agents.get(slurm)
-        if agent is not None:
-            agent.send({"type": "stop"})  # fence: a stopped or stray worker must not come back into play
+        if record.agent is not None:
+            record.agent.send(Stop())  # fence: a stopped or stray worker must not come back into play
         self._exits.put((loss.node, loss))
 
     def _watch(self) -> None:
         self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
                                     timeout=dt.timedelta(seconds=30))
-        for ident, t in self.fault_at.items():
+        with self._lock:
+            faults = {i: r.fault_at for i, r in self.nodes.items() if r.fault_at is not None}
+        for ident, t in faults.items():
             self._store.set(keys.fault_time(ident), repr(t))
         next_slurm = next_nodes = next_ranks = 0.0
         gen = -1
         while not self._stop.wait(WATCH_S):
             now = time.time()
             with self._lock:
-                for node, proc in list(self.sruns.items()):
-                    code = proc.poll()
+                for record in self.nodes.values():
+                    code = record.step.poll() if record.step is not None else None
                     if code is not None:
-                        del self.sruns[node]
-                        loss = self.membership.srun_exited(self.id_of.get(node, node), code, now)
+                        record.step = None
+                        loss = self.membership.srun_exited(record.node_id, code, now)
                         if loss:
                             self._lost(loss)
                 for loss in self.membership.check(now):
@@ -437,7 +636,8 @@ class AgentNodes:
 
     def _poll_slurm(self, now: float) -> None:
         with self._lock:
-            watched = {self.node_of[i]: i for i in self.membership.watched if i in self.node_of}
+            watched = {r.slurm_node: i for i in self.membership.watched
+                       if (r := self.nodes.get(i)) is not None and r.slurm_node is not None}
         try:
             states = self.launcher.node_states(sorted(watched))
         except Exception as err:  # noqa: BLE001 - slurmctld unreachable: other paths still detect
@@ -457,14 +657,22 @@ class AgentNodes:
             for ident in sorted(self.membership.watched):
                 if self.membership.is_lost(ident):
                     continue
-                m = self._last_metrics.get(ident, {})
+                record = self.nodes[ident]
+                beat = record.last_beat
+                workers = list(beat.workers) if beat is not None else None
                 age = self.membership.leases.age(ident, now) if ident in self.membership.leases.members() else None
-                self.log.emit("node", node=ident, slurm_node=self.node_of.get(ident, ident), state="healthy",
-                              heartbeat_age=age, cpu=m.get("cpu"), worker=node_worker_state(m.get("workers")),
-                              workers=m.get("workers"))
+                self.log.emit("node", node=ident, slurm_node=record.slurm_node or ident, state="healthy",
+                              heartbeat_age=age, cpu=beat.cpu if beat is not None else None,
+                              worker=node_worker_state(workers or ()), workers=workers)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusResult:
         with self._lock:
-            return {"type": "status", "members": list(self.members), "agents": sorted(self.agents),
-                    "watched": sorted(self.membership.watched), "node_of": dict(self.node_of),
-                    "requests": dict(self.requests), "agent_pids": {n: a.pid for n, a in self.agents.items()}}
+            records = self.nodes.values()
+            return StatusResult(
+                members=tuple(self.members),
+                agents=tuple(sorted(r.slurm_node for r in records if r.agent is not None and r.slurm_node)),
+                watched=tuple(sorted(self.membership.watched)),
+                node_of={r.node_id: r.slurm_node for r in records if r.slurm_node is not None},
+                requests={r.node_id: r.request for r in records if r.request is not None},
+                agent_pids={r.slurm_node: r.agent.pid for r in records if r.agent is not None and r.slurm_node},
+                states={r.node_id: str(r.state) for r in records})

@@ -10,7 +10,8 @@ Preemption / time limit (see preemption.py): the notice reaches the agents, whic
 supervisor signals itself, submitit's handler calls `SupervisorJob.checkpoint`, which waits for an
 on-demand checkpoint of the current step, marks the folder (`requeue`) and lets submitit requeue.
 
-Exit codes: 0 done; EXIT_UNRECOVERABLE (3) training cannot go on (do not requeue); 1 anything else.
+Exit codes (exit_codes.py): 0 done; EXIT_UNRECOVERABLE (3) training cannot go on (do not requeue); 1
+anything else.
 """
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_UNRECOVERABLE = 3  # the coordinator gave up (no replica, no checkpoint): a requeue would too
-CANCEL_MARKER = "cancelled"  # written by `cancel` before scancel
-REQUEUE_MARKER = "requeue"  # written on preemption / time limit: the next run resumes from a checkpoint
+from oobleck_slurm.cluster.jobdir import META_FILE, JobDir
+from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNRECOVERABLE
+
 JOIN_POLL_S = 0.2  # the main thread's wait on the supervisor thread: signals are handled between waits
 TEARDOWN_S = 30.0  # after the on-demand checkpoint: agents stopped, events closed, before the requeue
 
@@ -47,12 +46,12 @@ def advertised_host() -> str:
 def allocation_nodes(backend: str, recipe: Any) -> list[str]:
     if backend == "local":
         return [f"node{i + 1}" for i in range(recipe.cluster.nodes + recipe.cluster.spare_nodes)]
-    from oobleck_slurm.supervisor.launchers import expand_nodelist
+    from oobleck_slurm.cluster.slurm import expand_hostnames
 
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise RuntimeError("SLURM_JOB_NODELIST is not set: the slurm backend runs inside an allocation")
-    nodes = expand_nodelist(nodelist)
+    nodes = expand_hostnames(nodelist)
     batch = os.environ.get("SLURMD_NODENAME")
     if batch in nodes:  # the batch node first: it is a member (never a spare) and rank 0's home
         nodes.remove(batch)
@@ -64,12 +63,11 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
                    on_preempt: Any = None) -> int:
     """Run the job to its end; `preemption` (a Preemption) is set by whoever receives the notice,
     `on_preempt` is called when an agent relays one (default: set `preemption.requested`)."""
-    from oobleck_slurm.cluster.jobdir import JobDir
-    from oobleck_slurm.protocol.events import EventLog, events_path
+    from oobleck_slurm.protocol.events import EventLog
     from oobleck_slurm.supervisor.preemption import Preemption
 
-    job = JobDir(job_dir.resolve(), job_dir.resolve().name)
-    log = EventLog(events_path(job.path))
+    job = JobDir.at(job_dir)
+    log = EventLog(job.events)
     preemption = preemption or Preemption()
     started = time.time()
     try:
@@ -77,13 +75,15 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
         checkpointed = preemption.finished.is_set() and preemption.step is not None
         code, status, error = EXIT_OK, "preempted" if checkpointed else "completed", None
     except Exception as err:  # noqa: BLE001 - recorded for `status` and the user, then an exit code
+        from oobleck_slurm.cluster.jobdir import SUPERVISOR_ERROR
         from oobleck_slurm.supervisor.coordinator import CoordinatorError
 
-        (job.path / "logs" / "supervisor.err").write_text(traceback.format_exc())
+        (job.logs / SUPERVISOR_ERROR).write_text(traceback.format_exc())
         # `cancel` leaves a marker first: the losses that scancel causes are not a failure of training.
-        unrecoverable = isinstance(err, CoordinatorError) and not (job.path / CANCEL_MARKER).exists()
+        cancelled = job.cancel_marker.exists()
+        unrecoverable = isinstance(err, CoordinatorError) and not cancelled
         code = EXIT_UNRECOVERABLE if unrecoverable else EXIT_FAILED
-        status = "unrecoverable" if unrecoverable else "cancelled" if (job.path / CANCEL_MARKER).exists() else "failed"
+        status = "unrecoverable" if unrecoverable else "cancelled" if cancelled else "failed"
         error = f"{type(err).__name__}: {err}"
         print(f"supervisor: {error}", file=sys.stderr)
     log.emit("job_finished", status=status, exit_code=code, error=error, seconds=time.time() - started,
@@ -93,22 +93,19 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
     return code
 
 
-def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> None:
+def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) -> None:
     import torch.distributed as dist
 
-    from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, FAULTS_FILE, PROFILE_FILE
+    from oobleck_slurm.cluster.jobdir import load_secret
     from oobleck_slurm.engine.comm import Timeouts
-    from oobleck_slurm.engine.elastic_process import ELASTIC_FILE
     from oobleck_slurm.engine.faults import load_faults
     from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for
     from oobleck_slurm.engine.worker import check_supported
     from oobleck_slurm.planning import instantiate
     from oobleck_slurm.planning.pregenerate import pregenerate
-    from oobleck_slurm.supervisor.agent import SUPERVISOR_FILE
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
     from oobleck_slurm.supervisor.launchers import LocalLauncher, SrunLauncher
-    from oobleck_slurm.supervisor.secret import load_secret
 
     recipe = job.recipe()
     meta = job.meta()
@@ -117,23 +114,22 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
     if len(nodes) < cluster.nodes:
         raise RuntimeError(f"the allocation has {len(nodes)} node(s) ({nodes}); the recipe needs {cluster.nodes}")
     members, spares = nodes[:cluster.nodes], nodes[cluster.nodes:]
-    requeued = (job.path / REQUEUE_MARKER).exists()
+    requeued = job.requeue_marker.exists()
     log.emit("job_started", job_id=job.job_id, backend=backend, recipe=recipe.name, recipe_path=str(job.recipe_path),
              nodes=members, spares=spares, f=ft.f, steps=recipe.training.steps, pid=os.getpid(),
              slurm_job_id=os.environ.get("SLURM_JOB_ID"), supervisor_node=os.environ.get("SLURMD_NODENAME"),
              requeued=requeued, workers_per_node=cluster.devices_per_node,
              device="cuda" if cluster.gpus_per_node else "cpu")
 
-    token_file = token_file_for(recipe, job.path / "data")
+    token_file = token_file_for(recipe, job.data)
     spec = job_from_recipe(recipe, token_file)
     check_supported(spec)
-    if (job.path / FAULTS_FILE).is_file():  # drills: worker faults (engine/faults.py)
-        spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.path / FAULTS_FILE)})
+    if job.faults.is_file():  # drills: worker faults (engine/faults.py)
+        spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.faults)})
     # The profile `submit` planned with: a file given to it (kept in the job folder), an estimate, or
     # the measured one in the cache; the job's plan is the one `plan` shows for the same inputs.
-    profile_file = job.path / PROFILE_FILE
     profile, templates = pregenerate(recipe, meta.get("templates_cache", "templates_cache"),
-                                     profile_file=profile_file if profile_file.is_file() else None,
+                                     profile_file=job.profile if job.profile.is_file() else None,
                                      estimate_gpu=meta.get("estimate_gpu"))
     plan = instantiate(templates, members, ft.f, recipe.training.global_microbatches,
                        microbatch_size=recipe.training.microbatch_size, profile=profile)
@@ -142,9 +138,9 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
     run_s = 60.0 * 60 * 24 * 30
     timeouts = Timeouts(collective=ft.collective_timeout, step=ft.step_timeout, run=run_s)
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store"))
-    ckpt_dir = str(job.path / CHECKPOINTS_DIR)  # periodic if checkpoint_interval > 0; on-demand and final always
-    (job.path / "job.json").write_text(spec.to_json())
-    (job.path / ELASTIC_FILE).write_text(json.dumps({
+    ckpt_dir = str(job.checkpoints)  # periodic if checkpoint_interval > 0; on-demand and final always
+    job.job_spec.write_text(spec.to_json())
+    job.elastic.write_text(json.dumps({
         "host": host, "port": store.port, "timeouts": asdict(timeouts),
         "reconfiguration_timeout": ft.reconfiguration_timeout, "checkpoint_interval": ft.checkpoint_interval,
         "checkpoint_dir": ckpt_dir, "workers_per_node": cluster.devices_per_node}))
@@ -157,9 +153,8 @@ def _run(job: Any, backend: str, log: Any, preemption: Any, on_preempt: Any) -> 
         device="cuda" if cluster.gpus_per_node else "cpu"), members, spares, on_preempt=on_preempt,
         drills=recipe.drills if meta.get("drills", True) and not requeued else ())
     nodes_backend.server.start()
-    (job.path / SUPERVISOR_FILE).write_text(json.dumps({
-        "host": host, "port": nodes_backend.port, "heartbeat_interval": ft.heartbeat_interval,
-        "pid": os.getpid(), "store_port": store.port}))
+    job.write_supervisor_address(host=host, port=nodes_backend.port, heartbeat_interval=ft.heartbeat_interval,
+                                 pid=os.getpid(), store_port=store.port)
     job.update_meta(supervisor={"host": host, "port": nodes_backend.port, "pid": os.getpid()},
                     slurm_job_id=os.environ.get("SLURM_JOB_ID") or meta.get("slurm_job_id"))
     config = CoordinatorConfig(f=ft.f, reconfiguration_timeout=ft.reconfiguration_timeout, run_timeout=run_s,
@@ -215,17 +210,16 @@ class SupervisorJob:
 
         from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S
 
-        path = Path(self.job_dir)
+        job = JobDir.at(self.job_dir)
         thread = getattr(self, "_thread", None)
         if thread is not None:
             self._relayed.set()  # the notice came straight to this process: no relay needed
             self._preemption.requested.set()
             self._preemption.finished.wait(CHECKPOINT_TIMEOUT_S + TEARDOWN_S)
             thread.join(TEARDOWN_S)
-        meta = json.loads((path / "meta.json").read_text())
-        if meta.get("status") in ("unrecoverable", "completed", "cancelled") or (path / CANCEL_MARKER).exists():
+        if job.meta().get("status") in ("unrecoverable", "completed", "cancelled") or job.cancel_marker.exists():
             return None  # do not requeue what cannot go on, nor what is over
-        (path / REQUEUE_MARKER).write_text(dt.datetime.now().isoformat())
+        job.requeue_marker.write_text(dt.datetime.now().isoformat())
         return submitit.helpers.DelayedSubmission(SupervisorJob(self.job_dir))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -237,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job_dir", type=Path)
     parser.add_argument("--backend", choices=["slurm", "local"], default="slurm")
     args = parser.parse_args(argv)
-    if not (args.job_dir / "meta.json").is_file():
-        print(f"supervisor: {args.job_dir} is not a job folder (no meta.json)", file=sys.stderr)
+    if not (args.job_dir / META_FILE).is_file():
+        print(f"supervisor: {args.job_dir} is not a job folder (no {META_FILE})", file=sys.stderr)
         return EXIT_FAILED
     return run_supervisor(args.job_dir, args.backend)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_slurm.cluster.jobdir import META_FILE, JobNotFound, find_job
+from oobleck_slurm.cluster.jobdir import META_FILE, JobDir, JobNotFound, find_job
 from oobleck_slurm.protocol.events import events_path
 
 
@@ -84,3 +84,28 @@ def test_commands_report_a_bad_job_in_one_line_without_a_traceback(tmp_path: Pat
     done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "status", "copied"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "looked for copied/meta.json" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_every_file_of_a_job_folder_is_named_by_jobdir(tmp_path: Path) -> None:
+    job = JobDir.at(tmp_path / "j")
+    assert job.job_id == "j" and job.path == (tmp_path / "j").resolve()
+    names = {p.relative_to(job.path).as_posix() for p in (
+        job.recipe_path, job.meta_path, job.events, job.profile, job.faults, job.job_spec, job.elastic,
+        job.supervisor_file, job.cancel_marker, job.requeue_marker, job.data, job.checkpoints, job.logs,
+        job.submitit, job.agent_log("node2"), job.worker_log("r1", 3))}
+    assert names == {"recipe.yaml", "meta.json", "events.jsonl", "profile.json", "faults.json", "job.json",
+                     "elastic.json", "supervisor.json", "cancelled", "requeue", "data", "checkpoints", "logs",
+                     "submitit", "logs/agent-node2.log", "logs/worker-r1-3.log"}
+    assert events_path(job.path) == job.events
+
+
+def test_the_supervisor_address_is_absent_until_written_whole(tmp_path: Path) -> None:
+    job = JobDir.at(tmp_path)
+    assert job.supervisor_address() is None
+    job.supervisor_file.write_text('{"host": "node1", "po')  # a writer that is not atomic, mid-write
+    assert job.supervisor_address() is None
+    job.supervisor_file.write_text('{"host": "node1"}')  # no port: not an address
+    assert job.supervisor_address() is None
+    job.write_supervisor_address(host="node1", port=4242, heartbeat_interval=1.0)
+    assert job.supervisor_address() == {"host": "node1", "port": 4242, "heartbeat_interval": 1.0}
+    assert [p.name for p in tmp_path.iterdir()] == ["supervisor.json"]  # no temporary file left

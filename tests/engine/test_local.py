@@ -1,6 +1,8 @@
 """The embedded default through the production path: recipe -> planner plan -> supervisor, agents and
 workers on the shipped text; and the mapping of a planner plan to worker ranks."""
 
+from pathlib import Path
+
 import pytest
 from jobrun import run_job
 
@@ -31,7 +33,8 @@ def test_loss_falls_on_the_shipped_text(tmp_path, templates_cache):
 
 
 def test_planner_plan_maps_to_ranks(tmp_path):
-    recipe = load_recipe()
+    # local-tiny: the embedded default's memory budget per device is sized for its measured CPU profile
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "local-tiny.yaml")
     profile, templates = pregenerate(recipe, tmp_path / "templates_cache", estimate_gpu="A100-40")
     plan = instantiate(templates, recipe.cluster.nodes, recipe.fault_tolerance.f,
                        recipe.training.global_microbatches, microbatch_size=recipe.training.microbatch_size)

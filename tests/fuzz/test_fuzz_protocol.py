@@ -1,6 +1,8 @@
 """Fuzzing the control plane's frame reader over real sockets: whatever a peer sends (random bytes,
 truncated, oversized, replayed or wrongly authenticated frames, hostile JSON inside a valid tag), the
-reader raises only ProtocolError, or EOFError when the peer closed, and never hangs.
+reader raises only ProtocolError, or EOFError when the peer closed, and never hangs. And the messages
+inside (protocol/messages.py): whatever object a frame holds, `parse` returns a message, which sends
+and parses back to itself, or raises ProtocolError.
 
 Every socket has a timeout: a reader that waited for bytes that never come would raise
 socket.timeout (TimeoutError), which fails the property instead of hanging the suite.
@@ -15,13 +17,18 @@ import os
 import socket
 import struct
 import threading
+import types
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import MISSING, fields
+from typing import Any
 
 from fuzzlib import fuzz_settings, json_values
 from hypothesis import given
 from hypothesis import strategies as st
 
+from oobleck_slurm.protocol.messages import MESSAGES, Message, parse
 from oobleck_slurm.protocol.wire import (
     HANDSHAKE_MAGIC,
     NONCE_BYTES,
@@ -237,3 +244,76 @@ def test_handshake_then_messages_both_ways() -> None:
         server.send({"type": "pong"})
         assert client.recv() == {"type": "pong"}
         assert TAG_BYTES == 32
+
+
+# ---- messages ---------------------------------------------------------------------------------------
+
+FIELD_NAMES = sorted({f.name for cls in MESSAGES.values() for f in fields(cls)})
+
+
+def values_for(annotation: Any) -> st.SearchStrategy[Any]:
+    """JSON values of the kind a message field is annotated with (some out of the field's range)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of([st.none() if a is type(None) else values_for(a) for a in args])
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return st.lists(values_for(args[0]), max_size=3)
+        return st.tuples(*[values_for(a) for a in args]).map(list)
+    if origin is dict:
+        return st.dictionaries(st.text(max_size=5), values_for(args[1]), max_size=3)
+    return {str: st.text(max_size=10), int: st.integers(-3, 70000), bool: st.booleans(),
+            float: st.floats(allow_nan=False, allow_infinity=False) | st.integers(-5, 5)}[annotation]
+
+
+@st.composite
+def well_typed(draw: st.DrawFn) -> dict[str, Any]:
+    """A message of a random type with every field of the right JSON type (optional ones maybe left out)."""
+    cls = draw(st.sampled_from(sorted(MESSAGES.values(), key=lambda c: c.TYPE)))
+    hints = typing.get_type_hints(cls)
+    data: dict[str, Any] = {"type": cls.TYPE}
+    for f in fields(cls):
+        optional = f.default is not MISSING or f.default_factory is not MISSING
+        if not optional or draw(st.booleans()):
+            data[f.name] = draw(values_for(hints[f.name]))
+    return data
+
+
+# Keys of real fields, others, and non-string ones (a caller's dict, not JSON); values of any JSON type.
+hostile_dicts = st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=8) | st.integers(),
+                                json_values(8), max_size=6)
+random_messages = (
+    hostile_dicts
+    | st.tuples(st.sampled_from(sorted(MESSAGES)) | st.text(max_size=8) | json_values(2), hostile_dicts).map(
+        lambda kd: {**kd[1], "type": kd[0]})
+    | well_typed()
+)
+
+
+def assert_round_trips(message: Message) -> None:
+    wire = message.to_dict()
+    assert wire["type"] == message.TYPE
+    assert parse(json.loads(json.dumps(wire))) == message  # what a peer receives is what was sent
+
+
+@fuzz_settings()
+@given(data=random_messages | json_values(8))
+def test_parse_returns_a_message_or_raises_protocol_error(data: Any) -> None:
+    try:
+        message = parse(data)
+    except ProtocolError as err:
+        assert str(err)  # says what is wrong
+        return
+    assert isinstance(message, MESSAGES[data["type"]])
+    assert_round_trips(message)
+
+
+@fuzz_settings()
+@given(data=well_typed())
+def test_well_typed_messages_parse_unless_out_of_range(data: dict[str, Any]) -> None:
+    try:
+        message = parse(data)
+    except ProtocolError as err:
+        assert "must be at" in str(err), err  # only a range (port, worker, ...) refuses a well-typed message
+        return
+    assert_round_trips(message)

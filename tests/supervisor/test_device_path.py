@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from oobleck_slurm.cluster.slurm import srun_argv
 from oobleck_slurm.engine.comm import CollectiveError, is_collective_error, make_group
 from oobleck_slurm.recipe import RecipeError, load_recipe
 from oobleck_slurm.supervisor.agent import NCCL_WORKER_ENV, worker_env
-from oobleck_slurm.supervisor.launchers import srun_argv
 
 
 def test_each_worker_gets_its_device_threads_and_nccl_settings() -> None:
@@ -27,9 +27,9 @@ def test_each_worker_gets_its_device_threads_and_nccl_settings() -> None:
 
 
 def test_a_gpu_nodes_step_takes_all_its_gpus_without_per_task_binding() -> None:
-    argv = srun_argv(Path("/jobs/j"), "gpu07", cpus=72, gpus=4)
+    argv = srun_argv("gpu07", ["agent"], cpus=72, gpus=4)
     assert "--gpus-per-node=4" in argv and "--gpu-bind=none" in argv and "--nodelist=gpu07" in argv
-    assert not [a for a in srun_argv(Path("/jobs/j"), "cn01", cpus=2) if a.startswith("--gpu")]
+    assert not [a for a in srun_argv("cn01", ["agent"], cpus=2) if a.startswith("--gpu")]
 
 
 def test_collective_errors_are_told_from_bugs() -> None:

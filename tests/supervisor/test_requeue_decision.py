@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import submitit
 
-from oobleck_slurm.supervisor.main import CANCEL_MARKER, REQUEUE_MARKER, SupervisorJob
+from oobleck_slurm.cluster.jobdir import CANCEL_MARKER, REQUEUE_MARKER
+from oobleck_slurm.supervisor.main import SupervisorJob
 
 
 def job_dir(tmp_path: Path, status: str | None) -> Path:

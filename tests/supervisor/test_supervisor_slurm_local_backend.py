@@ -25,7 +25,7 @@ def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path, te
                      templates_cache) as job:
         wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
         port = live_status(job)  # authenticated status works
-        assert port["members"] == ["node1", "node2", "node3", "node4"]
+        assert port.members == ("node1", "node2", "node3", "node4")
         supervisor = (job / "supervisor.json").read_text()
         address = __import__("json").loads(supervisor)
         with pytest.raises((EOFError, OSError, ProtocolError)):  # refused: no authenticated reply

@@ -1,0 +1,323 @@
+"""Control-plane messages, one frozen dataclass per type, validated where they enter a process.
+
+Every message on the control plane (wire.py frames: supervisor <-> agents, commands -> supervisor)
+is one of these. `parse(dict)` turns a received JSON object into its message and refuses anything
+else with a ProtocolError naming the type and the field (unknown type, missing or unknown field,
+wrong JSON type, a non-finite number); `to_dict()` is what is sent. A peer that sends an invalid
+message is a broken peer: the receiver drops its connection (server.py), as for a bad frame.
+
+    hello          any -> supervisor   the handshake's first frame (wire.py): who connects
+    register       agent -> supervisor  an agent is up on `node` (a replacement names its token)
+    heartbeat      agent -> supervisor  alive, with its workers' process states and the node's CPU use
+    worker_exit    agent -> supervisor  a worker failed (its node's others are killed), or all finished (0)
+    health_result  agent -> supervisor  the outcome of a health check
+    preempt        agent -> supervisor  Slurm's preemption / time-limit signal reached the node
+    fault          command -> supervisor  a drill injects a fault now; replied to with fault_result
+    status         command -> supervisor  replied to with status_result (the backend's view of the nodes)
+    start          supervisor -> agent  start the node's workers under a node id
+    stop           supervisor -> agent  kill the workers
+    health         supervisor -> agent  run a health check collective with the supervisor
+    drill          supervisor -> agent  a fault that the agent carries out (kill itself, kill or stop a worker)
+    shutdown       supervisor -> agent  stop the workers and exit
+
+Field types are checked from the annotations: str, int (not bool), float (an int is taken),
+bool, `X | None`, `tuple[X, ...]` (a JSON list), fixed `tuple[A, B]` (a list of that length) and
+`dict[str, X]` (an object); nothing else is used.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar, TypeVar, Union
+
+from oobleck_slurm.protocol.wire import ProtocolError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Base of every message type; `TYPE` is its "type" on the wire."""
+
+    TYPE: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, **{f.name: _plain(getattr(self, f.name)) for f in fields(self)}}
+
+
+# ---- agent -> supervisor ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(Message):
+    TYPE: ClassVar[str] = "hello"
+    role: str  # agent | client
+    node: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Register(Message):
+    TYPE: ClassVar[str] = "register"
+    node: str  # the Slurm node (or local virtual node) the agent runs on
+    replacement: str | None = None  # the token (r1, r2, ...) the supervisor asked Slurm for
+    pid: int | None = None  # the agent's process id on its node (local drills find the node's processes by it)
+    slurm_job_id: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    node: str
+    workers: tuple[str, ...] = ()  # psutil's state of each worker process ("running", "stopped", "gone")
+    cpu: float | None = None  # the node's CPU use, %
+    t: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerExit(Message):
+    TYPE: ClassVar[str] = "worker_exit"
+    node: str
+    node_id: str  # the id the supervisor started the workers under
+    code: int  # the first failed worker's exit code, or 0 once every worker finished
+    worker: int | None = None  # which worker failed
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthResult(Message):
+    TYPE: ClassVar[str] = "health_result"
+    node: str
+    prefix: str  # the check's, from its health message: a late result of an earlier check is told apart
+    ok: bool
+    seconds: float
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preempt(Message):
+    TYPE: ClassVar[str] = "preempt"
+    node: str
+    signal: str
+    t: float
+
+
+# Metrics (agent -> supervisor: batches of [time, metric, value] samples) belongs here, e.g.
+#   class Metrics(Message): TYPE = "metrics"; node: str; samples: tuple[tuple[float, str, float], ...]
+# with its entry in MESSAGES below.
+
+# ---- commands -> supervisor, and the replies --------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Fault(Message):
+    TYPE: ClassVar[str] = "fault"
+    node: str  # a node id or a Slurm node name
+    how: str  # kill-node's --how
+    worker: int = 0
+    t: float  # when the fault is injected (detection times are measured from it)
+
+    def __post_init__(self) -> None:
+        _at_least(self, "worker", 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultResult(Message):
+    TYPE: ClassVar[str] = "fault_result"
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status(Message):
+    TYPE: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusResult(Message):
+    TYPE: ClassVar[str] = "status_result"
+    members: tuple[str, ...]  # node ids handed to the coordinator, in order
+    agents: tuple[str, ...]  # Slurm nodes with a connected agent
+    watched: tuple[str, ...]  # node ids every detection path watches
+    node_of: dict[str, str]  # node id -> Slurm node
+    requests: dict[str, str]  # replacement token -> Slurm job id
+    agent_pids: dict[str, int | None]  # Slurm node -> its agent's process id
+    states: dict[str, str]  # node id -> its NodeState (agent_nodes.py)
+
+
+# ---- supervisor -> agent ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Start(Message):
+    TYPE: ClassVar[str] = "start"
+    node_id: str
+    workers: int = 1  # one per device
+    threads: int = 1  # CPU threads of each worker
+    device: str = "cpu"  # cpu | cuda
+
+    def __post_init__(self) -> None:
+        _at_least(self, "workers", 1)
+        _at_least(self, "threads", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stop(Message):
+    TYPE: ClassVar[str] = "stop"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Health(Message):
+    TYPE: ClassVar[str] = "health"
+    host: str  # the job store's address
+    port: int
+    prefix: str  # the store prefix of the check's group (keys.health_prefix)
+    timeout: float
+
+    def __post_init__(self) -> None:
+        _at_least(self, "port", 1)
+        _at_most(self, "port", 65535)
+        _at_least(self, "timeout", 0.001)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drill(Message):
+    TYPE: ClassVar[str] = "drill"
+    how: str  # agent | worker | hang
+    worker: int = 0
+
+    def __post_init__(self) -> None:
+        _at_least(self, "worker", 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shutdown(Message):
+    TYPE: ClassVar[str] = "shutdown"
+
+
+M = TypeVar("M", bound=Message)
+
+MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (
+    Hello, Register, Heartbeat, WorkerExit, HealthResult, Preempt, Fault, FaultResult, Status, StatusResult,
+    Start, Stop, Health, Drill, Shutdown)}
+
+
+# ---- validation -------------------------------------------------------------------------------------
+
+def parse(data: Any) -> Message:
+    """The message `data` (a received JSON object) is; ProtocolError naming the type and field if it
+    is none."""
+    if not isinstance(data, dict):
+        raise ProtocolError(f"a message must be a JSON object, got {_json_name(data)}")
+    kind = data.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError("a message needs a string 'type'")
+    cls = MESSAGES.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {kind[:50]!r}")
+    hints = _hints(cls)
+    unknown = sorted(str(k) for k in data if k != "type" and k not in hints)
+    if unknown:
+        raise ProtocolError(f"{kind} message: unknown field {unknown[0][:50]!r}")
+    values = {}
+    for f in fields(cls):
+        if f.name in data:
+            values[f.name] = _check(data[f.name], hints[f.name], f"{kind} message: field {f.name!r}")
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise ProtocolError(f"{kind} message: missing field {f.name!r}")
+    return cls(**values)
+
+
+def expect(data: Any, cls: type[M]) -> M:
+    """`parse(data)`, which must be a `cls` (a reply to a request)."""
+    message = parse(data)
+    if not isinstance(message, cls):
+        raise ProtocolError(f"expected a {cls.TYPE} message, got {message.TYPE}")
+    return message
+
+
+def _at_least(message: Message, name: str, low: float) -> None:
+    if getattr(message, name) < low:
+        raise ProtocolError(f"{message.TYPE} message: field {name!r} must be at least {low:g}, "
+                            f"got {_short(getattr(message, name))}")
+
+
+def _at_most(message: Message, name: str, high: float) -> None:
+    if getattr(message, name) > high:
+        raise ProtocolError(f"{message.TYPE} message: field {name!r} must be at most {high:g}, "
+                            f"got {_short(getattr(message, name))}")
+
+
+_HINTS: dict[type[Message], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Message]) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = {f.name: typing.get_type_hints(cls)[f.name] for f in fields(cls)}
+    return _HINTS[cls]
+
+
+def _check(value: Any, annotation: Any, where: str) -> Any:
+    """`value` as `annotation` says (JSON lists become tuples), or ProtocolError saying `where`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]  # only `X | None` is used
+        return _check(value, inner, where)
+    if annotation is str and isinstance(value, str):
+        return value
+    if annotation is bool and isinstance(value, bool):
+        return value
+    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond any float
+            number = math.inf
+        if not math.isfinite(number):
+            raise ProtocolError(f"{where} must be a finite number, got {_short(value)}")
+        return number
+    if origin is tuple and isinstance(value, list):
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) == len(args):
+            return tuple(_check(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict and isinstance(value, dict):
+        checked = {}
+        for key, item in value.items():
+            if not isinstance(key, str):  # never from JSON; a caller's dict may hold anything
+                raise ProtocolError(f"{where} must have string keys, got {_json_name(key)}")
+            checked[key] = _check(item, args[1], f"{where}[{key[:50]!r}]")
+        return checked
+    raise ProtocolError(f"{where} must be {_type_name(annotation)}, got {_json_name(value)}")
+
+
+def _type_name(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is tuple:
+        return "a list" if len(args) == 2 and args[1] is Ellipsis else f"a list of {len(args)}"
+    if origin is dict:
+        return "an object"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}[annotation]
+
+
+def _json_name(value: Any) -> str:
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _short(number: float) -> str:
+    try:
+        return str(number)[:50]
+    except ValueError:  # an integer of more digits than Python converts to text
+        return "a number too large to print"
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as JSON has it (tuples as lists)."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,227 @@
+"""`AgentNodes` over its real control server, with agents played by this test over real sockets in
+protocol/messages.py's messages (no training): registration (refused when it must be), start, finish,
+the losses a live agent reports, the fence, a spare's join through a real health check, and a peer
+that sends what the supervisor does not take."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from oobleck_slurm.cluster.jobdir import create_secret
+from oobleck_slurm.protocol.events import EventLog, read_events
+from oobleck_slurm.protocol.messages import (
+    Health,
+    HealthResult,
+    Hello,
+    Message,
+    Register,
+    Start,
+    Stop,
+    WorkerExit,
+    parse,
+)
+from oobleck_slurm.protocol.wire import Channel, ProtocolError
+from oobleck_slurm.supervisor import health
+from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig, NodeState
+from oobleck_slurm.supervisor.launchers import LocalLauncher
+from oobleck_slurm.supervisor.membership import LossCause
+from oobleck_slurm.supervisor.server import connect
+
+IO_TIMEOUT_S = 10.0
+
+
+def until(what: str, check: Callable[[], Any], timeout: float = IO_TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not within {timeout} s")
+        time.sleep(0.01)
+    return found
+
+
+class Backend:
+    def __init__(self, tmp_path: Path) -> None:
+        self.events = tmp_path / "events.jsonl"
+        self.secret = create_secret(tmp_path)
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.log = EventLog(self.events)
+        (tmp_path / "logs").mkdir()
+        self.nodes = AgentNodes(self.secret, LocalLauncher(tmp_path), self.log, BackendConfig(
+            heartbeat_interval=1.0, heartbeat_lease=30.0, step_timeout=30.0, replacement="spare",
+            store_host="127.0.0.1", store_port=self.store.port, workers_per_node=2, threads_per_worker=3),
+            members=["node1", "node2"], spares=["node3"])
+        self.nodes.server.start()
+
+    def agent(self, node: str, message: Message | None = None) -> Channel:
+        """An agent of `node` that sent `message` (default: its registration)."""
+        channel = connect("127.0.0.1", self.nodes.port, self.secret, Hello(role="agent", node=node).to_dict())
+        channel.sock.settimeout(IO_TIMEOUT_S)
+        channel.send((message or Register(node=node, pid=1234)).to_dict())
+        return channel
+
+    def state(self, node: str) -> NodeState:
+        return self.nodes.nodes[node].state
+
+    def kinds(self, kind: str) -> list[dict[str, Any]]:
+        return read_events(self.events, kind)
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[Backend]:
+    b = Backend(tmp_path)
+    yield b
+    b.nodes.close()
+    b.log.close()
+
+
+def registered(b: Backend, node: str) -> Channel:
+    channel = b.agent(node)
+    until(f"{node} registered", lambda: b.nodes.nodes[node].agent is not None)
+    return channel
+
+
+def test_members_and_spares_register_then_a_member_starts_and_finishes(backend: Backend) -> None:
+    agents = {n: registered(backend, n) for n in ("node1", "node2", "node3")}
+    assert [backend.state(n) for n in ("node1", "node2", "node3")] == [NodeState.IDLE, NodeState.IDLE,
+                                                                        NodeState.SPARE]
+    status = backend.nodes.status()
+    assert status.members == ("node1", "node2") and status.agents == ("node1", "node2", "node3")
+    assert status.agent_pids == {"node1": 1234, "node2": 1234, "node3": 1234}
+    assert status.states == {"node1": "idle", "node2": "idle", "node3": "spare"}
+
+    backend.nodes.start("node1")  # a trusted member: its workers start at once
+    assert parse(agents["node1"].recv()) == Start(node_id="node1", workers=2, threads=3, device="cpu")
+    assert backend.state("node1") is NodeState.RUNNING and backend.nodes.status().watched == ("node1",)
+
+    agents["node1"].send(WorkerExit(node="node1", node_id="node1", code=0).to_dict())
+    assert until("the finish", backend.nodes.exited) == {"node1": None}
+    assert backend.state("node1") is NodeState.FINISHED and backend.nodes.status().watched == ()
+
+
+def test_a_failed_worker_loses_its_node_once_and_fences_it(backend: Backend) -> None:
+    agent = registered(backend, "node2")
+    backend.nodes.start("node2")
+    assert isinstance(parse(agent.recv()), Start)
+    backend.nodes.note_fault("node2", time.time(), "worker")
+    agent.send(WorkerExit(node="node2", node_id="node2", code=9, worker=1).to_dict())
+    (loss,) = until("the loss", backend.nodes.exited).values()
+    assert (loss.node, loss.cause, loss.detail) == ("node2", LossCause.PROCESS_EXIT, "worker exited with code 9")
+    assert parse(agent.recv()) == Stop()  # the fence
+    (lost,) = backend.kinds("node_lost")
+    assert lost["cause"] == "process_exit" and lost["detection_seconds"] >= 0
+    # Lost is final: a late report, a start that raced with the report, a disconnect change nothing.
+    agent.send(WorkerExit(node="node2", node_id="node2", code=0).to_dict())
+    backend.nodes.start("node2")
+    agent.close()
+    until("the disconnect", lambda: backend.nodes.nodes["node2"].agent is None)
+    assert backend.state("node2") is NodeState.LOST and backend.nodes.exited() == {}
+    assert len(backend.kinds("node_lost")) == 1
+
+
+def test_a_running_nodes_agent_going_away_is_agent_lost(backend: Backend) -> None:
+    agent = registered(backend, "node1")
+    backend.nodes.start("node1")
+    assert isinstance(parse(agent.recv()), Start)
+    agent.close()
+    (loss,) = until("the loss", backend.nodes.exited).values()
+    assert loss.cause is LossCause.AGENT_LOST and backend.state("node1") is NodeState.LOST
+
+
+class AgentsSideOfCheck(threading.Thread):
+    """The agent's side of a health check (agent.py runs it as a process): the real collective with the
+    supervisor, in a thread; `code` is the check's exit code."""
+
+    def __init__(self, check: Health) -> None:
+        super().__init__()
+        self.check, self.code = check, None
+        self.start()
+
+    def run(self) -> None:
+        c = self.check
+        self.code = health.main([c.host, str(c.port), c.prefix, str(c.timeout)])
+
+
+def test_a_spare_joins_through_a_real_health_check(backend: Backend) -> None:
+    agent = registered(backend, "node3")
+    assert backend.nodes.new_node() == "node3" and backend.state("node3") is NodeState.IDLE
+    backend.nodes.start("node3")  # a spare is not trusted: checked first
+    assert backend.state("node3") is NodeState.HEALTH_CHECK
+    check = parse(agent.recv())
+    assert isinstance(check, Health)
+    peer = AgentsSideOfCheck(check)
+    peer.join(IO_TIMEOUT_S)
+    agent.send(HealthResult(node="node3", prefix=check.prefix, ok=peer.code == 0, seconds=0.1).to_dict())
+    assert parse(agent.recv()) == Start(node_id="node3", workers=2, threads=3, device="cpu")
+    assert backend.state("node3") is NodeState.RUNNING
+    (checked,) = backend.kinds("health_check")
+    assert checked["ok"] and checked["node"] == "node3"
+    assert backend.nodes.new_node() is None  # no spare left
+    assert backend.kinds("replacement_requested")[-1]["ok"] is False
+
+
+def test_a_stopped_check_is_abandoned_and_a_failed_one_fails_the_join(backend: Backend) -> None:
+    agent = registered(backend, "node3")
+    backend.nodes.new_node()
+    backend.nodes.start("node3")
+    first = parse(agent.recv())
+    assert isinstance(first, Health)
+    first_peer = AgentsSideOfCheck(first)
+    backend.nodes.stop(["node3"])  # a checkpoint fallback, say
+    assert parse(agent.recv()) == Stop() and backend.state("node3") is NodeState.IDLE
+    backend.nodes.start("node3")
+    second = parse(agent.recv())
+    assert isinstance(second, Health) and first.prefix != second.prefix
+    first_peer.join(IO_TIMEOUT_S)
+    # The first check passes, late: its result is ignored (the node was stopped meanwhile).
+    agent.send(HealthResult(node="node3", prefix=first.prefix, ok=True, seconds=0.1).to_dict())
+    until("the first check's end", lambda: backend.kinds("health_check"))
+    assert backend.state("node3") is NodeState.HEALTH_CHECK
+    second_peer = AgentsSideOfCheck(second)
+    second_peer.join(IO_TIMEOUT_S)
+    agent.send(HealthResult(node="node3", prefix=second.prefix, ok=False, seconds=0.1, detail="no GPU").to_dict())
+    (loss,) = until("the failed join", backend.nodes.exited).values()
+    assert (loss.cause, loss.detail) == (LossCause.JOIN_FAILED, "health check failed: no GPU")
+    assert backend.state("node3") is NodeState.LOST
+    assert [e["ok"] for e in backend.kinds("health_check")] == [True, False]
+
+
+@pytest.mark.parametrize(("message", "reason"), [
+    (Register(node="elsewhere"), "elsewhere is not a node of this job"),
+    (Register(node="node5", replacement="r9"), "unknown or already bound replacement 'r9'"),
+])
+def test_registrations_that_are_refused(backend: Backend, message: Register, reason: str) -> None:
+    channel = backend.agent(message.node, message)
+    with pytest.raises((EOFError, OSError)):
+        channel.recv()
+    assert until("refused", lambda: [e for e in backend.kinds("refused") if e["reason"] == reason])
+
+
+def test_a_second_agent_for_a_node_is_refused(backend: Backend) -> None:
+    first = registered(backend, "node1")
+    second = backend.agent("node1")
+    with pytest.raises((EOFError, OSError)):
+        second.recv()
+    assert until("refused", lambda: [e for e in backend.kinds("refused") if "already has an agent" in e["reason"]])
+    assert backend.nodes.nodes["node1"].agent is not None and backend.state("node1") is NodeState.IDLE
+    first.send(WorkerExit(node="node1", node_id="node1", code=0).to_dict())  # the first one still talks
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    ({"type": "start", "node_id": "node1"}, "the supervisor does not take start messages"),
+    ({"type": "heartbeat", "node": "node1"}, "heartbeat message: missing field 't'"),
+    ({"type": "register", "node": "node1", "pid": "12"}, "register message: field 'pid' must be an integer, got a string"),
+])
+def test_an_invalid_message_drops_the_peer(backend: Backend, raw: dict[str, Any], reason: str) -> None:
+    channel = connect("127.0.0.1", backend.nodes.port, backend.secret, Hello(role="agent", node="node1").to_dict())
+    channel.sock.settimeout(IO_TIMEOUT_S)
+    channel.send(raw)
+    with pytest.raises((EOFError, OSError, ProtocolError)):
+        channel.recv()
+    assert until("refused", lambda: [e for e in backend.kinds("refused") if reason in e["reason"]])

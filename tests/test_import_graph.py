@@ -1,0 +1,109 @@
+"""The package's layers: no two subpackages (or top-level modules) of oobleck_slurm import each other,
+directly or round a cycle. Every import counts, at module level or inside a function: a cycle of
+lazy imports still means two layers that know each other. Read from the source with ast (nothing
+is imported)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "oobleck_slurm"
+
+
+def unit_of(module: str) -> str | None:
+    """The layer a module `oobleck_slurm.x[.y...]` belongs to: its subpackage, or the top-level module."""
+    parts = module.split(".")
+    if parts[0] != "oobleck_slurm" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def imported_modules(path: Path) -> Iterator[str]:
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's package upwards
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                yield ".".join([*base, *([node.module] if node.module else [])])
+            elif node.module:
+                yield node.module
+                # `from oobleck_slurm import x` names a subpackage or module x
+                if node.module == "oobleck_slurm":
+                    yield from (f"oobleck_slurm.{alias.name}" for alias in node.names)
+
+
+def units() -> set[str]:
+    """The package's layers: its subpackages and its top-level modules."""
+    return {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()} | {
+        p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """unit -> the other units it imports."""
+    known = units()
+    graph: dict[str, set[str]] = {unit: set() for unit in known}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        unit = unit_of(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        if unit not in known:
+            continue
+        graph[unit] |= {other for module in imported_modules(path)
+                        if (other := unit_of(module)) in known and other != unit}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one unit (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(unit: str) -> None:
+        index[unit] = low[unit] = len(index)
+        stack.append(unit)
+        for other in sorted(graph.get(unit, ())):
+            if other not in index:
+                visit(other)
+                low[unit] = min(low[unit], low[other])
+            elif other in stack:
+                low[unit] = min(low[unit], index[other])
+        if low[unit] == index[unit]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == unit:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for unit in sorted(graph):
+        if unit not in index:
+            visit(unit)
+    return found
+
+
+def test_no_subpackage_cycle() -> None:
+    graph = import_graph()
+    assert {"supervisor", "cluster", "protocol", "engine"} <= set(graph)  # the scan sees the package
+    found = cycles(graph)
+    detail = "; ".join(" <-> ".join(c) + " (" + ", ".join(
+        f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c) + ")" for c in found)
+    assert not found, f"import cycles between oobleck_slurm's layers: {detail}"
+
+
+def test_the_job_folder_and_slurm_know_nothing_above_them() -> None:
+    """cluster/ (job folder, Slurm) and protocol/ are below the supervisor, engine and commands."""
+    graph = import_graph()
+    assert graph["cluster"] <= {"recipe"}, graph["cluster"]
+    assert graph["protocol"] <= {"cluster"}, graph["protocol"]
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
