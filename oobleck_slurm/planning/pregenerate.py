@@ -37,6 +37,7 @@ class PlanRequest:
     global_microbatches: int
     microbatch_size: int
     max_stage_devices: int = 1  # the engine runs one stage per device
+    use_all_nodes: bool = False  # no idle spare node (recipe cluster.use_all_nodes)
 
     @property
     def num_microbatches(self) -> int:
@@ -50,6 +51,7 @@ def plan_request(recipe: Any, *, nodes: int | None = None, failures: int | None 
         failures=failures if failures is not None else recipe.fault_tolerance.f,
         global_microbatches=training.global_microbatches,
         microbatch_size=training.microbatch_size,
+        use_all_nodes=recipe.cluster.use_all_nodes,
     )
 
 
@@ -176,6 +178,7 @@ def instantiate_for(profile: Profile, templates: list[PipelineTemplate], request
     require_templates(profile, templates, request)
     try:
         return instantiate(templates, request.max_nodes if nodes is None else nodes, request.failures,
-                           request.global_microbatches, microbatch_size=request.microbatch_size, profile=profile)
+                           request.global_microbatches, microbatch_size=request.microbatch_size, profile=profile,
+                           use_all_nodes=request.use_all_nodes)
     except PlanningError as err:
         raise PlanningError(f"{err} (the smallest pipeline that fits has {templates[0].num_nodes} nodes)") from None

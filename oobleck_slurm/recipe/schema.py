@@ -140,6 +140,9 @@ class ClusterConfig:
     memory_per_device: str | None = field(default=None, metadata=check(optional(byte_size)))
     spare_nodes: int = field(default=0, metadata=check(lambda v: non_negative(v) or (
         None if v <= MAX_NODES else f"must be at most {MAX_NODES}, got {v}")))
+    # Plan pipelines on every node (none left idle as a spare, even where the planner predicts that a
+    # spare costs nothing): the embedded default's heterogeneous pipelines.
+    use_all_nodes: bool = False
     partition: str | None = None
     account: str | None = None
     qos: str | None = None

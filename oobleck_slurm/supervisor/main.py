@@ -132,7 +132,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
                                      profile_file=job.profile if job.profile.is_file() else None,
                                      estimate_gpu=meta.get("estimate_gpu"))
     plan = instantiate(templates, members, ft.f, recipe.training.global_microbatches,
-                       microbatch_size=recipe.training.microbatch_size, profile=profile)
+                       microbatch_size=recipe.training.microbatch_size, profile=profile,
+                       use_all_nodes=recipe.cluster.use_all_nodes)
     host = advertised_host()
     # Workers keep to the recipe's collective timeout; `run` only bounds waits between generations.
     run_s = 60.0 * 60 * 24 * 30
