@@ -29,6 +29,11 @@ class NodeView:
     slurm_state: str | None = None
     cause: str | None = None  # why it was lost
     workers: list[str] = field(default_factory=list)  # each worker process's state (one per device)
+    health_score: float | None = None  # the metrics detector's score (robust z of its worst metric)
+    health_metric: str | None = None  # the metric behind that score
+    slowdown: float | None = None  # compute time over its peers' (stragglers)
+    straggler: str | None = None  # what was done about it: rebalance, evict, report
+    flagged: str | None = None  # the metrics detector flagged it: what was done (evict, report)
 
 
 @dataclass
@@ -428,6 +433,35 @@ class DashboardState:
         }[kind]()
         self._log(t, kind, text, _num(e.get("seconds")) if kind == "agents_ready" else None)
 
+    # -- detection (supervisor/health_monitor.py): scores, flagged machines, stragglers
+
+    def _health(self, t: float, e: dict) -> None:
+        scores, metrics, slow = (e.get(k) if isinstance(e.get(k), dict) else {} for k in ("scores", "metrics", "slowdowns"))
+        for name, node in self.nodes.items():
+            if name in scores or name in slow:
+                node.health_score = _num(scores.get(name))
+                node.health_metric = _str(metrics.get(name))
+                node.slowdown = _num(slow.get(name))
+
+    def _faulty_node(self, t: float, e: dict) -> None:
+        name = _str(e.get("node")) or "?"
+        action = _str(e.get("action")) or "?"
+        self._node(name).flagged = action
+        self._log(t, "faulty_node", f"{name} flagged ({action}): {_str(e.get('detail')) or '?'}")
+
+    def _straggler(self, t: float, e: dict) -> None:
+        action = _str(e.get("action")) or "?"
+        slow = e.get("nodes") if isinstance(e.get("nodes"), dict) else {}
+        if action == "rebalance":
+            for node in self.nodes.values():  # a rebalance names every slow node: the others are back to normal
+                if node.straggler == "rebalance" and node.name not in slow:
+                    node.straggler = None
+        for name, factor in slow.items():
+            node = self._node(str(name))
+            node.straggler, node.slowdown = action, _num(factor) or node.slowdown
+        named = ", ".join(f"{n} x{f:.2f}" if _num(f) is not None else str(n) for n, f in slow.items())
+        self._log(t, "straggler", f"{action}: {named or 'no straggler left'}")
+
     def _checkpoint_fallback(self, t: float, e: dict) -> None:
         self.fallback_reason = _str(e.get("reason")) or "?"
         self._log(t, "checkpoint_fallback", f"falling back to checkpoint: {self.fallback_reason}")
@@ -462,6 +496,9 @@ _HANDLERS: dict[str, Callable[[DashboardState, float, dict], None]] = {
     "checkpoint_fallback": DashboardState._checkpoint_fallback,
     "node_lost": DashboardState._node_lost,
     "reform": DashboardState._reform,
+    "health": DashboardState._health,
+    "faulty_node": DashboardState._faulty_node,
+    "straggler": DashboardState._straggler,
     **{kind: DashboardState._note for kind in ("agents_ready", "done", "fault_injected", "checkpoint_requested",
                                                "preempt_notice", "slurm_unreachable", "refused",
                                                "collective_error", "drill", "run_complete")},

@@ -16,6 +16,7 @@ Rules, applied in this order to the pipelines of the current plan (Oobleck §4.2
 - replan:    `instantiate` on all live nodes from scratch; taken instead of the local fix when its
              predicted step time is lower by more than `reoptimize_margin`.
 The batch is then redistributed (`distribute_batch`) so that the samples of a step do not change.
+`rebalance` does only that, for the same pipelines with some slowed (a straggler's: detection/health.py).
 Speed (1,024 nodes, ~1,000 pipelines: ~20 ms a call instead of 10-100 s), with exactly the same
 results (tests/simulate/test_reconfigure_equivalence.py holds the old algorithm): the join rule scores
 its moves from the number of pipelines of each template shape (`_predicted_shapes`, `_join`), not

@@ -2,7 +2,8 @@
 
 It owns the control server the agents connect to, and one watcher thread that turns every kind of
 evidence into node losses (see membership.py): srun step exit, control connection loss, heartbeat
-lease expiry, Slurm node state, hung worker, worker exit. A loss is handed to the coordinator as an
+lease expiry, Slurm node state, hung worker, worker exit, and the health monitor's evictions (metrics,
+stragglers: health_monitor.py, fed with the agents' `metrics` messages). A loss is handed to the coordinator as an
 exit of the node (`exited()`), recorded with its real cause and detection time (`node_lost` event),
 and the node is fenced: its agent, if it still answers, kills the worker.
 
@@ -25,10 +26,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog
-from oobleck_slurm.protocol.wire import Channel
+from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.health import health_peer
+from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.launchers import AgentLauncher
 from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, LossCause, Membership
 from oobleck_slurm.supervisor.server import ControlServer
@@ -38,7 +41,7 @@ SLURM_POLL_S = 1.0  # scontrol is asked at most this often (slurmctld is shared 
 RANK_STEP_POLL_S = 0.25  # per-worker steps (`worker/{node}:{i}/step`) are read this often: a hang takes step_timeout anyway
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
 HEALTH_TIMEOUT_S = 60.0  # a joining node's collective with the supervisor (includes its torch import)
-RELAYED_DRILLS = ("agent", "worker", "hang")  # faults that the node's agent injects (see agent.py)
+RELAYED_DRILLS = ("agent", "worker", "hang", "slow", "leak")  # faults that the node's agent injects (see agent.py)
 
 
 def node_worker_state(states: Any) -> str:
@@ -84,8 +87,9 @@ class BackendConfig:
 class AgentNodes:
     def __init__(self, secret: bytes, launcher: AgentLauncher, log: EventLog, config: BackendConfig,
                  members: Sequence[str], spares: Sequence[str] = (), on_preempt: Any = None,
-                 drills: Sequence[Any] = ()) -> None:
+                 drills: Sequence[Any] = (), health: HealthMonitor | None = None) -> None:
         self.launcher, self.log, self.cfg = launcher, log, config
+        self.health = health  # metrics and stragglers (None: detection.enabled is false)
         self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
         self.drills = sorted(drills, key=lambda d: d.step)  # recipe DrillConfigs not yet run
         self.members, self.spares = list(members), list(spares)
@@ -147,6 +151,8 @@ class AgentNodes:
                 proc.wait()
         self.launcher.close()
         self.server.stop()
+        if self.health is not None:
+            self.health.close()
 
     # ---- NodeBackend -------------------------------------------------------------------------------
 
@@ -174,6 +180,8 @@ class AgentNodes:
             for node in nodes:
                 self.membership.unwatch(node)
                 self.starting.discard(node)
+                if self.health is not None:
+                    self.health.forget(node)
                 agent = self.agents.get(self.node_of.get(node, ""))
                 if agent is not None:
                     agent.send({"type": "stop"})
@@ -251,6 +259,8 @@ class AgentNodes:
                 if ident is not None:
                     self.membership.heartbeat(ident, now, node_worker_state(message.get("workers")))
                     self._last_metrics[ident] = message
+        elif kind == "metrics":
+            self._on_metrics(message)
         elif kind == "worker_exit":
             with self._lock:
                 ident = str(message.get("node_id"))
@@ -278,6 +288,28 @@ class AgentNodes:
         elif kind == "status":
             return self.status()  # type: ignore[return-value]
         return None
+
+    def _on_metrics(self, message: dict[str, Any]) -> None:
+        """An agent's batch of metrics: to the health monitor while its node is a live member (a spare,
+        a node not started yet or a lost one is not compared with the members)."""
+        if self.health is None:
+            return
+        with self._lock:
+            ident = self.id_of.get(str(message.get("node")))
+            judged = ident is not None and ident in self.membership.watched and not self.membership.is_lost(ident)
+        if not judged:
+            return
+        try:
+            samples = parse_metrics(message)
+        except ProtocolError as err:  # advisory data: dropped and logged, the agent stays connected
+            self.log.emit("refused", peer=ident, reason=str(err))
+            return
+        self.health.receive(ident, samples)
+
+    def rebalances(self) -> list[Rebalance]:
+        """Straggler decisions for the coordinator (detection/health.py `Rebalance`: node -> slowdown,
+        a node not named at full speed); empty without detection."""
+        return self.health.rebalances() if self.health is not None else []
 
     def _on_refused(self, peer: str, reason: str) -> None:
         self.log.emit("refused", peer=peer, reason=reason)
@@ -369,6 +401,8 @@ class AgentNodes:
         agent = self.agents.get(slurm)
         if agent is not None:
             agent.send({"type": "stop"})  # fence: a stopped or stray worker must not come back into play
+        if self.health is not None:
+            self.health.forget(loss.node)
         self._exits.put((loss.node, loss))
 
     def _watch(self) -> None:
@@ -391,6 +425,12 @@ class AgentNodes:
                 for loss in self.membership.check(now):
                     self._lost(loss)
             gen = self._read_progress(gen, now)
+            if self.health is not None:
+                for evict in self.health.poll(self._store, now):
+                    with self._lock:
+                        loss = self.membership.evict(str(evict.node), LossCause(evict.cause), evict.detail, now)
+                        if loss:
+                            self._lost(loss)
             if now >= next_ranks:
                 next_ranks = now + RANK_STEP_POLL_S
                 self._read_rank_steps(now)
