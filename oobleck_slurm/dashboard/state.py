@@ -436,7 +436,7 @@ class DashboardState:
     # -- detection (supervisor/health_monitor.py): scores, flagged machines, stragglers
 
     def _health(self, t: float, e: dict) -> None:
-        scores, metrics, slow = (e.get(k) if isinstance(e.get(k), dict) else {} for k in ("scores", "metrics", "slowdowns"))
+        scores, metrics, slow = (_dict(e.get(k)) for k in ("scores", "metrics", "slowdowns"))
         for name, node in self.nodes.items():
             if name in scores or name in slow:
                 node.health_score = _num(scores.get(name))
@@ -451,7 +451,7 @@ class DashboardState:
 
     def _straggler(self, t: float, e: dict) -> None:
         action = _str(e.get("action")) or "?"
-        slow = e.get("nodes") if isinstance(e.get("nodes"), dict) else {}
+        slow = _dict(e.get("nodes"))
         if action == "rebalance":
             for node in self.nodes.values():  # a rebalance names every slow node: the others are back to normal
                 if node.straggler == "rebalance" and node.name not in slow:
@@ -535,6 +535,10 @@ def _str_list(value: Any) -> list[str]:
     if not isinstance(value, list):
         return []
     return [str(v) for v in value if isinstance(v, (str, int))]
+
+
+def _dict(value: Any) -> dict[Any, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _range(value: Any) -> tuple[int, int] | None:

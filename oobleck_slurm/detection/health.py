@@ -24,7 +24,7 @@ import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from oobleck_slurm.detection.minder import Flag
 from oobleck_slurm.detection.straggler import Straggler
@@ -32,10 +32,12 @@ from oobleck_slurm.detection.straggler import Straggler
 FAULTY_METRICS = "faulty_metrics"  # the loss causes, as supervisor.membership.LossCause spells them
 STRAGGLER = "straggler"
 STRAGGLER_MODES = ("rebalance", "evict", "report", "off")
+K = TypeVar("K")
+V = TypeVar("V")
 REBALANCE_CHANGE = 1.5  # a slow node's factor must move by more than this ratio for a new decision
 
 
-def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+def _frozen(mapping: Mapping[K, V]) -> Mapping[K, V]:
     return MappingProxyType(dict(mapping))
 
 
@@ -132,7 +134,7 @@ class HealthPolicy:
             self.applied = dict(wanted)
         self._applied_generation = generation
         if not self.applied:
-            return [Rebalance(_frozen({}), "no straggler left: the plain split")]
+            return [Rebalance(MappingProxyType({}), "no straggler left: the plain split")]
         detail = "; ".join(f"{n}: {straggler_detail(by_node[n]) if n in by_node else f'{f:.2f}x'}"
                            for n, f in sorted(self.applied.items(), key=lambda kv: str(kv[0])))
         return [Rebalance(_frozen(self.applied), detail)]

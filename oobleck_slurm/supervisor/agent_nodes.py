@@ -297,7 +297,7 @@ class AgentNodes:
         with self._lock:
             ident = self.id_of.get(str(message.get("node")))
             judged = ident is not None and ident in self.membership.watched and not self.membership.is_lost(ident)
-        if not judged:
+        if ident is None or not judged:
             return
         try:
             samples = parse_metrics(message)

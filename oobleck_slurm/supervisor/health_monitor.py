@@ -92,11 +92,11 @@ class HealthMonitor:
         self.watch = self._new_watch()
         # A time slot is complete once every agent's batch that may hold it has arrived.
         self.lag = self.config.interval + SEND_EVERY_S + 0.5
-        self._pending: dict[int, dict[str, dict[str, float]]] = {}  # slot -> node -> metric -> value
+        self._pending: dict[int, dict[Hashable, dict[str, float]]] = {}  # slot -> node -> metric -> value
         self._lock = threading.Lock()  # receive() runs in control-plane threads, the rest in the watcher
         self._rebalances: queue.Queue[Rebalance] = queue.Queue()
         self._gen = -1
-        self._ranks: dict[int, tuple[str, Hashable, int]] = {}  # rank -> (node, work, microbatches) in _gen
+        self._ranks: dict[Hashable, tuple[str, Hashable, int]] = {}  # rank -> (node, work, microbatches) in _gen
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._next_store = self._next_event = 0.0
@@ -187,7 +187,9 @@ class HealthMonitor:
         if self._first_step is None or failed or self._checkpointing(progress, now):
             self.detector.hold(now + self.config.window)  # starting, recovering, checkpointing: not judged
             return []
-        step = data.get("step") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return []
+        step = data.get("step")
         if not isinstance(step, int) or step == self._last_step or step <= self._first_step:
             return []  # nothing new, or the generation's first step (cold after the copies)
         self._last_step = step
@@ -231,9 +233,10 @@ class HealthMonitor:
         if not isinstance(compute, list):
             return []
         for rank, (_, work, microbatches) in self._ranks.items():
-            if rank < len(compute) and isinstance(compute[rank], (int, float)) and compute[rank] > 0:
-                self.watch.report(rank, float(compute[rank]) / microbatches, work=work)
-        by_node: dict[str, Straggler] = {}
+            seconds = compute[rank] if isinstance(rank, int) and rank < len(compute) else None
+            if isinstance(seconds, (int, float)) and seconds > 0:
+                self.watch.report(rank, float(seconds) / microbatches, work=work)
+        by_node: dict[Hashable, Straggler] = {}
         for rank, s in self.watch.slowdowns().items():
             node = self._ranks[rank][0]
             if node not in by_node or s.slowdown > by_node[node].slowdown:
