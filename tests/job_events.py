@@ -20,13 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def running_job(tmp_path: Path, fault_tolerance: str, cache: Path,
-                faults: list[dict[str, Any]] | None = None, nodes: int = 4) -> Iterator[Path]:
+                faults: list[dict[str, Any]] | None = None, nodes: int = 4, sections: str = "") -> Iterator[Path]:
     """local-tiny on `nodes` virtual nodes with endless steps and these `fault_tolerance:` lines (YAML,
-    indented), started as `submit` starts it; stopped at the end (frozen processes thawed first, so
-    that they can die)."""
+    indented), and more top-level `sections` (YAML), started as `submit` starts it; stopped at the end
+    (frozen processes thawed first, so that they can die)."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ncluster:\n  nodes: {nodes}\n"
-                      f"training:\n  steps: 100000\nfault_tolerance:\n{fault_tolerance}")
+                      f"training:\n  steps: 100000\nfault_tolerance:\n{fault_tolerance}{sections}")
     handle = prepare_job(load_recipe(recipe), cache_dir=cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs",
                          faults=faults)
     sup = start_local(handle)

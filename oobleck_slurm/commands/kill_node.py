@@ -4,6 +4,10 @@ detection times are measured from the injection), then:
     agent    the node's agent is killed with SIGKILL (its workers die with it)
     worker   one worker of the node (`--worker I`, default 0) is killed with SIGKILL
     hang     one worker of the node is SIGSTOPped (a hung worker)
+    slow     the node keeps working, slower: its agent duty-cycles its workers with SIGSTOP/SIGCONT
+             (a straggler; found from compute times, see detection.stragglers)
+    leak     a metric-only fault: the node's agent allocates more memory every second (found by the
+             metrics detector; training is unaffected)
     down     `scontrol update nodename=NODE state=down` (an admin, or slurmctld, takes it out; Slurm only)
     freeze   every process of this job on the node is SIGSTOPped (a frozen machine: heartbeats stop)
     node     every process of this job on the node is SIGKILLed (a crashed machine)
@@ -22,11 +26,11 @@ from pathlib import Path
 from oobleck_slurm.commands.common import console, fail
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 
-HOWS = ("agent", "worker", "hang", "down", "freeze", "node")
+HOWS = ("agent", "worker", "hang", "slow", "leak", "down", "freeze", "node")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("kill-node", aliases=["kill_node"], help="fault injection: kill, hang or down one node of a job")
+    parser = subparsers.add_parser("kill-node", aliases=["kill_node"], help="fault injection: kill, hang, slow or down one node of a job")
     parser.add_argument("job", help="job folder, or a job id under --job-root")
     parser.add_argument("node", help="node name (Slurm's, or the job's id of a replacement such as r1)")
     parser.add_argument("--how", choices=HOWS, default="agent", help="what to do to the node (default: agent)")

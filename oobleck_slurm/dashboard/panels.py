@@ -26,14 +26,16 @@ STATUS_STYLE = {"running": "bold green", "recovering": "bold yellow", "waiting":
 KIND_STYLE = {"failure": "bold red", "node_lost": "red", "fault_injected": "red", "refused": "yellow", "checkpoint_fallback": "bold red", "resumed": "bold green",
               "node_joined": "cyan", "replacement_requested": "cyan", "health_check": "cyan",
               "plan": "magenta", "job_started": "blue", "job_finished": "blue", "checkpoint": "blue",
-              "node": "yellow"}
+              "node": "yellow", "faulty_node": "bold red", "straggler": "yellow"}
 # Short labels keep the events panel's kind column narrow at 100 columns.
 KIND_LABEL = {"job_started": "job started", "node_lost": "node lost", "agents_ready": "agents ready",
               "fault_injected": "drill", "checkpoint_requested": "ckpt request", "preempt_notice": "preemption",
               "slurm_unreachable": "slurm down?", "done": "done", "job_finished": "job finished", "replacement_requested": "replace req",
               "node_joined": "node joined", "health_check": "health check", "group_rebuild": "group rebuild",
-              "state_copy": "state copy", "checkpoint_fallback": "ckpt fallback", "slurm_job": "slurm job"}
+              "state_copy": "state copy", "checkpoint_fallback": "ckpt fallback", "slurm_job": "slurm job",
+              "faulty_node": "faulty node"}
 WAITING = "waiting for events"
+HIGH_SCORE = 3.0  # a node's metrics score shown in yellow from here (the detector flags at 4.5 by default)
 
 
 @dataclass
@@ -112,7 +114,8 @@ class NodeGrid:
 
     @staticmethod
     def cell_width(nodes: list[NodeView]) -> int:
-        return max([25] + [len(n.name) + 16 for n in nodes])
+        health = 14 if any(n.health_score is not None for n in nodes) else 0  # room for " z1.2 rss_gib"
+        return max([25 + health] + [len(n.name) + 16 for n in nodes])
 
     @classmethod
     def rows_needed(cls, nodes: list[NodeView], inner_width: int) -> int:
@@ -141,6 +144,11 @@ def _node_cell(node: NodeView) -> Text:
     cell.append(f"{NODE_ICON.get(node.state, '?')} ", style).append(node.name, "bold").append(f" {node.state}", style)
     if node.slurm_state and node.slurm_state not in ("ALLOCATED", "MIXED"):
         cell.append(f" {node.slurm_state}", "yellow")
+    if node.flagged and node.state != "lost":  # flagged from its metrics, only reported (evict: false)
+        cell.append(" flagged", "bold red")
+    if node.straggler:  # a straggler mark: how much slower it computes, and what was done
+        factor = f" x{node.slowdown:.1f}" if node.slowdown is not None else ""
+        cell.append(f" slow{factor} {node.straggler}", "yellow" if node.straggler != "evict" else "red")
     gpu = f" gpu {node.gpu:.0f}%" if node.gpu is not None else ""
     cpu = f" cpu {node.cpu:.0f}%" if node.cpu is not None else ""
     age = f"hb {_age(node.heartbeat_age)}"
@@ -151,6 +159,9 @@ def _node_cell(node: NodeView) -> Text:
         cell.append(f"\n  {node.cause}", "red")
     else:
         cell.append(f"\n  {age}{cpu}{gpu}", "dim" if node.state == "spare" else "")
+        if node.health_score is not None:  # the metrics detector's score and the metric behind it
+            metric = f" {node.health_metric.rsplit('.', 1)[-1]}" if node.health_metric else ""
+            cell.append(f" z{node.health_score:.1f}{metric}", "yellow" if node.health_score >= HIGH_SCORE else "dim")
     return cell
 
 

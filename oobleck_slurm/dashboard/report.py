@@ -9,7 +9,7 @@ from pathlib import Path
 from oobleck_slurm.dashboard import plots
 from oobleck_slurm.dashboard.costs import time_split, useful_fraction
 from oobleck_slurm.dashboard.live import load_state
-from oobleck_slurm.dashboard.panels import KIND_LABEL, duration
+from oobleck_slurm.dashboard.panels import KIND_LABEL, _num, duration
 from oobleck_slurm.dashboard.state import DashboardState
 from oobleck_slurm.protocol.events import events_path
 
@@ -78,6 +78,7 @@ def render_html(state: DashboardState, log: Path) -> str:
     )
     recoveries = (f"<table><tr><th>recovery</th>{phase_heads}<th>total</th></tr>{recovery_rows}</table>"
                   if state.recoveries else "<p>No failures or reconfigurations.</p>")
+    health = _health_section(state)
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>oobleck-slurm report: {e(state.job_id or '?')}</title>
 <style>
@@ -92,10 +93,30 @@ img {{ max-width: 100%; display: block; margin: 1em 0; }}
 <h2>Training</h2><img src="{PNGS['training']}" alt="loss and samples/s over time">
 <h2>Recoveries</h2><img src="{PNGS['recoveries']}" alt="recovery time by phase">
 {recoveries}
+{health}
 <h2>Where the time went</h2><img src="{PNGS['time_split']}" alt="time split">
 <h2>Events</h2><table><tr><th>time</th><th>kind</th><th>took</th><th>what</th></tr>{event_rows}</table>
 </body></html>
 """
+
+
+def _health_section(state: DashboardState) -> str:
+    """Faulty machines and stragglers: each node's last metrics score, the metric behind it, its
+    compute slowdown and what was done; then every flag and straggler decision."""
+    nodes = [n for n in state.nodes.values()
+             if n.health_score is not None or n.slowdown is not None or n.straggler or n.flagged]
+    if not nodes:
+        return ""
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(n.name)}</td><td>{e(n.state)}</td><td>{e(_num(n.health_score, '.2f'))}</td>"
+        f"<td>{e(n.health_metric or '-')}</td><td>{e(_num(n.slowdown, '.2f'))}</td><td>{e(n.straggler or '-')}</td></tr>"
+        for n in nodes)
+    decisions = "".join(f"<li>+{line.t - (state.t_start or line.t):.1f}s {e(KIND_LABEL.get(line.kind, line.kind))}: "
+                        f"{e(line.text)}</li>" for line in state.log if line.kind in ("faulty_node", "straggler"))
+    return ("<h2>Faulty machines and stragglers</h2><table><tr><th>node</th><th>state</th><th>metrics score</th>"
+            "<th>metric behind it</th><th>compute slowdown</th><th>straggler</th></tr>" + rows + "</table>"
+            + (f"<ul>{decisions}</ul>" if decisions else "<p>No machine flagged, no straggler.</p>"))
 
 
 def _s(value: object) -> str:

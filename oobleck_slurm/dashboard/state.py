@@ -43,6 +43,11 @@ class NodeView:
     slurm_state: str | None = None
     cause: str | None = None  # why it was lost
     workers: list[str] = field(default_factory=list)  # each worker process's state (one per device)
+    health_score: float | None = None  # the metrics detector's score (robust z of its worst metric)
+    health_metric: str | None = None  # the metric behind that score
+    slowdown: float | None = None  # compute time over its peers' (stragglers)
+    straggler: str | None = None  # what was done about it: rebalance, evict, report
+    flagged: str | None = None  # the metrics detector flagged it: what was done (evict, report)
 
 
 @dataclass
@@ -469,6 +474,30 @@ class DashboardState:
         self._log(e.t, e.kind, f"{e.node}: {e.cause}" + (f" ({e.detail})" if e.detail else ""),
                   e.detection_seconds)
 
+    # -- detection (supervisor/health_monitor.py): scores, flagged machines, stragglers
+
+    def _health(self, e: ev.Health) -> None:
+        scores, metrics, slow = e.scores or {}, e.metrics or {}, e.slowdowns or {}
+        for name, node in self.nodes.items():
+            if name in scores or name in slow:
+                node.health_score, node.health_metric, node.slowdown = scores.get(name), metrics.get(name), slow.get(name)
+
+    def _faulty_node(self, e: ev.FaultyNode) -> None:
+        self._node(e.node).flagged = e.action
+        self._log(e.t, e.kind, f"{e.node} flagged ({e.action}): {e.detail or '?'}")
+
+    def _straggler(self, e: ev.StragglerEvent) -> None:
+        slow = e.nodes or {}
+        if e.action == "rebalance":  # a rebalance names every slow node: the others are back to normal
+            for node in self.nodes.values():
+                if node.straggler == "rebalance" and node.name not in slow:
+                    node.straggler = None
+        for name, factor in slow.items():
+            node = self._node(name)
+            node.straggler, node.slowdown = e.action, factor if factor is not None else node.slowdown
+        named = ", ".join(f"{n} x{f:.2f}" if f is not None else n for n, f in slow.items())
+        self._log(e.t, e.kind, f"{e.action}: {named or 'no straggler left'}")
+
     def _note(self, e: ev.Event) -> None:
         """Kinds shown as a line in the events panel and nothing else."""
         seconds = e.seconds if isinstance(e, ev.AgentsReady) else None
@@ -517,6 +546,9 @@ _HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {
     "health_check": DashboardState._health_check,
     "checkpoint": DashboardState._checkpoint,
     "node_lost": DashboardState._node_lost,
+    "health": DashboardState._health,
+    "faulty_node": DashboardState._faulty_node,
+    "straggler": DashboardState._straggler,
     **{kind: DashboardState._note for kind in _NOTES},
 }
 REDUCED_KINDS = frozenset(_HANDLERS)

@@ -1,8 +1,12 @@
-"""Per-node monitoring metrics: the sampler the node agent calls every second, and the on-disk store.
+"""Per-node monitoring metrics: the samplers the node agent calls every second, and the on-disk store.
 
 The sampler turns psutil's (and, when present, NVML's) counters into gauges and per-second rates,
 one flat `{metric: value}` per call. Absent sources (no GPU, no NVML library, a counter the kernel
 does not expose) are skipped, never an error: the detector compares whatever metrics the nodes share.
+
+`ProcessMetrics` adds the CPU and memory of given processes (the node agent passes itself and its
+workers): on the local backend's virtual nodes, which share one machine, the only metrics that tell
+them apart.
 
 The store is one CSV file in the job folder, `metrics.csv`, header `time,node,metric,value`, one
 row per value: the very format `python -m oobleck_slurm detect --metrics FILE` reads. It is bounded:
@@ -214,6 +218,39 @@ class MetricsSampler:
             self._nvml = None
 
 
+class ProcessMetrics:
+    """A set of processes' CPU and resident memory, summed: `procs.cpu_pct` (100 = one core busy) and
+    `procs.rss_gib` (the node agent passes itself and its workers: the job's footprint on the node).
+
+    psutil measures a process's CPU between two calls on the same `Process` object, so processes are
+    kept by pid; one seen for the first time counts from then on (0 at its first sample).
+    """
+
+    def __init__(self) -> None:
+        import psutil  # noqa: PLC0415 - see MetricsSampler
+
+        self._psutil = psutil
+        self._procs: dict[int, Any] = {}
+
+    def sample(self, pids: Iterable[int]) -> dict[str, float]:
+        cpu = rss = 0.0
+        alive = {}
+        for pid in pids:
+            proc = self._procs.get(pid)
+            try:
+                if proc is None:
+                    proc = self._psutil.Process(pid)
+                    proc.cpu_percent(interval=None)  # primes the counter: its first reading is meaningless
+                else:
+                    cpu += proc.cpu_percent(interval=None)
+                rss += proc.memory_info().rss / _GIB
+            except self._psutil.Error:  # gone between the listing and now
+                continue
+            alive[pid] = proc
+        self._procs = alive
+        return {"procs.cpu_pct": cpu, "procs.rss_gib": rss}
+
+
 # ---- the on-disk store ----------------------------------------------------------------------------
 
 class MetricsWriter:
@@ -311,8 +348,8 @@ def read_metrics(path: str | os.PathLike[str], max_bytes: int = DEFAULT_READ_LIM
     with open(path, "rb") as file:
         head = file.read(4096)  # a binary file is named as such at once, not as a bad first row
         if b"\0" in head:
-            line = head[:head.index(b"\0")].count(b"\n") + 1
-            raise MetricsFileError(path, line, "binary data (NUL byte); expected a CSV text file")
+            at = head[:head.index(b"\0")].count(b"\n") + 1
+            raise MetricsFileError(path, at, "binary data (NUL byte); expected a CSV text file")
         file.seek(0)
         for lineno, raw in enumerate(file, start=1):
             if live and not raw.endswith(b"\n"):

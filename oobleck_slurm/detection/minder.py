@@ -9,19 +9,23 @@ halts). Following Minder's principles, per sample:
    all nodes at the same instant, in units of the nodes' spread (a robust z-score: median absolute
    deviation, with floors so that a moment when all nodes happen to agree cannot inflate it: the
    metric's usual spread, in its units and relative to its level, and `rel_floor`). Whatever
-   the whole job does at once (a rhythm, a dip) moves the median too and scores nothing.
-2. **Per-metric denoising.** The z-scores are clipped and averaged over a short window without
-   its most extreme reading, once the window is three quarters full: one wild reading counts for
-   nothing, and a node whose phase lags its peers' a little (pipeline stages) gets opposite
-   deviations at the two phase edges, which cancel. Each node also keeps a slow
+   the whole job does at once (a rhythm, a dip) moves the median too and scores nothing. A node
+   whose value lies between the median's previous and current values is lagging, not deviating:
+   pipeline stages run the job's phases a fraction of a second apart, so at a phase edge a later
+   stage reads what its peers read a moment ago.
+2. **Per-metric denoising.** The z-scores are clipped and their median over a short window taken,
+   once the window is three quarters full: one or two wild readings count for nothing, and so do
+   the opposite deviations a lagging node still shows at the two edges of a phase, while a lasting
+   deviation keeps its full size. Each node also keeps a slow
    average of its own lasting offset from its peers (up to `offset_cap`), so a node that always runs
    a little warmer or holds a little more memory is its own normal, while a fault still stands out.
 3. **Metric prioritisation.** Each metric's score is weighted (`priorities`; 0 switches one off);
    a node's score is its worst metric's, so a fault seen in a single metric counts fully, and the
    metrics behind a flag are reported most deviant first.
-4. **Continuity.** A node is flagged only when its score stays over `threshold` for `continuity`
-   seconds in a row. Slow-onset faults are caught once they cross the threshold; intermittent ones
-   because the window average bridges their gaps.
+4. **Continuity.** A node is flagged once its score has been over `threshold` for `continuity`
+   seconds in a row (by default one sample: the window's median already asks for a deviation that
+   holds for most of the window). Slow-onset faults are caught once they cross the threshold;
+   intermittent ones when they are on for most of a window.
 
 A node is not judged during its first `grace` seconds (a replacement loading its layers behaves
 unlike its peers for a moment), nor while fewer than `min_nodes` nodes report.
@@ -29,9 +33,11 @@ unlike its peers for a moment), nor while fewer than `min_nodes` nodes report.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +51,7 @@ class DetectorConfig:
 
     interval: float = 1.0  # time between samples
     window: float = 5.0  # denoising window: z-scores are averaged over it
-    continuity: float = 2.0  # how long a node's score must stay over the threshold
+    continuity: float = 1.0  # how long a node's score must stay over the threshold
     threshold: float = 4.5  # robust z-score (in units of the nodes' spread) that counts as deviating
     clip: float = 12.0  # a single reading's z-score is clipped to +-clip before averaging
     # The spread is at least this fraction of the metric's median: a deviation of under ~2% x
@@ -121,6 +127,7 @@ class MinderDetector:
         self._base = np.zeros((cap, 0))  # each node's own lasting offset (z)
         self._spread = np.full(0, np.nan)  # slow average of each metric's spread across nodes
         self._rel_spread = np.full(0, np.nan)  # the same relative to the metric's level (median)
+        self._prev_median = np.full(0, np.nan)  # each metric's median across nodes at the previous sample
         self._streak = np.zeros(cap, dtype=int)
         self._since = np.zeros(cap)
         self._first_seen = np.zeros(cap)
@@ -171,6 +178,7 @@ class MinderDetector:
             self._metric_score = np.concatenate([self._metric_score, np.zeros((self._base.shape[0], 1))], axis=1)
             self._spread = np.append(self._spread, np.nan)
             self._rel_spread = np.append(self._rel_spread, np.nan)
+            self._prev_median = np.append(self._prev_median, np.nan)
             self._weights = np.append(self._weights, self.config.weight(name))
         return idx
 
@@ -250,29 +258,31 @@ class MinderDetector:
             scale = np.maximum.reduce([spread, 0.5 * self._spread[usable],
                                        0.5 * np.nan_to_num(self._rel_spread[usable]) * level,
                                        cfg.rel_floor * level, np.full_like(med, _ABS_FLOOR)])
-            z[:, usable] = np.clip((xu - med) / scale, -cfg.clip, cfg.clip)
+            # A node that reads what its peers read a moment ago is lagging, not deviating: the
+            # stages of a pipeline run the job's phases a fraction of a second apart, so at a phase
+            # edge a later stage's one-second average lies between its peers' previous and current
+            # ones. Deviations are measured from that range, not from the current median alone.
+            prev = self._prev_median[usable]
+            prev = np.where(np.isnan(prev), med, prev)
+            low, high = np.minimum(prev, med), np.maximum(prev, med)
+            dev = np.where(xu > high, xu - high, np.where(xu < low, xu - low, 0.0))
+            z[:, usable] = np.clip(dev / scale, -cfg.clip, cfg.clip)
+        previous = np.full(x.shape[1], np.nan)
+        if usable.any():
+            previous[usable] = med
+        self._prev_median = previous
         self._z[self._pos] = z
         self._pos = (self._pos + 1) % self._z.shape[0]
 
-        # Denoise: the mean of the window's clipped z-scores without the most extreme one, where at
-        # least three quarters of the window have a value. Dropping one reading makes a lone glitch
-        # count for nothing and two glitches in a row for clip / (window - 1) at most, while a lasting
-        # deviation keeps its full size. A window that is mostly empty is no average: after the
-        # metric could not be compared for a while (fewer than `min_nodes` reporting, until a
-        # replacement joins), two readings would make one phase edge of a lagging pipeline stage
-        # count for half, its opposite edge not yet there to cancel it.
-        w = self._z.shape[0]
-        valid = np.sum(~np.isnan(self._z), axis=0)
-        total = np.nansum(self._z, axis=0)
-        if w >= 3:
-            worst = np.argmax(np.nan_to_num(np.abs(self._z), nan=-1.0), axis=0)
-            extreme = np.take_along_axis(self._z, worst[None], axis=0)[0]
-            enough = valid >= max(3, -(-3 * w // 4))
-            total = total - np.nan_to_num(extreme)
-            valid = valid - 1
-        else:
-            enough = valid >= 1
-        smooth = np.where(enough, total / np.maximum(valid, 1), np.nan)
+        # Denoise: the median of the window's clipped z-scores, where at least three quarters of the
+        # window have a value. A deviation counts once it holds for most of the window: one or two
+        # glitches count for nothing (even next to a phase edge), and so do the opposite deviations a
+        # lagging stage still shows at both edges of a phase (the range above takes most of them),
+        # while a lasting deviation keeps its full size and an intermittent one that is on more often
+        # than off still shows. A window that is mostly empty is no median: after the metric could
+        # not be compared for a while (fewer than `min_nodes` reporting, until a replacement joins),
+        # two readings would make one phase edge count as half the evidence.
+        smooth = self._denoise()
         dev = smooth - self._base
         if cfg.baseline > 0:
             # A running mean while the node is young (its offset is learnt within seconds, not
@@ -302,11 +312,20 @@ class MinderDetector:
         for slot in new:
             order = np.argsort(-metric_score[slot])
             behind = tuple(names[i] for i in order if metric_score[slot, i] >= cfg.threshold)
-            flags.append(Flag(slot_node[slot], float(t), float(self._since[slot]), behind, float(score[slot])))
+            flags.append(Flag(slot_node[int(slot)], float(t), float(self._since[slot]), behind, float(score[slot])))
             self._flagged[slot] = True
             self._streak[slot] = 0
         self.flags.extend(flags)
         return flags
+
+    def _denoise(self) -> np.ndarray:
+        """Each node's and metric's median over the window of its clipped z-scores (NaN: too few)."""
+        w = self._z.shape[0]
+        valid = np.sum(~np.isnan(self._z), axis=0)
+        enough = valid >= max(1, min(w, 3), -(-3 * w // 4))
+        with warnings.catch_warnings():  # all-NaN slices (a node or metric with no value yet) are expected
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.where(enough, np.nanmedian(self._z, axis=0), np.nan)
 
     # ---- for dashboards ---------------------------------------------------------------------------
 
@@ -324,10 +343,11 @@ class MinderDetector:
         return slot is not None and bool(self._flagged[slot])
 
 
-def detect(trace: Sequence[tuple[float, Mapping[Hashable, Mapping[str, float]]]],
+def detect(trace: Sequence[tuple[float, Mapping[Any, Mapping[str, float]]]],
            config: DetectorConfig | None = None) -> list[Flag]:
     """Run a detector over a whole recorded trace `[(t, sample)]`; every flag, in time order."""
     detector = MinderDetector(config)
     for t, sample in trace:
         detector.observe(t, sample)
     return detector.flags
+

@@ -157,6 +157,8 @@ class ElasticWorker:
             if w.rank == 0:
                 self.log.emit("step", **result.event(g, self.job.train.global_batch_size))
                 self.store.set(keys.progress(g), str(result.step))
+                self.store.set(keys.step_compute(g), json.dumps({"step": result.step,
+                                                                 "compute_seconds": result.compute_seconds}))
                 if first:
                     self.store.set(keys.first_step(g), json.dumps({"step": result.step, "t": time.time()}))
             first = False

@@ -117,8 +117,12 @@ def fluid_time(pipelines: Sequence[PipelineTemplate], global_microbatches: int) 
     return float((global_microbatches + (fill / m).sum()) / (1 / m).sum())
 
 
-def distribute_batch(pipelines: Sequence[PipelineTemplate], global_microbatches: int) -> list[int]:
+def distribute_batch(pipelines: Sequence[PipelineTemplate], global_microbatches: int,
+                     slowdown: Sequence[float] | None = None) -> list[int]:
     """Integer microbatches per pipeline (each >= 1, sum = B) minimising the slowest latency.
+
+    `slowdown[p]` (default 1) scales pipeline p's stage times: a pipeline on a slow node (a
+    straggler, see `reconfigure.rebalance`) takes slowdown x its template's latency.
 
     Start every pipeline at the most microbatches it can take while finishing by a lower bound of
     the optimum (a fluid level whose shares sum to <= B), then hand out the rest one at a time to
@@ -133,6 +137,8 @@ def distribute_batch(pipelines: Sequence[PipelineTemplate], global_microbatches:
         raise PlanningError(f"{b} microbatches cannot give each of {p} pipelines at least one")
     m = np.array([t.bottleneck_s for t in pipelines])
     fill = np.array([t.sum_s for t in pipelines]) - m
+    if slowdown is not None:
+        m, fill = m * np.asarray(slowdown, dtype=float), fill * np.asarray(slowdown, dtype=float)
 
     def shares(level: float) -> np.ndarray:
         return np.maximum(1, np.floor((level - fill) / m))

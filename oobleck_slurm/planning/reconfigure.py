@@ -16,6 +16,7 @@ Rules, applied in this order to the pipelines of the current plan (Oobleck §4.2
 - replan:    `instantiate` on all live nodes from scratch; taken instead of the local fix when its
              predicted step time is lower by more than `reoptimize_margin`.
 The batch is then redistributed (`distribute_batch`) so that the samples of a step do not change.
+`rebalance` does only that, for the same pipelines with some slowed (a straggler's: detection/health.py).
 Speed (1,024 nodes, ~1,000 pipelines: ~20 ms a call instead of 10-100 s), with exactly the same
 results (tests/simulate/test_reconfigure_equivalence.py holds the old algorithm): the join rule scores
 its moves from the number of pipelines of each template shape (`_predicted_shapes`, `_join`), not
@@ -35,7 +36,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from oobleck_slurm.planning.instantiate import NodeId, PipelinePlan, Plan, distribute_batch, instantiate
@@ -356,14 +357,48 @@ def _join(pipelines: list[tuple[PipelineTemplate, list[NodeId]]], free: list[Nod
 
 
 def _assemble(pipelines: list[tuple[PipelineTemplate, list[NodeId]]], spares: Iterable[NodeId],
-              current: Plan) -> Plan:
-    shares = distribute_batch([t for t, _ in pipelines], current.global_microbatches)
+              current: Plan, slowdown: Sequence[float] | None = None) -> Plan:
+    shares = distribute_batch([t for t, _ in pipelines], current.global_microbatches, slowdown)
     out, first = [], 0
     for (t, nodes), nb in zip(pipelines, shares):
         out.append(PipelinePlan(t, tuple(nodes), nb, first))
         first += nb
     return Plan(tuple(out), tuple(spares), current.global_microbatches, current.microbatch_size,
                 current.sync_time_s)
+
+
+
+# ---- stragglers: the same pipelines, the batch redistributed ---------------------------------------
+
+def pipeline_slowdowns(plan: Plan, node_slowdown: Mapping[NodeId, float]) -> dict[int, float]:
+    """Each pipeline's slowdown (index -> factor) from its nodes' (a straggler's compute time over its
+    peers'): its slowest node's, since every stage waits for the slowest in 1F1B (conservative when the
+    slow node holds a stage with slack). Pipelines with no slow node are left out (factor 1)."""
+    out = {}
+    for i, p in enumerate(plan.pipelines):
+        factor = max((float(node_slowdown[n]) for n in p.nodes if n in node_slowdown), default=1.0)
+        if factor != 1.0:
+            out[i] = factor
+    return out
+
+
+def rebalance(plan: Plan, slowdown: Mapping[int, float]) -> Plan:
+    """`plan` with the same pipelines on the same nodes and the global batch redistributed for
+    pipelines that run `slowdown[i]` times slower than their template (a straggler's pipeline): the
+    exact integer split minimising the slowest pipeline (`distribute_batch`), so a slow pipeline gets
+    fewer microbatches. The global batch and its order are kept (pipeline i still reads the
+    contiguous slice after pipeline i-1's), so every step trains on the same samples with the same
+    weights: the trajectory does not change, only the time a step takes. The split depends on the
+    templates and `slowdown` alone, not on the current split, so applying the same slowdowns twice
+    changes nothing (and `{}` gives back the plain split)."""
+    bad = {i: f for i, f in slowdown.items() if not (isinstance(i, int) and 0 <= i < len(plan.pipelines))}
+    if bad:
+        raise PlanningError(f"rebalance: no pipeline {sorted(map(str, bad))} in a plan of {len(plan.pipelines)}")
+    bad = {i: f for i, f in slowdown.items() if not (math.isfinite(f) and f > 0)}
+    if bad:
+        raise PlanningError(f"rebalance: slowdowns must be finite and > 0, got {bad}")
+    factors = [float(slowdown.get(i, 1.0)) for i in range(len(plan.pipelines))]
+    return _assemble([(p.template, list(p.nodes)) for p in plan.pipelines], plan.spare_nodes, plan, factors)
 
 
 def plan_copies(plan: Plan, holders: dict[Device, frozenset[int]],

@@ -440,6 +440,47 @@ class Resumed(RecoveryEvent):
 
 
 # The README's sections, in order; the registry is built from them, so a kind is in exactly one.
+@dataclass(frozen=True, kw_only=True)
+class Health(Event):
+    """The detectors' view of every node (every few seconds while the monitor has scores)."""
+
+    kind = "health"
+    scores: dict[str, float] | None = optional("node -> the metrics detector's score (robust z of its worst metric)")
+    metrics: dict[str, str] | None = optional("node -> the metric behind its score")
+    slowdowns: dict[str, float] | None = optional("node -> its compute time over its peers'")
+    threshold: float | None = optional("the score at which a machine is flagged")
+    generation: int | None = optional("the generation")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultyNode(Event):
+    """The metrics detector flagged a machine; with `evict` a `node_lost` (cause faulty_metrics) follows."""
+
+    kind = "faulty_node"
+    node: str = required("the node's id in the job")
+    action: str = required('"evict" or "report"')
+    detail: str | None = optional("what deviates, how far")
+    metrics: list[str] | None = optional("the deviating metrics, most deviant first")
+    score: float | None = optional("its score")
+    since: float | None = optional("when the deviation began (unix time)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerEvent(Event):
+    """A straggler decision; with `evict` a `node_lost` (cause straggler) follows, with `rebalance` a
+    membership change that gives the straggler's pipeline fewer microbatches."""
+
+    kind = "straggler"
+    action: str = required('"rebalance", "evict" or "report"')
+    nodes: dict[str, float] | None = optional("node -> slowdown (a rebalance names every slow node; {}: back to the "
+                                              "plain split)")
+    detail: str | None = optional("what was measured")
+    generation: int | None = optional("the generation")
+    rank: int | None = optional("the slow rank (evict, report)")
+    median_s: float | None = optional("its compute time per microbatch (s)")
+    peers_median_s: float | None = optional("its peers' (s)")
+
+
 SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Job": (JobStarted, AgentsReady, Done, RunComplete, JobFinished, SlurmJob),
     "Plan and training": (Plan, Step, Checkpoint, CheckpointRequested, CheckpointFallback),
@@ -447,6 +488,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
               SlurmUnreachable, Refused),
     "Failure and recovery": (CollectiveError, Failure, Detection, Reform, Replan, GroupRebuild, StateCopy, Replay,
                              Resumed),
+    "Faulty machines and stragglers": (Health, FaultyNode, StragglerEvent),
 }
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for group in SECTIONS.values() for cls in group}
 RECOVERY_FIELDS = tuple(f.name for f in fields(RecoveryEvent) if f.name != "t")

@@ -10,6 +10,7 @@ node is the unit of membership (a plan places pipelines on nodes; a lost worker 
     gen{g}/report/{worker}       a worker's step and valid layers after aborting g (for the next plan)
     gen{g}/rebuilt/{worker}      group-build and state-copy seconds and bytes (recovery events)
     gen{g}/progress              the last completed step (rank 0)
+    gen{g}/compute               that step's compute-only seconds per rank (rank 0; stragglers)
     gen{g}/first_step            the first completed step of g and its time (recovery events)
     gen{g}/errors                count of collective errors in g; gen{g}/error/{worker}: each one
     gen{g}/{group}               the prefix under which a process group of g is built
@@ -52,6 +53,10 @@ def rebuilt(g: int, worker: str) -> str:
 
 def progress(g: int) -> str:
     return f"gen{g}/progress"
+
+
+def step_compute(g: int) -> str:
+    return f"gen{g}/compute"
 
 
 def first_step(g: int) -> str:

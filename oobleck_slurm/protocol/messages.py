@@ -100,9 +100,14 @@ class Preempt(Message):
     t: float
 
 
-# Metrics (agent -> supervisor: batches of [time, metric, value] samples) belongs here, e.g.
-#   class Metrics(Message): TYPE = "metrics"; node: str; samples: tuple[tuple[float, str, float], ...]
-# with its entry in MESSAGES below.
+@dataclass(frozen=True, kw_only=True)
+class Metrics(Message):
+    """A batch of the node's samples (supervisor/agent_health.py); checked further where it is read
+    (supervisor/health_monitor.py `parse_metrics`)."""
+
+    TYPE: ClassVar[str] = "metrics"
+    node: str
+    samples: tuple[tuple[float, str, float], ...]  # (time, metric, value)
 
 # ---- commands -> supervisor, and the replies --------------------------------------------------------
 
@@ -194,7 +199,7 @@ class Shutdown(Message):
 M = TypeVar("M", bound=Message)
 
 MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (
-    Hello, Register, Heartbeat, WorkerExit, HealthResult, Preempt, Fault, FaultResult, Status, StatusResult,
+    Hello, Register, Heartbeat, WorkerExit, HealthResult, Preempt, Metrics, Fault, FaultResult, Status, StatusResult,
     Start, Stop, Health, Drill, Shutdown)}
 
 

@@ -273,18 +273,20 @@ class DetectionConfig:
     """
 
     enabled: bool = True
-    interval: float = field(default=1.0, metadata=check(positive))  # metrics sampling period
+    interval: float = field(default=1.0, metadata=check(positive))  # metrics sampling period (every agent)
     window: float = field(default=5.0, metadata=check(positive))  # denoising window
-    continuity: float = field(default=2.0, metadata=check(positive))  # how long a deviation must last
+    continuity: float = field(default=1.0, metadata=check(positive))  # how long a deviation must last
     threshold: float = field(default=4.5, metadata=check(positive))  # robust z-score
     grace: float = field(default=10.0, metadata=check(non_negative))  # a newly joined node is not judged
     min_nodes: int = field(default=4, metadata=check(at_least_three))
     priorities: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}),
                                             metadata=check(metric_weights))  # metric -> weight (0 = ignore)
-    evict: bool = True  # act on a flagged machine like on a lost node (evict, replace)
-    stragglers: Literal["rebalance", "evict", "off"] = "rebalance"
+    evict: bool = True  # act on a flagged machine like on a lost node (evict, replace); false: report only
+    # A straggler's pipeline gets fewer microbatches (rebalance), or it is evicted, or only reported; off:
+    # compute times are not watched.
+    stragglers: Literal["rebalance", "evict", "report", "off"] = "rebalance"
     straggler_threshold: float = field(default=1.3, metadata=check(above_one))  # slowdown vs peers
-    straggler_window: int = field(default=20, metadata=check(positive))  # recent microbatches per rank
+    straggler_window: int = field(default=20, metadata=check(positive))  # recent steps per rank
     metrics_max_mb: float = field(default=64.0, metadata=check(positive))  # metrics.csv cap (all rotations)
 
 
@@ -295,7 +297,9 @@ class DrillConfig:
 
     step: int = field(default=1, metadata=check(positive))
     node: str = "node2"
-    how: Literal["worker", "agent", "hang"] = "worker"  # a killed worker, a killed node agent, a SIGSTOP
+    # a killed worker, a killed node agent, a SIGSTOP; "slow": the node keeps working, slower (its workers
+    # duty-cycled with SIGSTOP/SIGCONT); "leak": a metric-only fault (the node's memory grows steadily)
+    how: Literal["worker", "agent", "hang", "slow", "leak"] = "worker"
     worker: int = field(default=0, metadata=check(non_negative))
 
 

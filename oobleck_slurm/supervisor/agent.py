@@ -11,7 +11,8 @@ protocol/messages.py):
                         initialises, every GPU of the node stays visible for NCCL's peer access)
     stop                SIGKILL the workers (no exit is reported for them)
     drill {how, worker} fault injection: "agent" (kill -9 this agent), "worker" (kill -9 a worker),
-                        "hang" (SIGSTOP a worker)
+                        "hang" (SIGSTOP a worker), "slow" and "leak" (agent_health.py: the node keeps
+                        working, slower; its memory grows)
     health {...}        run a short collective with the supervisor (engine and network work here)
     shutdown            stop the workers and exit 0
 
@@ -21,7 +22,8 @@ non-zero is reported as `worker_exit {code, worker}` and the node's other worker
 SIGUSR2 to the job's steps (submitit's `--signal=USR2@90` before the time limit, or a preemption): the
 supervisor runs in the batch step, which that signal does not reach. Workers ignore SIGUSR2 (it would
 end them). If the supervisor goes away, the job is over: the agent kills its workers and exits, so
-that nothing outlives the job on the node.
+that nothing outlives the job on the node. With detection on (`metrics` in supervisor.json), it also
+samples its node and sends the metrics (agent_health.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from oobleck_slurm.protocol.messages import (
     parse,
 )
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
+from oobleck_slurm.supervisor.agent_health import DRILLS, MetricsReporter, NodeDrills
 from oobleck_slurm.supervisor.server import connect
 
 ADDRESS_WAIT_S = 120.0  # a replacement job may start before the supervisor wrote its address
@@ -116,6 +119,7 @@ class Agent:
         self._lock = threading.Lock()  # the channel is written by the beat loop and the command reader
         self._done = threading.Event()
         self._preempt = threading.Event()  # Slurm's SIGUSR2 arrived: relay it once
+        self.drills = NodeDrills(lambda: [w.pid for w in self.workers if w.poll() is None])
         self.channel: Channel = connect(self.address["host"], int(self.address["port"]), load_secret(job_dir),
                                         Hello(role="agent", node=node).to_dict(), timeout=CONNECT_TIMEOUT_S)
         self.send(Register(node=node, replacement=replacement, pid=os.getpid(),
@@ -141,6 +145,7 @@ class Agent:
             log.close()
 
     def stop_workers(self) -> None:
+        self.drills.stop()
         workers, self.workers = self.workers, []
         for w in workers:
             if w.poll() is None:
@@ -151,11 +156,12 @@ class Agent:
     def worker_states(self) -> list[str]:
         """psutil's state of each worker ("running", "sleeping", "stopped", ...; "gone" once reaped)."""
         states: list[str] = []
-        for w in self.workers:
-            try:
-                states.append(psutil.Process(w.pid).status())
-            except psutil.Error:
-                states.append("gone")
+        with self.drills.workers_running():  # a slow drill's pauses are slowness, not a stopped worker
+            for w in self.workers:
+                try:
+                    states.append(psutil.Process(w.pid).status())
+                except psutil.Error:
+                    states.append("gone")
         return states
 
     def _check_workers(self) -> None:
@@ -199,6 +205,9 @@ class Agent:
     def _drill(self, how: str, worker: int) -> None:
         if how == "agent":
             os.kill(os.getpid(), signal.SIGKILL)  # the workers follow (PR_SET_PDEATHSIG)
+        if how in DRILLS:
+            self.drills.start(how)
+            return
         workers = self.workers
         if 0 <= worker < len(workers) and how in ("worker", "hang"):
             workers[worker].send_signal(signal.SIGKILL if how == "worker" else signal.SIGSTOP)
@@ -220,6 +229,9 @@ class Agent:
         signal.signal(signal.SIGUSR2, lambda signum, frame: self._preempt.set())
         relayed = False
         next_beat = 0.0
+        settings = self.address.get("metrics")
+        reporter = MetricsReporter(self.node, settings, self.send, lambda: [w.pid for w in self.workers]).start() \
+            if isinstance(settings, dict) else None
         try:
             while not self._done.is_set():
                 now = time.time()
@@ -235,6 +247,8 @@ class Agent:
         except (OSError, ProtocolError):
             pass
         finally:
+            if reporter is not None:
+                reporter.stop()
             self.stop_workers()
             self.channel.close()
         return EXIT_OK

@@ -2,7 +2,8 @@
 
 It owns the control server the agents connect to, and one watcher thread that turns every kind of
 evidence into node losses (see membership.py): srun step exit, control connection loss, heartbeat
-lease expiry, Slurm node state, hung worker, worker exit. A loss is handed to the coordinator as an
+lease expiry, Slurm node state, hung worker, worker exit, and the health monitor's evictions (metrics,
+stragglers: health_monitor.py, fed with the agents' `metrics` messages). A loss is handed to the coordinator as an
 exit of the node (`exited()`), recorded with its real cause and detection time (`node_lost` event),
 and the node is fenced: its agent, if it still answers, kills the worker.
 
@@ -58,6 +59,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog
 from oobleck_slurm.protocol.messages import (
@@ -68,6 +70,7 @@ from oobleck_slurm.protocol.messages import (
     HealthResult,
     Heartbeat,
     Message,
+    Metrics,
     Preempt,
     Register,
     Shutdown,
@@ -80,6 +83,7 @@ from oobleck_slurm.protocol.messages import (
 )
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.health import health_peer
+from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.launchers import AgentLauncher
 from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, LossCause, Membership
 from oobleck_slurm.supervisor.server import ControlServer
@@ -89,7 +93,7 @@ SLURM_POLL_S = 1.0  # scontrol is asked at most this often (slurmctld is shared 
 RANK_STEP_POLL_S = 0.25  # per-worker steps (`worker/{node}:{i}/step`) are read this often: a hang takes step_timeout anyway
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
 HEALTH_TIMEOUT_S = 60.0  # a joining node's collective with the supervisor (includes its torch import)
-RELAYED_DRILLS = ("agent", "worker", "hang")  # faults that the node's agent injects (see agent.py)
+RELAYED_DRILLS = ("agent", "worker", "hang", "slow", "leak")  # faults that the node's agent injects (see agent.py)
 
 
 # ---- a node's life: pure ---------------------------------------------------------------------------
@@ -231,8 +235,9 @@ class BackendConfig:
 class AgentNodes:
     def __init__(self, secret: bytes, launcher: AgentLauncher, log: EventLog, config: BackendConfig,
                  members: Sequence[str], spares: Sequence[str] = (), on_preempt: Any = None,
-                 drills: Sequence[Any] = ()) -> None:
+                 drills: Sequence[Any] = (), health: HealthMonitor | None = None) -> None:
         self.launcher, self.log, self.cfg = launcher, log, config
+        self.health = health  # metrics and stragglers (None: detection.enabled is false)
         self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
         self.drills = sorted(drills, key=lambda d: d.step)  # recipe DrillConfigs not yet run
         self.membership = Membership(config.heartbeat_lease, config.step_timeout)
@@ -297,6 +302,8 @@ class AgentNodes:
                 proc.wait()
         self.launcher.close()
         self.server.stop()
+        if self.health is not None:
+            self.health.close()
 
     # ---- NodeBackend -------------------------------------------------------------------------------
 
@@ -329,6 +336,8 @@ class AgentNodes:
                 self._fire(record, NodeEvent.STOP)
                 if record.agent is not None:
                     record.agent.send(Stop())
+                if self.health is not None:
+                    self.health.forget(node)
 
     def new_node(self) -> str | None:
         with self._lock:
@@ -416,6 +425,8 @@ class AgentNodes:
                 if record is not None:
                     self.membership.heartbeat(record.node_id, now, node_worker_state(message.workers))
                     record.last_beat = message
+        elif isinstance(message, Metrics):
+            self._on_metrics(message)
         elif isinstance(message, WorkerExit):
             self._worker_exit(message, now)
         elif isinstance(message, HealthResult):
@@ -436,7 +447,6 @@ class AgentNodes:
                 self.on_preempt()
         elif isinstance(message, Status):
             return self.status()
-        # A metrics message (agent -> supervisor: [time, metric, value] samples) is handled here too.
         else:
             raise ProtocolError(f"the supervisor does not take {message.TYPE} messages")
         return None
@@ -453,6 +463,29 @@ class AgentNodes:
                 self._fire(record, NodeEvent.FINISH)
                 self.membership.unwatch(record.node_id)
                 self._exits.put((record.node_id, None))
+
+    def _on_metrics(self, message: Metrics) -> None:
+        """An agent's batch of metrics: to the health monitor while its node is a live member (a spare,
+        a node not started yet or a lost one is not compared with the members)."""
+        if self.health is None:
+            return
+        with self._lock:
+            record = self._lookup(message.node)
+            ident = record.node_id if record is not None else None
+            judged = ident is not None and ident in self.membership.watched and not self.membership.is_lost(ident)
+        if ident is None or not judged:
+            return
+        try:
+            samples = parse_metrics({"samples": message.samples})
+        except ProtocolError as err:  # advisory data: dropped and logged, the agent stays connected
+            self.log.emit("refused", peer=ident, reason=str(err))
+            return
+        self.health.receive(ident, samples)
+
+    def rebalances(self) -> list[Rebalance]:
+        """Straggler decisions for the coordinator (detection/health.py `Rebalance`: node -> slowdown,
+        a node not named at full speed); empty without detection."""
+        return self.health.rebalances() if self.health is not None else []
 
     def _on_refused(self, peer: str, reason: str) -> None:
         self.log.emit("refused", peer=peer, reason=reason)
@@ -566,6 +599,8 @@ class AgentNodes:
         self.log.emit("node", node=loss.node, slurm_node=slurm, state="lost", cause=loss.cause)
         if record.agent is not None:
             record.agent.send(Stop())  # fence: a stopped or stray worker must not come back into play
+        if self.health is not None:
+            self.health.forget(loss.node)
         self._exits.put((loss.node, loss))
 
     def _watch(self) -> None:
@@ -590,6 +625,12 @@ class AgentNodes:
                 for loss in self.membership.check(now):
                     self._lost(loss)
             gen = self._read_progress(gen, now)
+            if self.health is not None:
+                for evict in self.health.poll(self._store, now):
+                    with self._lock:
+                        loss = self.membership.evict(str(evict.node), LossCause(evict.cause), evict.detail, now)
+                        if loss:
+                            self._lost(loss)
             if now >= next_ranks:
                 next_ranks = now + RANK_STEP_POLL_S
                 self._read_rank_steps(now)

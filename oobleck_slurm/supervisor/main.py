@@ -105,6 +105,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     from oobleck_slurm.planning.pregenerate import pregenerate
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
+    from oobleck_slurm.supervisor.health_monitor import HealthMonitor
     from oobleck_slurm.supervisor.launchers import LocalLauncher, SrunLauncher
 
     recipe = job.recipe()
@@ -147,15 +148,22 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
         "checkpoint_dir": ckpt_dir, "workers_per_node": cluster.devices_per_node}))
 
     launcher = (SrunLauncher(job.path, cluster, recipe.name) if backend == "slurm" else LocalLauncher(job.path))
+    detection = recipe.detection
+    health = (HealthMonitor(detection, job.path, log, cluster.devices_per_node, ckpt_dir, ft.checkpoint_interval,
+                            recipe.training.steps) if detection.enabled else None)
     nodes_backend = AgentNodes(load_secret(job.path), launcher, log, BackendConfig(
         heartbeat_interval=ft.heartbeat_interval, heartbeat_lease=ft.heartbeat_lease, step_timeout=ft.step_timeout,
         replacement=ft.replacement, store_host=host, store_port=store.port,
         workers_per_node=cluster.devices_per_node, threads_per_worker=cluster.threads_per_worker,
         device="cuda" if cluster.gpus_per_node else "cpu"), members, spares, on_preempt=on_preempt,
-        drills=recipe.drills if meta.get("drills", True) and not requeued else ())
+        drills=recipe.drills if meta.get("drills", True) and not requeued else (), health=health)
     nodes_backend.server.start()
+    # What agents sample (agent_health.py): not the machine's own counters on the local backend, whose
+    # virtual nodes share one machine.
+    metrics = {"interval": detection.interval, "machine": backend != "local", "gpus": bool(cluster.gpus_per_node)}
     job.write_supervisor_address(host=host, port=nodes_backend.port, heartbeat_interval=ft.heartbeat_interval,
-                                 pid=os.getpid(), store_port=store.port)
+                                 pid=os.getpid(), store_port=store.port,
+                                 **({"metrics": metrics} if detection.enabled else {}))
     job.update_meta(supervisor={"host": host, "port": nodes_backend.port, "pid": os.getpid()},
                     slurm_job_id=os.environ.get("SLURM_JOB_ID") or meta.get("slurm_job_id"))
     config = CoordinatorConfig(f=ft.f, reconfiguration_timeout=ft.reconfiguration_timeout, run_timeout=run_s,

@@ -11,6 +11,8 @@ once, with the cause and time of the first evidence, whichever it was:
                   training made no progress within the step timeout and its step is behind its peers'
                   (it never reached the all-reduce they wait in)
     process_exit  the node's worker exited non-zero (reported by its live agent)
+    faulty_metrics  the health monitor flagged its metrics (Minder-style: far from its peers', lasting)
+    straggler     the health monitor found it computing slower than its peers (`detection.stragglers: evict`)
 
 The caller supplies `now` and the observations (see detection/ for the same style).
 """
@@ -36,6 +38,8 @@ class LossCause(StrEnum):
     HUNG = "hung"
     PROCESS_EXIT = "process_exit"
     JOIN_FAILED = "join_failed"  # a joining node failed its health check; it never became a member
+    FAULTY_METRICS = "faulty_metrics"  # evicted: its monitoring metrics stood out (supervisor/health_monitor.py)
+    STRAGGLER = "straggler"  # evicted: its compute was slower than its peers' (detection.stragglers: evict)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,10 @@ class Membership:
 
     def worker_exited(self, node: str, code: int, now: float) -> Loss | None:
         return None if code == 0 else self._lose(node, LossCause.PROCESS_EXIT, f"worker exited with code {code}", now)
+
+    def evict(self, node: str, cause: LossCause, detail: str, now: float) -> Loss | None:
+        """The health monitor judged a live node faulty (its metrics, or a straggler): lost like a dead one."""
+        return self._lose(node, cause, detail, now)
 
     def check(self, now: float) -> list[Loss]:
         """Losses that only the passing of time reveals: expired leases, and hung workers."""

@@ -56,6 +56,14 @@ def test_single_metric_faults_name_that_metric() -> None:
 # 4 nodes: 3 report from the recovery until the replacement joins; its first samples, in a nearly
 # empty window, made one phase edge of a lagging pipeline stage count for half.
 @example(seed=53, nodes=4)
+# A node alone in the last pipeline stage of a small job, with short steps (3 s): its phase lag showed
+# at almost every sample (opposite deviations at the two edges, one of which a trimmed mean kept), and
+# with two glitches near a phase edge (504, 505, 522, 539, 541 flagged one healthy node each).
+@example(seed=504, nodes=4)
+@example(seed=505, nodes=5)
+@example(seed=522, nodes=5)
+@example(seed=539, nodes=5)
+@example(seed=541, nodes=8)
 def test_healthy_rhythm_recovery_and_replacement_raise_no_flag(seed: int, nodes: int) -> None:
     # Step-periodic phases with stage lags, checkpoints, glitches, a recovery that idles every node,
     # a node lost and a replacement joining: none of it is a fault.

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oobleck_slurm.detection import Straggler, StragglerWatch, find_stragglers
+from oobleck_slurm.detection.straggler import slowdowns
 
 
 def test_straggler_is_found_from_compute_times_not_step_times() -> None:
@@ -63,3 +64,31 @@ def test_watch_keeps_a_window_and_restarts_on_new_work() -> None:
     assert watch.stragglers() == []
     watch.forget(2)
     assert watch.stragglers() == []
+
+
+def naive_slowdowns(compute: dict[int, list[float]], min_samples: int) -> dict[int, tuple[float, float]]:
+    """The definition, rank by rank: each timing over the median of the other ranks' of the same step."""
+    import statistics
+
+    out = {}
+    for rank, mine in compute.items():
+        ratios = []
+        for back in range(1, len(mine) + 1):
+            peers = [compute[r][-back] for r in compute if r != rank and len(compute[r]) >= back]
+            if peers:
+                ratios.append(mine[-back] / statistics.median(peers))
+        if len(mine) >= min_samples and len(ratios) >= min_samples:
+            ratios.reverse()  # oldest first, as the window holds them
+            out[rank] = (statistics.median(ratios), statistics.median(ratios[len(ratios) // 2:]))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(compute=st.dictionaries(st.integers(0, 6), st.lists(st.floats(0.01, 1.0), max_size=8), max_size=6),
+       min_samples=st.integers(1, 4))
+def test_vectorised_slowdowns_follow_the_definition(compute: dict[int, list[float]], min_samples: int) -> None:
+    got = {r: (s.slowdown, s.recent_slowdown) for r, s in slowdowns(compute, min_samples).items()}
+    want = naive_slowdowns(compute, min_samples)
+    assert got.keys() == want.keys()
+    for rank, (slowdown, recent) in want.items():
+        assert got[rank] == pytest.approx((slowdown, recent), rel=1e-12)

@@ -68,6 +68,8 @@ BAD_RECIPES = [
     ("detection-priority-negative", "detection:\n  priorities:\n    gpu.temp_c: -1\n", "detection.priorities", 2, "must be >= 0"),
     ("detection-priority-text", "detection:\n  priorities:\n    cpu.util: lots\n", "detection.priorities", 2, "expected a number"),
     ("detection-not-mapping", "detection: on\n", "detection", 1, "expected a mapping of DetectionConfig keys"),
+    ("drill-how-unknown", "drills:\n  - {step: 5, node: node2, how: slower}\n", "drills.how", 2,
+     "did you mean 'slow'"),
     ("extends-missing", "extends: centre.yaml\n", "extends", 1, "extended recipe not found"),
     ("extends-not-path", "extends: {a: 1}\n", "extends", 1, "expected a recipe path"),
 ]

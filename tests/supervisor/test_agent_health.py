@@ -1,0 +1,105 @@
+"""The agent's part in detection (supervisor/agent_health.py) on real processes: the metrics it sends,
+the `slow` drill's duty cycle (the node keeps working, slower, and never looks stopped between two
+pauses) and the `leak` drill's growing memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from oobleck_slurm.supervisor.agent_health import LEAK_MB_PER_S, SLOW_RUN_S, SLOW_STOP_S, MetricsReporter, NodeDrills
+from oobleck_slurm.supervisor.health_monitor import parse_metrics
+
+BUSY = "while True: pass"
+
+
+@pytest.fixture
+def busy_worker() -> Iterator[subprocess.Popen]:
+    """A process that computes all the time, like a training worker."""
+    proc = subprocess.Popen([sys.executable, "-c", BUSY])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def wait_until(check, timeout: float = 20.0):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def test_metrics_are_sent_in_batches_the_supervisor_accepts(busy_worker: subprocess.Popen) -> None:
+    sent: list[dict] = []
+    reporter = MetricsReporter("nodeA", {"interval": 0.1, "machine": False}, sent.append, lambda: [busy_worker.pid])
+    reporter.start()
+    try:
+        wait_until(lambda: len(sent) >= 2)
+    finally:
+        reporter.stop()
+    assert {m["type"] for m in sent} == {"metrics"} and {m["node"] for m in sent} == {"nodeA"}
+    samples = [s for m in sent for s in parse_metrics(m)]
+    assert {metric for _, metric, _ in samples} == {"procs.cpu_pct", "procs.rss_gib"}  # no machine counters
+    assert max(v for _, metric, v in samples if metric == "procs.cpu_pct") > 20  # the busy worker counts
+    assert all(v > 0.005 for _, metric, v in samples if metric == "procs.rss_gib")
+    assert len({t for t, _, _ in samples}) >= 5  # several samples per batch (0.1 s apart, sent every second)
+
+
+def test_machine_metrics_are_sent_when_asked() -> None:
+    reporter = MetricsReporter("nodeA", {"interval": 1.0, "machine": True, "gpus": False}, lambda m: None, lambda: [])
+    try:
+        values = reporter.sample()
+    finally:
+        reporter.stop()
+    assert {"cpu.util", "mem.used_gib", "procs.cpu_pct", "procs.rss_gib"} <= set(values)
+
+
+def test_the_slow_drill_slows_the_workers_without_stopping_them_for_good(busy_worker: subprocess.Popen) -> None:
+    drills = NodeDrills(lambda: [busy_worker.pid])
+    time.sleep(0.3)
+    t0, c0 = time.monotonic(), cpu_seconds(busy_worker.pid)
+    time.sleep(1.0)
+    free = (cpu_seconds(busy_worker.pid) - c0) / (time.monotonic() - t0)
+    drills.start("slow")
+    try:
+        t0, c0 = time.monotonic(), cpu_seconds(busy_worker.pid)
+        time.sleep(1.5)
+        slowed = (cpu_seconds(busy_worker.pid) - c0) / (time.monotonic() - t0)
+        for _ in range(20):  # what the heartbeat sees: never a stopped worker
+            with drills.workers_running():
+                assert psutil.Process(busy_worker.pid).status() != psutil.STATUS_STOPPED
+    finally:
+        drills.stop()
+    duty = SLOW_RUN_S / (SLOW_RUN_S + SLOW_STOP_S)
+    assert slowed < free * (duty + 0.3), (free, slowed)  # it ran about a third of the time
+    time.sleep(0.1)
+    assert psutil.Process(busy_worker.pid).status() != psutil.STATUS_STOPPED  # running again after the drill
+
+
+def test_the_leak_drill_grows_memory_until_stopped() -> None:
+    me = psutil.Process(os.getpid())
+    before = me.memory_info().rss
+    drills = NodeDrills(lambda: [])
+    drills.start("leak")
+    try:
+        wait_until(lambda: me.memory_info().rss - before >= LEAK_MB_PER_S * 2**20, timeout=10)
+    finally:
+        drills.stop()
+    wait_until(lambda: me.memory_info().rss - before < LEAK_MB_PER_S * 2**20 / 2, timeout=10)  # given back
+
+
+def test_an_unknown_drill_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown drill 'fast'"):
+        NodeDrills(lambda: []).start("fast")

@@ -1,0 +1,122 @@
+"""Faulty machines and stragglers found live (supervisor/health_monitor.py), in jobs started as `submit`
+starts them: the agents sample and send their metrics, rank 0 publishes each step's compute times,
+the supervisor judges. The `slow` drill (a node's workers duty-cycled with SIGSTOP/SIGCONT: it keeps
+working, slower) is found and handled while training goes on, on the failure-free trajectory; the
+`leak` drill (memory only) is found from the metrics; a job without faults has nothing flagged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from job_events import running_job, wait_for
+from jobrun import JobRun, assert_matches_reference, run_job, tiny_recipe
+
+from oobleck_slurm.detection import read_metrics
+from oobleck_slurm.protocol.events import read_events
+
+pytestmark = pytest.mark.slow
+HANDLED_WITHIN_S = 10.0
+DETECTION_KINDS = ("faulty_node", "straggler")
+
+
+def recipe_with(steps: int, drill: str | None = None, **detection: Any) -> dict[str, Any]:
+    recipe = tiny_recipe(steps=steps)
+    if drill:
+        recipe["drills"] = [{"step": 30, "node": "node2", "how": drill}]
+    if detection:
+        recipe["detection"] = detection
+    return recipe
+
+
+def drill_time(run: JobRun, how: str) -> float:
+    (fault,) = [e for e in run.kind("fault_injected") if e["how"] == how]
+    assert fault["node"] == "node2"
+    before = [e for e in run.events if e["kind"] in DETECTION_KINDS and e["t"] < fault["t"]]
+    assert before == [], before  # nothing was flagged while the job was healthy
+    return fault["t"]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The single-process reference on one thread: two threads on this shared 2-core machine spin
+    against the jobs' own processes (measured: 5 s a step instead of 0.6 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_slow_node_is_evicted_within_seconds_and_training_stays_exact(tmp_path: Path, templates_cache: Path,
+                                                                         one_thread: None) -> None:
+    # The recipe's drill at step 30 (the path `submit` takes); the trajectory is checked to the end.
+    run = run_job(tmp_path, recipe_with(70, "slow", stragglers="evict"), templates_cache, timeout=180)
+    t_fault = drill_time(run, "slow")
+    (lost,) = run.kind("node_lost")
+    assert lost["node"] == "node2" and lost["cause"] in ("straggler", "faulty_metrics"), lost
+    assert lost["t"] - t_fault <= HANDLED_WITHIN_S, (lost, run.kind("straggler"), run.kind("faulty_node"))
+    if lost["cause"] == "straggler":
+        (decision,) = run.kind("straggler")
+        assert decision["action"] == "evict" and set(decision["nodes"]) == {"node2"} and decision["nodes"]["node2"] >= 1.3
+    assert run.kind("resumed") and run.losses()  # training went on without node2 ...
+    assert_matches_reference(run)  # ... on the failure-free trajectory
+
+
+LIVE_FT = "  checkpoint_interval: 0\n  replacement: none\n  heartbeat_lease: 12\n  collective_timeout: 10\n"
+
+
+def kill_node(job: Path, how: str) -> float:
+    """`kill-node JOB node2 --how HOW`, as a user runs it; returns when the supervisor noted the fault."""
+    done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "kill-node", str(job), "node2", "--how", how],
+                          capture_output=True, text=True, timeout=60, cwd=job.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return wait_for(job, "the fault", lambda ev: [e for e in ev if e["kind"] == "fault_injected"])[0]["t"]
+
+
+def test_a_slow_node_is_rebalanced_by_default(tmp_path: Path, templates_cache: Path) -> None:
+    # The decision is made and handed to the coordinator (AgentNodes.rebalances()); training goes on.
+    with running_job(tmp_path, LIVE_FT, templates_cache) as job:
+        wait_for(job, "training", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 40])
+        assert [e for e in read_events(job / "events.jsonl") if e["kind"] in DETECTION_KINDS] == []
+        t_fault = kill_node(job, "slow")
+        decision = wait_for(job, "a rebalance", lambda ev: [
+            e for e in ev if e["kind"] == "straggler" and e["action"] == "rebalance" and "node2" in e["nodes"]])[0]
+        assert decision["t"] - t_fault <= HANDLED_WITHIN_S and decision["nodes"]["node2"] >= 1.3, decision
+        assert "computes" in decision["detail"]
+        steps = len(read_events(job / "events.jsonl", "step"))
+        wait_for(job, "training after the decision", lambda ev: len([e for e in ev if e["kind"] == "step"]) > steps + 5)
+        assert [e for e in read_events(job / "events.jsonl", "node_lost") if e["cause"] == "straggler"] == []
+
+
+def test_a_leaking_node_is_found_from_its_metrics(tmp_path: Path, templates_cache: Path) -> None:
+    with running_job(tmp_path, LIVE_FT, templates_cache) as job:
+        wait_for(job, "training", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 40])
+        t_fault = kill_node(job, "leak")
+        flag = wait_for(job, "the flag", lambda ev: [e for e in ev if e["kind"] == "faulty_node"])[0]
+        assert flag["node"] == "node2" and flag["action"] == "evict" and "procs.rss_gib" in flag["metrics"], flag
+        assert flag["score"] >= 4.5 and flag["t"] - t_fault <= 30
+        lost = wait_for(job, "the eviction", lambda ev: [e for e in ev if e["kind"] == "node_lost"])[0]
+        assert (lost["node"], lost["cause"]) == ("node2", "faulty_metrics") and "procs.rss_gib" in lost["detail"]
+        steps = len(read_events(job / "events.jsonl", "step"))
+        wait_for(job, "training without node2", lambda ev: len([e for e in ev if e["kind"] == "step"]) > steps + 5)
+
+
+def test_a_job_without_faults_flags_nobody(tmp_path: Path, templates_cache: Path) -> None:
+    run = run_job(tmp_path, recipe_with(120), templates_cache, timeout=180)
+    assert [e for e in run.events if e["kind"] in (*DETECTION_KINDS, "node_lost")] == []
+    health = run.kind("health")
+    assert health and set(health[-1]["scores"]) == {"node1", "node2", "node3", "node4"}
+    assert max(s for e in health for s in e["scores"].values()) < 4.5
+    # The metrics the supervisor judged are in the job folder, in the format `detect` reads.
+    trace = read_metrics(run.job.path / "metrics.csv")
+    assert {n for _, sample in trace for n in sample} == {"node1", "node2", "node3", "node4"}
+    assert {m for _, sample in trace for values in sample.values() for m in values} == {"procs.cpu_pct", "procs.rss_gib"}
+    done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "detect", str(run.job.path), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout) == [], done.stdout + done.stderr
