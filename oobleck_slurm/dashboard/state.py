@@ -486,7 +486,7 @@ class DashboardState:
         self._node(e.node).flagged = e.action
         self._log(e.t, e.kind, f"{e.node} flagged ({e.action}): {e.detail or '?'}")
 
-    def _straggler(self, e: ev.StragglerEvent) -> None:
+    def _straggler(self, e: ev.Straggler) -> None:
         slow = e.nodes or {}
         if e.action == "rebalance":  # a rebalance names every slow node: the others are back to normal
             for node in self.nodes.values():

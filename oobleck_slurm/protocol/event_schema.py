@@ -466,7 +466,7 @@ class FaultyNode(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class StragglerEvent(Event):
+class Straggler(Event):
     """A straggler decision; with `evict` a `node_lost` (cause straggler) follows, with `rebalance` a
     membership change that gives the straggler's pipeline fewer microbatches."""
 
@@ -488,7 +488,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
               SlurmUnreachable, Refused),
     "Failure and recovery": (CollectiveError, Failure, Detection, Reform, Replan, GroupRebuild, StateCopy, Replay,
                              Resumed),
-    "Faulty machines and stragglers": (Health, FaultyNode, StragglerEvent),
+    "Faulty machines and stragglers": (Health, FaultyNode, Straggler),
 }
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for group in SECTIONS.values() for cls in group}
 RECOVERY_FIELDS = tuple(f.name for f in fields(RecoveryEvent) if f.name != "t")

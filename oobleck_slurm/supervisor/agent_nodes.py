@@ -476,7 +476,7 @@ class AgentNodes:
         if ident is None or not judged:
             return
         try:
-            samples = parse_metrics({"samples": message.samples})
+            samples = parse_metrics(message.samples)
         except ProtocolError as err:  # advisory data: dropped and logged, the agent stays connected
             self.log.emit("refused", peer=ident, reason=str(err))
             return

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
@@ -75,6 +76,7 @@ class NodeBackend(Protocol):
     def exited(self) -> dict[str, Loss | None]: ...  # node -> its Loss, or None once its workers finished
     def stop(self, nodes: Sequence[str]) -> None: ...  # kill -9 and reap (no exit reported)
     def new_node(self) -> str | None: ...  # a replacement node id, or None if none can be had
+    def rebalances(self) -> list[Rebalance]: ...  # straggler decisions since the last call (detection/health.py)
 
 
 class CoordinatorError(RuntimeError):
@@ -160,6 +162,8 @@ class Coordinator:
         self.errors_seen: tuple[int, float] | None = None  # (generation, when its first error was seen)
         self.reforms: dict[int, int] = {}  # resume step -> re-forms that resumed there
         self.trained = False  # a step completed, or the job started from a checkpoint (not the seed's state)
+        self._rebalance_due = False  # a rebalance decision not yet carried out
+        self.slowdown: dict[str, float] = {}  # stragglers awaiting a rebalance: node -> compute time over peers'
         self._supersedes: int | None = None  # an unfinished recovery that the change being collected replaces
         self._next_checkpoint_look = 0.0
         self.preemption = Preemption()  # replaced by the supervisor's, which its signal handler sets
@@ -252,10 +256,18 @@ class Coordinator:
             if step_running and not last_step_near and not self.finished:
                 joins = tuple(n for n in self.pending_joins
                               if self.store.check(self._workers_keys(n, keys.worker_ready)))
+        for decision in self.backend.rebalances():  # the latest names every slow node ({}: none left)
+            self.slowdown = {str(n): float(f) for n, f in decision.slowdown.items() if n in self.members}
+            self._rebalance_due = True
+        if self._rebalance_due and self.phase == Phase.RUNNING and not lost and not step_running:
+            step_running = self.store.check([keys.first_step(self.gen)])
+            progress = self._progress()
+            last_step_near = self.total_steps is not None and progress is not None and progress + 1 >= self.total_steps
         return Observation(self.phase, lost=lost, live=live, finished=bool(self.finished),
                            preemption=self.preemption.requested.is_set(),
                            errors_expired=not lost and self._unexplained_errors(), ready_joins=joins,
-                           step_running=step_running, last_step_near=last_step_near)
+                           step_running=step_running, last_step_near=last_step_near,
+                           slowdown=tuple(sorted(self.slowdown.items())) if self._rebalance_due else ())
 
     def _exits(self) -> list[str]:
         lost = []
@@ -322,7 +334,7 @@ class Coordinator:
         t_kill = self._killed_at(lost) if lost else None
         if lost:
             self._failure_events(g, lost, cause, next_step, t_detect)
-        reform = not lost and not joined
+        reform = change.trigger == "collective_error"
         if reform:
             self.log.emit("reform", generation=g, cause=cause, step=next_step, **self._recovery_fields())
         reports, lost_set = self._collect_reports(g, frozenset(lost), self.cfg.leave_timeout if reform else None)
@@ -336,7 +348,7 @@ class Coordinator:
         collected = Collected(self.plan, lost_set, tuple(joined), steps, holders, finished=bool(self.finished),
                               checkpoint_mode=self.cfg.mode == "checkpoint",
                               reforms_at_resume=self.reforms.get(resume_step(steps.values()), 0),
-                              trained=self.trained)
+                              trained=self.trained, slowdown=change.slowdown)
         action = decide(collected, self.policy, g, cause)
         recovery_id = g + 1
         self.gen = g + 1
@@ -350,6 +362,8 @@ class Coordinator:
             return
         if isinstance(action, Fallback):
             return self._fallback(action.reason, lost_set, recovery_id)
+        if change.trigger == "rebalance":
+            self._rebalance_due = False
         if action.reason == "reform":
             self.reforms[action.resume_step] = self.reforms.get(action.resume_step, 0) + 1
         self.log.emit("replan", generation=self.gen, seconds=time.perf_counter() - t0,

@@ -39,7 +39,9 @@ from oobleck_slurm.planning.reconfigure import (
     Device,
     Reconfiguration,
     RecoveryImpossible,
+    pipeline_slowdowns,
     plan_copies,
+    rebalance,
     reconfigure,
 )
 from oobleck_slurm.planning.templates import PipelineTemplate
@@ -87,6 +89,7 @@ class Observation:
     ready_joins: tuple[str, ...] = ()  # joining nodes whose workers are up and healthy
     step_running: bool = False  # the current generation completed a step (a join can be folded in)
     last_step_near: bool = False  # the run is at its last step (a join would only abort it)
+    slowdown: tuple[tuple[str, float], ...] = ()  # stragglers to rebalance for: (node, compute time over peers')
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ class Change:
 
     lost: tuple[str, ...]
     joined: tuple[str, ...]
-    trigger: str  # "failure" | "join" | "collective_error"
+    trigger: str  # "failure" | "join" | "collective_error" | "rebalance"
+    slowdown: tuple[tuple[str, float], ...] = ()  # a rebalance's stragglers
 
 
 TickAction = Wait | Finish | CheckpointAndStop | Change
@@ -131,8 +135,11 @@ def on_tick(o: Observation) -> TickAction:
         return CheckpointAndStop()
     if o.errors_expired:
         return Change((), (), "collective_error")
-    if o.ready_joins and o.phase == Phase.RUNNING and o.step_running and not o.finished and not o.last_step_near:
+    between_steps = o.phase == Phase.RUNNING and o.step_running and not o.finished and not o.last_step_near
+    if o.ready_joins and between_steps:
         return Change((), o.ready_joins, "join")
+    if o.slowdown and between_steps:
+        return Change((), (), "rebalance", o.slowdown)
     return Wait()
 
 
@@ -151,6 +158,7 @@ class Collected:
     checkpoint_mode: bool = False  # the recipe's recovery mode is "checkpoint"
     reforms_at_resume: int = 0  # re-forms that already resumed at this change's resume step
     trained: bool = True  # a step completed, or the job started from a checkpoint: state is not the seed's
+    slowdown: tuple[tuple[str, float], ...] = ()  # a rebalance: stragglers' compute time over their peers'
 
 
 @dataclass(frozen=True)
@@ -181,7 +189,7 @@ class Publish:
 
     change: Reconfiguration
     resume_step: int
-    reason: str  # the plan event's reason: "failure" | "join" | "reform"
+    reason: str  # the plan event's reason: "failure" | "join" | "reform" | "rebalance"
     replacements: int  # new nodes to ask the backend for
     source: str = "memory"  # where the layers come from: "memory" (copies) or "seed" (nothing trained yet)
 
@@ -205,6 +213,15 @@ def decide(c: Collected, policy: Policy, generation: int, trigger: str) -> Chang
         return Fallback(f"checkpoint-restart mode: node(s) {lost} lost at step {resume}")
     if steps and max(steps) - resume > 1:
         return Fallback(f"survivors report steps {sorted(steps)}: more than one step apart")
+    if c.slowdown and not c.lost and not c.joined:
+        # Stragglers: the same pipelines on the same nodes, a straggler's pipeline gets fewer
+        # microbatches; the global batch and its order are kept, so the trajectory is unchanged.
+        try:
+            plan = rebalance(c.plan, pipeline_slowdowns(c.plan, dict(c.slowdown)))
+            copies = plan_copies(plan, dict(c.holders), policy.layer_bytes)
+        except RecoveryImpossible as e:
+            return Fallback(f"rebalance of generation {generation}: {e}")
+        return Publish(Reconfiguration(plan, copies, ("rebalance",), 0.0), resume, "rebalance", 0)
     reform = not c.lost and not c.joined
     if reform and c.reforms_at_resume + 1 > MAX_REFORMS_PER_STEP:
         return Fallback(f"collective errors persist: re-formed {MAX_REFORMS_PER_STEP} times at step {resume} "

@@ -29,7 +29,7 @@ import json
 import math
 import queue
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +51,9 @@ MAX_METRIC_NAME = 100
 MAX_SAMPLES = 100_000  # values in one batch (an agent sends ~20 a second)
 
 
-def parse_metrics(message: Mapping[str, Any]) -> list[tuple[float, str, float]]:
-    """The samples of a `metrics` message (agent_health.metrics_message), checked: ProtocolError names
-    the field that is wrong. The one place the message is read."""
-    samples = message.get("samples")
+def parse_metrics(samples: Any) -> list[tuple[float, str, float]]:
+    """The samples of a `metrics` message (protocol/messages.py `Metrics`, built by
+    agent_health.metrics_message), checked further: ProtocolError names the field that is wrong."""
     if not isinstance(samples, (list, tuple)) or len(samples) > MAX_SAMPLES:
         raise ProtocolError(f"metrics: 'samples' must be a list of at most {MAX_SAMPLES} [time, metric, value]")
     out = []

@@ -32,6 +32,7 @@ EXAMPLES: list[Message] = [
     messages.WorkerExit(node="node1", node_id="r2", code=-9, worker=1),
     messages.HealthResult(node="node1", prefix="health/r2/1", ok=True, seconds=4.2, detail="ok"),
     messages.Preempt(node="node1", signal="SIGUSR2", t=2.0),
+    messages.Metrics(node="node1", samples=((1.0, "cpu.util", 12.5), (1.0, "mem.used_mb", 900.0))),
     Fault(node="node2", how="agent", worker=0, t=3.0),
     FaultResult(ok=False, detail="no agent on node9"),
     Status(),

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from oobleck_slurm.protocol.messages import Metrics, parse
 from oobleck_slurm.supervisor.agent_health import LEAK_MB_PER_S, SLOW_RUN_S, SLOW_STOP_S, MetricsReporter, NodeDrills
 from oobleck_slurm.supervisor.health_monitor import parse_metrics
 
@@ -42,15 +43,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 def test_metrics_are_sent_in_batches_the_supervisor_accepts(busy_worker: subprocess.Popen) -> None:
-    sent: list[dict] = []
+    sent: list[Metrics] = []
     reporter = MetricsReporter("nodeA", {"interval": 0.1, "machine": False}, sent.append, lambda: [busy_worker.pid])
     reporter.start()
     try:
         wait_until(lambda: len(sent) >= 2)
     finally:
         reporter.stop()
-    assert {m["type"] for m in sent} == {"metrics"} and {m["node"] for m in sent} == {"nodeA"}
-    samples = [s for m in sent for s in parse_metrics(m)]
+    assert {type(parse(m.to_dict())) for m in sent} == {Metrics} and {m.node for m in sent} == {"nodeA"}
+    samples = [s for m in sent for s in parse_metrics(m.samples)]
     assert {metric for _, metric, _ in samples} == {"procs.cpu_pct", "procs.rss_gib"}  # no machine counters
     assert max(v for _, metric, v in samples if metric == "procs.cpu_pct") > 20  # the busy worker counts
     assert all(v > 0.005 for _, metric, v in samples if metric == "procs.rss_gib")

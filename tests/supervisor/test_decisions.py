@@ -69,10 +69,10 @@ def test_a_loss_during_any_recovering_phase_starts_the_next_recovery():
 # ---- the loop: every observation --------------------------------------------------------------------
 
 def observations():
-    for phase, lost, live, finished, preempt, errors, joins, running, near in itertools.product(
+    for phase, lost, live, finished, preempt, errors, joins, running, near, slow in itertools.product(
             Phase, [(), ("n2",)], [0, 3], [False, True], [False, True], [False, True], [(), ("r1",)],
-            [False, True], [False, True]):
-        yield Observation(phase, lost, live, finished, preempt, errors, joins, running, near)
+            [False, True], [False, True], [(), (("n3", 2.0),)]):
+        yield Observation(phase, lost, live, finished, preempt, errors, joins, running, near, slow)
 
 
 def expected(o: Observation):
@@ -93,6 +93,8 @@ def expected(o: Observation):
         return Change((), (), "collective_error")
     if o.ready_joins and o.phase == Phase.RUNNING and o.step_running and not o.finished and not o.last_step_near:
         return Change((), o.ready_joins, "join")
+    if o.slowdown and o.phase == Phase.RUNNING and o.step_running and not o.finished and not o.last_step_near:
+        return Change((), (), "rebalance", o.slowdown)
     return Wait()
 
 
@@ -101,7 +103,7 @@ def test_on_tick_matches_its_specification_for_every_observation():
     for o in observations():
         assert on_tick(o) == expected(o), o
         checked += 1
-    assert checked == len(Phase) * 2 ** 8
+    assert checked == len(Phase) * 2 ** 9
 
 
 def test_on_tick_properties():
@@ -228,3 +230,15 @@ def test_a_loss_before_the_first_step_restarts_from_the_seed_even_without_holder
     assert not set(lost) & {n for p in action.change.plan.pipelines for n in p.nodes}
     # once a step trained (or the job started from a checkpoint), the same reports are a real loss
     assert isinstance(decide(replace(empty, trained=True), Policy(templates, 1), 0, "heartbeat"), Fallback)
+
+
+def test_a_straggler_gives_its_pipeline_fewer_microbatches_on_the_same_nodes(setup):
+    templates, plan = setup
+    slow = plan.pipelines[0].nodes[0]
+    action = decide(collected(plan, slowdown=((slow, 3.0),)), Policy(templates, 1), 4, "rebalance")
+    assert isinstance(action, Publish) and action.reason == "rebalance" and action.replacements == 0
+    new = action.change.plan
+    assert [p.nodes for p in new.pipelines] == [p.nodes for p in plan.pipelines]  # nothing moves
+    assert action.change.transfers == ()  # every device keeps its layers
+    assert new.global_microbatches == plan.global_microbatches
+    assert new.pipelines[0].microbatches < plan.pipelines[0].microbatches

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from exec_plans import make_plan
 
 from oobleck_slurm.detection import read_metrics
 from oobleck_slurm.detection.health import Evict, Rebalance
-from oobleck_slurm.engine.layout import make_plan
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog, read_events
 from oobleck_slurm.protocol.wire import ProtocolError
@@ -58,7 +58,7 @@ def run_metrics(mon: HealthMonitor, store: dist.TCPStore, seconds: int, faulty: 
             rss = 0.35 + 0.002 * k + 0.0005 * ((i * 7 + k) % 3)
             if node == faulty and i >= leak_from:
                 rss += 0.05 * (i - leak_from + 1)
-            mon.receive(node, parse_metrics(metrics_message(node, sample(node, t + 0.01 * k, rss))))
+            mon.receive(node, parse_metrics(metrics_message(node, sample(node, t + 0.01 * k, rss)).samples))
         got = mon.poll(store, t + 0.5)
         if got and first is None:
             first = t + 0.5
@@ -198,5 +198,5 @@ def test_stragglers_off_watches_nothing(tmp_path: Path, store: dist.TCPStore) ->
 ])
 def test_a_bad_metrics_message_names_what_is_wrong(message: dict, field: str) -> None:
     with pytest.raises(ProtocolError, match="metrics") as err:
-        parse_metrics(message)
+        parse_metrics(message.get("samples"))
     assert field in str(err.value)
