@@ -95,7 +95,7 @@ def test_a_slow_node_is_rebalanced_by_default(tmp_path: Path, templates_cache: P
 
 
 def test_a_leaking_node_is_found_from_its_metrics(tmp_path: Path, templates_cache: Path) -> None:
-    with running_job(tmp_path, LIVE_FT, templates_cache) as job:
+    with running_job(tmp_path, LIVE_FT, templates_cache, sections="detection:\n  evict: true\n") as job:
         wait_for(job, "training", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 40])
         t_fault = kill_node(job, "leak")
         flag = wait_for(job, "the flag", lambda ev: [e for e in ev if e["kind"] == "faulty_node"])[0]

@@ -39,7 +39,7 @@ def publish(store: dist.TCPStore, gen: int, members: list[str], mb: list[int], f
 
 
 def monitor(tmp_path: Path, checkpoint_interval: int = 0, **knobs) -> HealthMonitor:
-    return HealthMonitor(DetectionConfig(**knobs), tmp_path, EventLog(tmp_path / "events.jsonl"),
+    return HealthMonitor(DetectionConfig(**{"evict": True, **knobs}), tmp_path, EventLog(tmp_path / "events.jsonl"),
                          checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_interval=checkpoint_interval)
 
 
