@@ -76,7 +76,9 @@ class MetricsReporter:
         next_sample = time.time()
         while not self._stop.wait(max(0.0, next_sample - time.time())):
             t = time.time()
-            next_sample = max(next_sample + self.interval, t)  # no burst of catch-up samples after a stall
+            next_sample += self.interval
+            if next_sample <= t:  # woken late (a stalled machine): no burst of catch-up samples
+                next_sample = t + self.interval
             batch += [(t, m, v) for m, v in self.sample().items() if math.isfinite(v)]
             del batch[:-MAX_BATCH]
             if t >= next_send:

@@ -88,12 +88,15 @@ class HealthMonitor:
         self.writer = MetricsWriter(Path(job_dir) / METRICS_FILE, max_bytes=max(4096, int(detection.metrics_max_mb * 2**20)))
         self.watch_stragglers = detection.stragglers != "off"
         self.straggler_window, self.straggler_threshold = detection.straggler_window, detection.straggler_threshold
-        self.policy = HealthPolicy(detection.evict, detection.stragglers, detection.straggler_threshold)
+        # A straggler must stay one for a quarter of a window of steps before anything is done.
+        self.policy = HealthPolicy(detection.evict, detection.stragglers, detection.straggler_threshold,
+                                   confirm=max(1, detection.straggler_window // 4))
         self.watch = self._new_watch()
         # A time slot is complete once every agent's batch that may hold it has arrived.
         self.lag = self.config.interval + SEND_EVERY_S + 0.5
         self._pending: dict[int, dict[Hashable, dict[str, float]]] = {}  # slot -> node -> metric -> value
         self._lock = threading.Lock()  # receive() runs in control-plane threads, the rest in the watcher
+        self._last_time: dict[str, float] = {}  # node -> its last sample's time, as stored (ms)
         self._rebalances: queue.Queue[Rebalance] = queue.Queue()
         self._gen = -1
         self._ranks: dict[Hashable, tuple[str, Hashable, int]] = {}  # rank -> (node, work, microbatches) in _gen
@@ -114,6 +117,9 @@ class HealthMonitor:
             by_time.setdefault(t, {})[metric] = value
         with self._lock:
             for t, values in sorted(by_time.items()):
+                if round(t, 3) <= self._last_time.get(node, -math.inf):
+                    continue  # not after the node's last sample (a clock stepped back): the file keeps one per time
+                self._last_time[node] = round(t, 3)
                 self.writer.write(t, {node: values})
                 slot = math.floor(t / self.config.interval + 1e-9)
                 self._pending.setdefault(slot, {}).setdefault(node, {}).update(values)

@@ -77,6 +77,15 @@ def test_batches_are_stored_as_detect_reads_them(tmp_path: Path, store: dist.TCP
                for _, s in trace)
 
 
+def test_the_stored_file_stays_readable_whatever_the_agents_send(tmp_path: Path, store: dist.TCPStore) -> None:
+    # Two samples in one millisecond, and one from before the last (a clock stepped back): stored once.
+    mon = monitor(tmp_path)
+    for t in (T0 + 1.0, T0 + 1.0002, T0 + 0.5, T0 + 2.0):
+        mon.receive("node1", sample("node1", t))
+    mon.close()
+    assert [t for t, _ in read_metrics(tmp_path / "metrics.csv")] == [T0 + 1.0, T0 + 2.0]
+
+
 def test_a_leaking_node_is_evicted_with_its_evidence(tmp_path: Path, store: dist.TCPStore) -> None:
     publish(store, 0, NODES, [2, 2, 2, 2])
     mon = monitor(tmp_path)
