@@ -19,6 +19,7 @@ from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.recipe.schema import DetectionConfig
 from oobleck_slurm.supervisor.agent_health import metrics_message
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
+from oobleck_slurm.supervisor.main import nodes_share_a_machine
 
 NODES = ["node1", "node2", "node3", "node4"]
 T0 = 1_800_000_000.0
@@ -209,3 +210,10 @@ def test_a_bad_metrics_message_names_what_is_wrong(message: dict, field: str) ->
     with pytest.raises(ProtocolError, match="metrics") as err:
         parse_metrics(message)
     assert field in str(err.value)
+
+
+def test_virtual_nodes_of_one_machine_send_no_machine_counters() -> None:
+    assert nodes_share_a_machine("local", ["node1", "node2"])
+    assert nodes_share_a_machine("slurm", ["localhost", "127.0.0.1"])  # the lab: every node is 127.0.0.1
+    assert not nodes_share_a_machine("slurm", ["localhost"])
+    assert not nodes_share_a_machine("slurm", ["no-such-node.invalid", "localhost"])  # unresolvable: no evidence
