@@ -9,8 +9,10 @@
 
 A machine flagged from its metrics (`minder.Flag`) is evicted, or only reported with `evict: false`.
 A straggler (`straggler.Straggler`, per node: its slowest rank) is, by `stragglers:`, rebalanced
-(default), evicted, reported, or not watched (`off`). Rebalancing has hysteresis: a node enters when
-its slowdown (over the whole window) reaches `threshold` and leaves once under `release` (halfway
+(default), evicted, reported, or not watched (`off`). A node counts as a straggler once its slowdown
+(over the whole window) has been over `threshold` for `confirm` judgements in a row: on a busy
+machine a window's median crosses the threshold for a moment now and then. Rebalancing has
+hysteresis: a node enters then and leaves once under `release` (halfway
 back to 1), so a node hovering around the threshold does not make the plan flap; its factor is its
 recent slowdown (the newest half of the window: how slow it is now). A new decision is made only when
 the set of slow nodes changes or a factor moves by more than `REBALANCE_CHANGE`, and again after every new generation (a later
@@ -87,12 +89,18 @@ def straggler_detail(s: Straggler) -> str:
 class HealthPolicy:
     """Decisions for flagged machines and stragglers; remembers what it decided, per node."""
 
-    def __init__(self, evict: bool = True, stragglers: str = "rebalance", threshold: float = 1.3) -> None:
+    def __init__(self, evict: bool = True, stragglers: str = "rebalance", threshold: float = 1.3,
+                 confirm: int = 1) -> None:
+        """`confirm`: how many judgements in a row (steps) a node's slowdown must be over `threshold`
+        before anything is decided for it."""
         if stragglers not in STRAGGLER_MODES:
             raise ValueError(f"stragglers must be one of {', '.join(STRAGGLER_MODES)}, got {stragglers!r}")
         if not threshold > 1:
             raise ValueError(f"threshold must be > 1, got {threshold}")
-        self.evict, self.mode, self.threshold = evict, stragglers, threshold
+        if confirm < 1:
+            raise ValueError(f"confirm must be >= 1, got {confirm}")
+        self.evict, self.mode, self.threshold, self.confirm = evict, stragglers, threshold, confirm
+        self._over: dict[Hashable, int] = {}  # judgements in a row over the threshold, per node
         self.release = 1 + (threshold - 1) / 2
         self.applied: dict[Hashable, float] = {}  # rebalance: the factors last decided
         self._applied_generation: int | None = None
@@ -108,13 +116,15 @@ class HealthPolicy:
         early in a generation, are left out and keep what was decided for them)."""
         if self.mode == "off":
             return []
+        for node, s in by_node.items():
+            self._over[node] = self._over.get(node, 0) + 1 if s.slowdown >= self.threshold else 0
         if self.mode == "rebalance":
             return self._rebalance(by_node, generation)
         out: list[Decision] = []
         for node, s in sorted(by_node.items(), key=lambda kv: str(kv[0])):
             if s.slowdown < self.release:
                 self._acted.discard(node)  # recovered: a later slowdown is news again
-            elif s.slowdown >= self.threshold and node not in self._acted:
+            elif self._confirmed(node) and node not in self._acted:
                 self._acted.add(node)
                 kind = Evict if self.mode == "evict" else Report
                 out.append(kind(node, STRAGGLER, straggler_detail(s), _frozen(straggler_evidence(s))))
@@ -123,7 +133,7 @@ class HealthPolicy:
     def _rebalance(self, by_node: Mapping[Hashable, Straggler], generation: int) -> list[Decision]:
         wanted = {node: f for node, f in self.applied.items() if node not in by_node}
         for node, s in by_node.items():
-            if s.slowdown >= self.threshold or (node in self.applied and s.slowdown >= self.release):
+            if self._confirmed(node) or (node in self.applied and s.slowdown >= self.release):
                 wanted[node] = max(s.recent_slowdown, self.release)  # how slow it is now
         changed = set(wanted) != set(self.applied) or any(
             abs(math.log(wanted[n] / self.applied[n])) > math.log(REBALANCE_CHANGE) for n in wanted)
@@ -139,7 +149,11 @@ class HealthPolicy:
                            for n, f in sorted(self.applied.items(), key=lambda kv: str(kv[0])))
         return [Rebalance(_frozen(self.applied), detail)]
 
+    def _confirmed(self, node: Hashable) -> bool:
+        return self._over.get(node, 0) >= self.confirm
+
     def forget(self, node: Hashable) -> None:
         """The node left the job: nothing decided for it holds any more."""
         self.applied.pop(node, None)
         self._acted.discard(node)
+        self._over.pop(node, None)

@@ -257,6 +257,10 @@ def above_one(value: float) -> str | None:
     return None if value > 1 else f"must be > 1 (a ratio to the peers' compute time), got {value}"
 
 
+def sampling_interval(value: float) -> str | None:
+    return None if value >= 0.1 else f"must be >= 0.1 s (samples are stored to the millisecond), got {value}"
+
+
 def metric_weights(value: Mapping[str, float]) -> str | None:
     for key, weight in value.items():
         if weight < 0:
@@ -273,7 +277,7 @@ class DetectionConfig:
     """
 
     enabled: bool = True
-    interval: float = field(default=1.0, metadata=check(positive))  # metrics sampling period (every agent)
+    interval: float = field(default=1.0, metadata=check(sampling_interval))  # metrics sampling period (every agent)
     window: float = field(default=5.0, metadata=check(positive))  # denoising window
     continuity: float = field(default=1.0, metadata=check(positive))  # how long a deviation must last
     threshold: float = field(default=4.5, metadata=check(positive))  # robust z-score

@@ -8,9 +8,9 @@ what it gathered about once a second, one control message per batch:
     {"type": "metrics", "node": <Slurm node>, "samples": [[t, metric, value], ...]}
 
 The supervisor says what to sample in supervisor.json (`metrics`: interval, machine, gpus; absent
-when `detection.enabled` is false). `machine: false` on the local backend, whose virtual nodes share
-one machine: its counters would compare the machine with itself; the per-process metrics still tell
-the virtual nodes apart.
+when `detection.enabled` is false). `machine: false` when the nodes are virtual nodes of one machine
+(supervisor/main.py `nodes_share_a_machine`): its counters would compare the machine with itself; the
+per-process metrics still tell the virtual nodes apart.
 
 Drills (`kill-node --how slow|leak`, recipe `drills:`), until the node's workers are stopped:
     slow    the node keeps working, slower: its workers are stopped with SIGSTOP for SLOW_STOP_S out
@@ -77,7 +77,9 @@ class MetricsReporter:
         next_sample = time.time()
         while not self._stop.wait(max(0.0, next_sample - time.time())):
             t = time.time()
-            next_sample = max(next_sample + self.interval, t)  # no burst of catch-up samples after a stall
+            next_sample += self.interval
+            if next_sample <= t:  # woken late (a stalled machine): no burst of catch-up samples
+                next_sample = t + self.interval
             batch += [(t, m, v) for m, v in self.sample().items() if math.isfinite(v)]
             del batch[:-MAX_BATCH]
             if t >= next_send:

@@ -43,7 +43,13 @@ from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
-from oobleck_slurm.planning.reconfigure import Device, Reconfiguration, stage_devices
+from oobleck_slurm.planning.reconfigure import (
+    Device,
+    Reconfiguration,
+    pipeline_slowdowns,
+    rebalance,
+    stage_devices,
+)
 from oobleck_slurm.planning.templates import PipelineTemplate
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog
@@ -258,7 +264,9 @@ class Coordinator:
                               if self.store.check(self._workers_keys(n, keys.worker_ready)))
         for decision in self.backend.rebalances():  # the latest names every slow node ({}: none left)
             self.slowdown = {str(n): float(f) for n, f in decision.slowdown.items() if n in self.members}
-            self._rebalance_due = True
+            # Decisions repeat (after every new generation): only a changed split is worth a new one.
+            new = rebalance(self.plan, pipeline_slowdowns(self.plan, self.slowdown))
+            self._rebalance_due = [p.microbatches for p in new.pipelines] != [p.microbatches for p in self.plan.pipelines]
         if self._rebalance_due and self.phase == Phase.RUNNING and not lost and not step_running:
             step_running = self.store.check([keys.first_step(self.gen)])
             progress = self._progress()

@@ -87,12 +87,15 @@ class HealthMonitor:
         self.writer = MetricsWriter(Path(job_dir) / METRICS_FILE, max_bytes=max(4096, int(detection.metrics_max_mb * 2**20)))
         self.watch_stragglers = detection.stragglers != "off"
         self.straggler_window, self.straggler_threshold = detection.straggler_window, detection.straggler_threshold
-        self.policy = HealthPolicy(detection.evict, detection.stragglers, detection.straggler_threshold)
+        # A straggler must stay one for a quarter of a window of steps before anything is done.
+        self.policy = HealthPolicy(detection.evict, detection.stragglers, detection.straggler_threshold,
+                                   confirm=max(1, detection.straggler_window // 4))
         self.watch = self._new_watch()
         # A time slot is complete once every agent's batch that may hold it has arrived.
         self.lag = self.config.interval + SEND_EVERY_S + 0.5
         self._pending: dict[int, dict[Hashable, dict[str, float]]] = {}  # slot -> node -> metric -> value
         self._lock = threading.Lock()  # receive() runs in control-plane threads, the rest in the watcher
+        self._last_time: dict[str, float] = {}  # node -> its last sample's time, as stored (ms)
         self._rebalances: queue.Queue[Rebalance] = queue.Queue()
         self._gen = -1
         self._ranks: dict[Hashable, tuple[str, Hashable, int]] = {}  # rank -> (node, work, microbatches) in _gen
@@ -113,6 +116,9 @@ class HealthMonitor:
             by_time.setdefault(t, {})[metric] = value
         with self._lock:
             for t, values in sorted(by_time.items()):
+                if round(t, 3) <= self._last_time.get(node, -math.inf):
+                    continue  # not after the node's last sample (a clock stepped back): the file keeps one per time
+                self._last_time[node] = round(t, 3)
                 self.writer.write(t, {node: values})
                 slot = math.floor(t / self.config.interval + 1e-9)
                 self._pending.setdefault(slot, {}).setdefault(node, {}).update(values)
@@ -138,10 +144,14 @@ class HealthMonitor:
     def poll(self, store: Any, now: float) -> list[Evict]:
         """Advance detection to `now`; returns the nodes to evict (reported ones are logged here)."""
         decisions: list[Evict | Report | Rebalance] = []
+        keys_read = None
+        if now >= self._next_store:
+            self._next_store = now + STORE_POLL_S
+            keys_read = self._read_keys(store)  # store I/O outside the lock: receive() (an agent's
+            # connection, which also carries its heartbeats) never waits for the store
         with self._lock:
-            if now >= self._next_store:
-                self._next_store = now + STORE_POLL_S
-                decisions += self._read_store(store, now)
+            if keys_read is not None:
+                decisions += self._follow_job(*keys_read, now)
             decisions += self._observe_complete_slots(now)
             if now >= self._next_event:
                 self._next_event = now + HEALTH_EVENT_S
@@ -169,17 +179,25 @@ class HealthMonitor:
             self.log.emit("faulty_node", node=str(d.node), action=action, detail=d.detail, metrics=ev.get("metrics"),
                           score=ev.get("score"), since=ev.get("since"))
 
-    def _read_store(self, store: Any, now: float) -> list[Evict | Report | Rebalance]:
+    def _read_keys(self, store: Any) -> tuple[int, Any, Any, bool, int | None, Any] | None:
+        """What the job's store says now: (generation, its config if new, its first step if not known
+        yet, whether it failed, the last step done, that step's compute seconds); None on a hiccup."""
         try:
             gen = int(store.get(keys.CURRENT_GEN)) if store.check([keys.CURRENT_GEN]) else 0
-            config = json.loads(store.get(keys.config(gen))) if gen != self._gen and store.check([keys.config(gen)]) else None
-            first = json.loads(store.get(keys.first_step(gen))) if store.check([keys.first_step(gen)]) else None
+            new = gen != self._gen
+            config = json.loads(store.get(keys.config(gen))) if new and store.check([keys.config(gen)]) else None
+            first = (json.loads(store.get(keys.first_step(gen)))
+                     if (new or self._first_step is None) and store.check([keys.first_step(gen)]) else None)
             failed = store.check([keys.failed(gen)])
             progress = int(store.get(keys.progress(gen))) if store.check([keys.progress(gen)]) else None
             key = keys.step_compute(gen)
             data = json.loads(store.get(key)) if self.watch_stragglers and store.check([key]) else None
         except Exception:  # noqa: BLE001 - the store belongs to this process; a hiccup is retried
-            return []
+            return None
+        return gen, config, first, failed, progress, data
+
+    def _follow_job(self, gen: int, config: Any, first: Any, failed: bool, progress: int | None, data: Any,
+                    now: float) -> list[Evict | Report | Rebalance]:
         if config is not None:
             self._new_generation(gen, config)
         if gen != self._gen:

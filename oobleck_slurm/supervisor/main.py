@@ -59,6 +59,19 @@ def allocation_nodes(backend: str, recipe: Any) -> list[str]:
     return nodes
 
 
+def nodes_share_a_machine(backend: str, nodes: list[str]) -> bool:
+    """Whether the job's nodes are virtual nodes of one machine: the local backend's, or Slurm nodes
+    that resolve to one address (the test lab's, all 127.0.0.1). Their agents then do not send the
+    machine's own counters (agent_health.py): each would compare the machine with itself."""
+    if backend == "local":
+        return True
+    try:
+        addresses = {socket.gethostbyname(node) for node in nodes}
+    except OSError:  # names this node cannot resolve: nothing says they share one
+        return False
+    return len(addresses) < len(nodes)
+
+
 def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None,
                    on_preempt: Any = None) -> int:
     """Run the job to its end; `preemption` (a Preemption) is set by whoever receives the notice,
@@ -158,9 +171,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
         device="cuda" if cluster.gpus_per_node else "cpu"), members, spares, on_preempt=on_preempt,
         drills=recipe.drills if meta.get("drills", True) and not requeued else (), health=health)
     nodes_backend.server.start()
-    # What agents sample (agent_health.py): not the machine's own counters on the local backend, whose
-    # virtual nodes share one machine.
-    metrics = {"interval": detection.interval, "machine": backend != "local", "gpus": bool(cluster.gpus_per_node)}
+    metrics = {"interval": detection.interval, "machine": not nodes_share_a_machine(backend, nodes),
+               "gpus": bool(cluster.gpus_per_node)}  # what agents sample (agent_health.py)
     job.write_supervisor_address(host=host, port=nodes_backend.port, heartbeat_interval=ft.heartbeat_interval,
                                  pid=os.getpid(), store_port=store.port,
                                  **({"metrics": metrics} if detection.enabled else {}))

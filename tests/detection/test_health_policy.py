@@ -55,6 +55,20 @@ def test_stragglers_evicted_or_reported_once_until_they_recover(mode: str, kind:
     assert [x.node for x in policy.stragglers({"b": slow(1.4)}, 1)] == ["b"]
 
 
+@pytest.mark.parametrize("mode", ["rebalance", "evict", "report"])
+def test_a_straggler_must_last_confirm_judgements(mode: str) -> None:
+    policy = HealthPolicy(stragglers=mode, threshold=1.3, confirm=3)
+    for _ in range(2):  # a window's median over the threshold for a moment: nothing
+        assert policy.stragglers({"a": slow(1.0), "b": slow(1.4)}, 0) == []
+    assert policy.stragglers({"a": slow(1.0), "b": slow(1.2)}, 0) == []  # the count starts again
+    assert policy.stragglers({"b": slow(1.4)}, 0) == [] and policy.stragglers({"b": slow(1.4)}, 0) == []
+    (d,) = policy.stragglers({"b": slow(1.4)}, 0)  # the third in a row
+    assert (getattr(d, "node", None) or next(iter(d.slowdown))) == "b"
+    assert policy.stragglers({}, 0) == []  # not judged: no count lost, no new decision
+    with pytest.raises(ValueError, match="confirm"):
+        HealthPolicy(confirm=0)
+
+
 def test_off_decides_nothing() -> None:
     assert HealthPolicy(stragglers="off").stragglers({"a": slow(5.0)}, 0) == []
 

@@ -60,6 +60,7 @@ BAD_RECIPES = [
     ("detection-unknown-key", "detection:\n  treshold: 3\n", "detection.treshold", 2, "did you mean 'detection.threshold'"),
     ("detection-threshold-text", "detection:\n  threshold: high\n", "detection.threshold", 2, "expected a number, got str 'high'"),
     ("detection-window-zero", "detection:\n  window: 0\n", "detection.window", 2, "must be > 0"),
+    ("detection-interval-tiny", "detection:\n  interval: 0.001\n", "detection.interval", 2, "must be >= 0.1 s"),
     ("detection-continuity-below-interval", "detection:\n  interval: 2\n  continuity: 1\n", "detection.continuity", 3, "at least detection.interval (2 s)"),
     ("detection-min-nodes", "detection:\n  min_nodes: 2\n", "detection.min_nodes", 2, "must be >= 3"),
     ("detection-evict-text", "detection:\n  evict: maybe\n", "detection.evict", 2, "expected true or false"),

@@ -4,7 +4,6 @@ pauses) and the `leak` drill's growing memory."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -89,16 +88,37 @@ def test_the_slow_drill_slows_the_workers_without_stopping_them_for_good(busy_wo
     assert psutil.Process(busy_worker.pid).status() != psutil.STATUS_STOPPED  # running again after the drill
 
 
+LEAKER = """
+import sys
+from oobleck_slurm.supervisor.agent_health import NodeDrills
+drills = NodeDrills(lambda: [])
+print("ready", flush=True)
+sys.stdin.readline()
+drills.start("leak")
+sys.stdin.readline()
+drills.stop()
+print("stopped", flush=True)
+sys.stdin.readline()
+"""
+
+
 def test_the_leak_drill_grows_memory_until_stopped() -> None:
-    me = psutil.Process(os.getpid())
-    before = me.memory_info().rss
-    drills = NodeDrills(lambda: [])
-    drills.start("leak")
+    # An agent-like process of its own, so that nothing else changes the memory that is measured.
+    proc = subprocess.Popen([sys.executable, "-c", LEAKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: me.memory_info().rss - before >= LEAK_MB_PER_S * 2**20, timeout=10)
+        assert proc.stdout.readline().strip() == "ready"
+        rss = psutil.Process(proc.pid).memory_info
+        before = rss().rss
+        proc.stdin.write("leak\n")
+        proc.stdin.flush()
+        wait_until(lambda: rss().rss - before >= 2 * LEAK_MB_PER_S * 2**20, timeout=20)  # it keeps growing
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "stopped"
+        assert rss().rss - before < LEAK_MB_PER_S * 2**20  # given back
     finally:
-        drills.stop()
-    wait_until(lambda: me.memory_info().rss - before < LEAK_MB_PER_S * 2**20 / 2, timeout=10)  # given back
+        proc.kill()
+        proc.wait()
 
 
 def test_an_unknown_drill_is_refused() -> None:

@@ -19,6 +19,7 @@ from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.recipe.schema import DetectionConfig
 from oobleck_slurm.supervisor.agent_health import metrics_message
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
+from oobleck_slurm.supervisor.main import nodes_share_a_machine
 
 NODES = ["node1", "node2", "node3", "node4"]
 T0 = 1_800_000_000.0
@@ -75,6 +76,15 @@ def test_batches_are_stored_as_detect_reads_them(tmp_path: Path, store: dist.TCP
     assert len(trace) == 5 * 4  # each node's own sample times
     assert all(set(s) <= set(NODES) and set(next(iter(s.values()))) == {"procs.rss_gib", "procs.cpu_pct"}
                for _, s in trace)
+
+
+def test_the_stored_file_stays_readable_whatever_the_agents_send(tmp_path: Path, store: dist.TCPStore) -> None:
+    # Two samples in one millisecond, and one from before the last (a clock stepped back): stored once.
+    mon = monitor(tmp_path)
+    for t in (T0 + 1.0, T0 + 1.0002, T0 + 0.5, T0 + 2.0):
+        mon.receive("node1", sample("node1", t))
+    mon.close()
+    assert [t for t, _ in read_metrics(tmp_path / "metrics.csv")] == [T0 + 1.0, T0 + 2.0]
 
 
 def test_a_leaking_node_is_evicted_with_its_evidence(tmp_path: Path, store: dist.TCPStore) -> None:
@@ -200,3 +210,10 @@ def test_a_bad_metrics_message_names_what_is_wrong(message: dict, field: str) ->
     with pytest.raises(ProtocolError, match="metrics") as err:
         parse_metrics(message.get("samples"))
     assert field in str(err.value)
+
+
+def test_virtual_nodes_of_one_machine_send_no_machine_counters() -> None:
+    assert nodes_share_a_machine("local", ["node1", "node2"])
+    assert nodes_share_a_machine("slurm", ["localhost", "127.0.0.1"])  # the lab: every node is 127.0.0.1
+    assert not nodes_share_a_machine("slurm", ["localhost"])
+    assert not nodes_share_a_machine("slurm", ["no-such-node.invalid", "localhost"])  # unresolvable: no evidence
