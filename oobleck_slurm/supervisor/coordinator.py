@@ -43,6 +43,7 @@ from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
+from oobleck_slurm.planning.instantiate import NodeId
 from oobleck_slurm.planning.reconfigure import (
     Device,
     Reconfiguration,
@@ -169,7 +170,7 @@ class Coordinator:
         self.reforms: dict[int, int] = {}  # resume step -> re-forms that resumed there
         self.trained = False  # a step completed, or the job started from a checkpoint (not the seed's state)
         self._rebalance_due = False  # a rebalance decision not yet carried out
-        self.slowdown: dict[str, float] = {}  # stragglers awaiting a rebalance: node -> compute time over peers'
+        self.slowdown: dict[NodeId, float] = {}  # stragglers awaiting a rebalance: node -> compute time over peers'
         self._supersedes: int | None = None  # an unfinished recovery that the change being collected replaces
         self._next_checkpoint_look = 0.0
         self.preemption = Preemption()  # replaced by the supervisor's, which its signal handler sets
@@ -275,7 +276,7 @@ class Coordinator:
                            preemption=self.preemption.requested.is_set(),
                            errors_expired=not lost and self._unexplained_errors(), ready_joins=joins,
                            step_running=step_running, last_step_near=last_step_near,
-                           slowdown=tuple(sorted(self.slowdown.items())) if self._rebalance_due else ())
+                           slowdown=tuple(sorted((str(n), f) for n, f in self.slowdown.items())) if self._rebalance_due else ())
 
     def _exits(self) -> list[str]:
         lost = []
