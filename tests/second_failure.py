@@ -76,7 +76,7 @@ def kill_two(job: Path, rng: random.Random) -> Round:
     before = _events(job)
     a, b = rng.sample(sorted(_members(before)), 2)
     status = live_status(job)
-    procs = [local_node_processes(status["agent_pids"].get(status["node_of"].get(n, n))) for n in (a, b)]
+    procs = [local_node_processes(status.agent_pids.get(status.node_of.get(n, n))) for n in (a, b)]
     if not all(procs):
         return Round((a, b), 0.0, False, None, 0, f"no live processes for {a} or {b}: {status}")
     gap = rng.uniform(0.001, 0.076)

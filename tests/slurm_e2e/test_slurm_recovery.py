@@ -29,7 +29,8 @@ def cli(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProc
 def recover(drill_module, lab, job: Path, node: str, kind: str) -> dict:
     """Inject a fault into `node`, wait for detection, resume on 3 nodes, and the replacement's join."""
     d = drill_module.drill(lab, job, node, kind)
-    assert sum(len(p["nodes"]) for p in d.resumed_plan["pipelines"]) == 3
+    # 3 survivors; 4 when the previous drill's replacement joined in the same recovery (a loaded machine)
+    assert sum(len(p["nodes"]) for p in d.resumed_plan["pipelines"]) in (3, 4)
     assert d.failure["cause"] == d.lost["cause"]
     # The step in progress at the failure is replayed (or the one before it, by ranks that had already
     # stepped); on a loaded machine every survivor may have finished it before rank 0 published it, and

@@ -23,7 +23,7 @@ def test_node_and_freeze_drills_on_virtual_nodes(tmp_path: Path, templates_cache
     with running_job(tmp_path, f"  checkpoint_interval: 0\n  replacement: none\n  heartbeat_lease: {LEASE_S}\n"
                                "  step_timeout: 30\n  reconfiguration_timeout: 60\n", templates_cache) as job:
         wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
-        for node, how, causes in [("node2", "node", {"agent_lost", "process_exit"}), ("node3", "freeze", {"heartbeat"})]:
+        for node, how, causes in [("node2", "node", {"agent_lost", "process_exit", "srun_exit"}), ("node3", "freeze", {"heartbeat"})]:
             done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "kill-node", str(job), node, "--how", how],
                                   capture_output=True, text=True, timeout=60, cwd=tmp_path)
             assert done.returncode == 0, done.stdout + done.stderr
