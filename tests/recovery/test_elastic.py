@@ -87,9 +87,11 @@ def test_replacement_joins_and_receives_layers_from_replicas(tmp_path, templates
     assert_matches_reference(run)
     joined = run.kind("node_joined")
     assert [e["node"] for e in joined] == ["r1"], "the replacement did not join before the end"
-    final = run.kind("plan")[-1]
-    assert final["reason"] == "join" and "r1" in {n for p in final["pipelines"] for n in p["nodes"]}
-    copies = [e for e in run.kind("state_copy") if e["generation"] == final["generation"]]
+    # A straggler rebalance may follow the join on a loaded machine; it moves microbatches, not nodes.
+    join = [e for e in run.kind("plan") if e["reason"] == "join"][-1]
+    assert "r1" in {n for p in join["pipelines"] for n in p["nodes"]}
+    assert run.kind("plan")[-1]["reason"] in ("join", "rebalance")
+    copies = [e for e in run.kind("state_copy") if e["generation"] == join["generation"]]
     assert copies and copies[0]["bytes"] > 0
 
 
