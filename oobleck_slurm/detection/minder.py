@@ -29,6 +29,16 @@ halts). Following Minder's principles, per sample:
 
 A node is not judged during its first `grace` seconds (a replacement loading its layers behaves
 unlike its peers for a moment), nor while fewer than `min_nodes` nodes report.
+
+**Roles.** Heterogeneous pipelines break the premise that machines behave alike: a node that holds
+twice the layers holds about twice the memory, and a stage of a 2-stage pipeline computes longer
+than one of a 3-stage pipeline, by far more than `offset_cap`. `relearn()` (the runtime calls it for
+every new plan) makes nodes learn their role's level: during their next `grace` seconds, when they
+are not judged, each metric's ratio to the peers' median is averaged, and from then on the node's
+values are divided by it before they are compared (a metric whose ratio lies outside
+[1/MAX_ROLE_RATIO, MAX_ROLE_RATIO] is not compared for that node: no scaling makes it alike). A
+fault already there when a plan starts is learnt as that node's level; one that starts or grows
+later (a leak, a hog, a throttled clock) is measured from it. Nodes never relearnt keep ratio 1.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import numpy as np
 
 _MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
 _ABS_FLOOR = 1e-6
+MAX_ROLE_RATIO = 20.0  # a role's level further than this from its peers' is not compared
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,7 @@ class MinderDetector:
         base = config or DetectorConfig()
         self.config = DetectorConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **overrides})
         self._nodes: dict[Hashable, int] = {}  # node -> slot
+        self._relearn_first: set[Hashable] = set()  # nodes to relearn, named before their first sample
         self._free: list[int] = []
         self._metrics: dict[str, int] = {}
         self._weights = np.zeros(0)
@@ -130,7 +142,11 @@ class MinderDetector:
         self._prev_median = np.full(0, np.nan)  # each metric's median across nodes at the previous sample
         self._streak = np.zeros(cap, dtype=int)
         self._since = np.zeros(cap)
-        self._first_seen = np.zeros(cap)
+        self._first_seen = np.zeros(cap)  # when the node's current learning started (or will start)
+        self._relearn = np.zeros(cap, dtype=bool)  # learn the role afresh once judgement resumes
+        self._role = np.zeros(cap, dtype=bool)  # its role's level is learnt during its grace
+        self._ratio_sum = np.zeros((cap, 0))  # the role's level: sum and count of value / peers' median
+        self._ratio_n = np.zeros((cap, 0))
         self._age = np.zeros(cap)  # samples seen per slot
         self._flagged = np.zeros(cap, dtype=bool)
         self._score = np.zeros(cap)
@@ -154,6 +170,9 @@ class MinderDetector:
         self._nodes[node] = slot
         self._reset_slot(slot)
         self._first_seen[slot] = t
+        if node in self._relearn_first:
+            self._relearn_first.discard(node)
+            self._relearn[slot] = True
         return slot
 
     def _grow_nodes(self, cap: int) -> None:
@@ -166,6 +185,8 @@ class MinderDetector:
         self._base, self._metric_score = grow(self._base, 0, 0.0), grow(self._metric_score, 0, 0.0)
         self._streak, self._since = grow(self._streak, 0, 0), grow(self._since, 0, 0.0)
         self._first_seen, self._score = grow(self._first_seen, 0, 0.0), grow(self._score, 0, 0.0)
+        self._relearn, self._role = grow(self._relearn, 0, False), grow(self._role, 0, False)
+        self._ratio_sum, self._ratio_n = grow(self._ratio_sum, 0, 0.0), grow(self._ratio_n, 0, 0.0)
         self._age = grow(self._age, 0, 0.0)
         self._flagged, self._present = grow(self._flagged, 0, False), grow(self._present, 0, False)
 
@@ -175,6 +196,8 @@ class MinderDetector:
             idx = self._metrics[name] = len(self._metrics)
             self._z = np.concatenate([self._z, np.full((*self._z.shape[:2], 1), np.nan)], axis=2)
             self._base = np.concatenate([self._base, np.zeros((self._base.shape[0], 1))], axis=1)
+            self._ratio_sum = np.concatenate([self._ratio_sum, np.zeros((self._base.shape[0], 1))], axis=1)
+            self._ratio_n = np.concatenate([self._ratio_n, np.zeros((self._base.shape[0], 1))], axis=1)
             self._metric_score = np.concatenate([self._metric_score, np.zeros((self._base.shape[0], 1))], axis=1)
             self._spread = np.append(self._spread, np.nan)
             self._rel_spread = np.append(self._rel_spread, np.nan)
@@ -186,6 +209,8 @@ class MinderDetector:
         self._z[:, slot, :] = np.nan
         self._base[slot] = 0.0
         self._metric_score[slot] = 0.0
+        self._relearn[slot] = self._role[slot] = False
+        self._ratio_sum[slot] = self._ratio_n[slot] = 0.0
         self._streak[slot], self._score[slot], self._age[slot] = 0, 0.0, 0.0
         self._flagged[slot] = self._present[slot] = False
 
@@ -195,6 +220,22 @@ class MinderDetector:
         if slot is not None:
             self._reset_slot(slot)
             self._free.append(slot)
+
+    def relearn(self, nodes: Sequence[Hashable] | None = None) -> None:
+        """Nodes (default: every known one) whose work changed, e.g. under a new plan: they learn their
+        role's level afresh once judgement resumes (after any `hold`), and are not judged meanwhile.
+        A node named before its first sample learns its role from its first sample on."""
+        for node in list(self._nodes) if nodes is None else nodes:
+            slot = self._nodes.get(node)
+            if slot is None:
+                self._relearn_first.add(node)
+            else:
+                self._relearn[slot] = True
+
+    def _role_levels(self) -> np.ndarray:
+        """Each node's level per metric relative to its peers (1: never learnt; NaN: not comparable)."""
+        level = np.where(self._ratio_n > 0, self._ratio_sum / np.maximum(self._ratio_n, 1), 1.0)
+        return np.where((level >= 1 / MAX_ROLE_RATIO) & (level <= MAX_ROLE_RATIO), level, np.nan)
 
     def hold(self, until: float) -> None:
         """Judge no node before time `until` (samples are still taken in). For the runtime to call
@@ -233,6 +274,14 @@ class MinderDetector:
         present[slots] = True
         self._present = present
         x = np.where(present[:, None] & np.isfinite(x), x, np.nan)
+        restart = self._relearn & present
+        if restart.any():  # a role is learnt once judgement resumes; until then the node is not judged
+            self._first_seen[restart] = max(t, self._hold_until)
+            self._age[restart] = 0.0
+            self._base[restart] = self._ratio_sum[restart] = self._ratio_n[restart] = 0.0
+            self._role[restart] = True
+            self._relearn[restart & (t >= self._hold_until)] = False
+        raw, x = x, x / self._role_levels()
         counts = np.sum(~np.isnan(x), axis=0)
         usable = counts >= max(3, cfg.min_nodes)  # a median of fewer nodes says nothing
         z = np.full_like(x, np.nan)
@@ -267,6 +316,13 @@ class MinderDetector:
             low, high = np.minimum(prev, med), np.maximum(prev, med)
             dev = np.where(xu > high, xu - high, np.where(xu < low, xu - low, 0.0))
             z[:, usable] = np.clip(dev / scale, -cfg.clip, cfg.clip)
+            # Nodes learning their role: each metric's ratio to the peers' median, averaged.
+            learning = self._role & present & (t >= self._first_seen) & (t - self._first_seen < cfg.grace)
+            if learning.any():
+                ratio = raw[np.ix_(learning, np.flatnonzero(usable))] / np.where(has_level & (med > 0), med, np.nan)
+                seen = np.isfinite(ratio)
+                self._ratio_sum[np.ix_(learning, np.flatnonzero(usable))] += np.where(seen, ratio, 0.0)
+                self._ratio_n[np.ix_(learning, np.flatnonzero(usable))] += seen
         previous = np.full(x.shape[1], np.nan)
         if usable.any():
             previous[usable] = med
@@ -287,7 +343,7 @@ class MinderDetector:
         if cfg.baseline > 0:
             # A running mean while the node is young (its offset is learnt within seconds, not
             # minutes), then a moving average over `baseline`; capped, so a fault never becomes normal.
-            self._age += present
+            self._age += present & (t >= self._first_seen)
             beta = np.maximum(1.0 / np.maximum(self._age, 1), 1.0 / max(1.0, cfg.baseline / cfg.interval))[:, None]
             target = np.clip(smooth, -cfg.offset_cap, cfg.offset_cap)
             self._base = np.where(np.isnan(smooth), self._base, self._base + beta * (target - self._base))

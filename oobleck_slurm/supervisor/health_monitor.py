@@ -18,7 +18,9 @@ until the next generation's first step, and at the start (generation 0's first s
 denoising window, so that the uneven moments of a recovery (some nodes copy state, others wait) and of
 the start never count; also while a checkpoint is being written (from its step until every
 layer's file is there), since only the first pipeline's nodes write it (engine/checkpoint.py); a newly
-joined node is not judged for `detection.grace` seconds (the detector's grace). The first step of each generation is not timed for stragglers (layers just copied,
+joined node is not judged for `detection.grace` seconds (the detector's grace); nor is any node for
+`grace` seconds after judgement resumes under a new plan, while it learns its new role's normal
+(`MinderDetector.relearn`: on heterogeneous pipelines, a role's memory and CPU differ from another's). The first step of each generation is not timed for stragglers (layers just copied,
 caches cold). Events: `faulty_node` (a flagged machine: evidence, action), `straggler` (slow nodes,
 action), `health` (every HEALTH_EVENT_S: each node's score, the metric behind it, its slowdown).
 """
@@ -239,6 +241,8 @@ class HealthMonitor:
         self._checkpoint = None  # a recovery's own hold covers what is left of one
         self.watch = self._new_watch()  # ranks are numbered afresh: old timings describe other work
         self._ranks = {}
+        # Each node's work (layers, microbatches, peers) may have changed: its metrics' normal with it.
+        self.detector.relearn(list(config.get("members", [])))
         if config.get("stop") or "plan" not in config:
             return
         plan, members = ExecPlan.from_json(config["plan"]), list(config["members"])

@@ -140,6 +140,39 @@ def test_grace_hold_forget_and_min_nodes() -> None:
         assert small.observe(float(t), sample) == []  # 3 nodes: no majority to judge by
 
 
+def heterogeneous(t: int, rng: np.random.Generator, roles: dict[str, float]) -> dict[str, dict[str, float]]:
+    """A job whose nodes hold different shares of the model (`roles`: node -> its share's factor):
+    their memory and CPU levels differ by far more than the nodes' noise."""
+    sample = clean_job(len(roles), t, rng)
+    return {node: {m: v * factor for m, v in sample[f"n{i}"].items()} for i, (node, factor) in enumerate(roles.items())}
+
+
+def test_relearn_takes_each_role_as_its_own_normal_and_still_finds_a_later_fault() -> None:
+    # Three nodes alike, one of another pipeline holding far more: alike nodes make the spread small.
+    roles = {"a": 1.0, "b": 1.6, "c": 1.0, "d": 1.02, "e": 0.98}
+    plain, relearnt = MinderDetector(grace=10), MinderDetector(grace=10)
+    relearnt.relearn()  # nothing known yet: a no-op
+    rng = np.random.default_rng(5)
+    plain_flags, flags = [], []
+    for t in range(120):
+        sample = heterogeneous(t, rng, roles)
+        if t == 1:
+            relearnt.relearn()  # the plan starts: every node learns its role's level
+        if t == 60:  # a new plan: b's and d's work swap
+            roles["b"], roles["d"] = roles["d"], roles["b"]
+            relearnt.hold(until=66.0)
+            relearnt.relearn()
+        if t >= 95:
+            sample["c"]["cpu"] += 3 * (t - 94)  # a hog on c's cores, growing
+        plain_flags += plain.observe(float(t), sample)
+        flags += relearnt.observe(float(t), sample)
+        if t < 95:
+            assert flags == [], (t, flags)
+    assert {f.node for f in plain_flags} - {"c"}, "without relearning, the roles' levels look like faults"
+    assert [f.node for f in flags] == ["c"] and flags[0].time < 115
+    assert not relearnt.is_flagged("b") and not relearnt.is_flagged("d")
+
+
 def test_priorities_weight_and_switch_off_metrics() -> None:
     rng = np.random.default_rng(3)
     samples = []

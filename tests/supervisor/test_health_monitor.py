@@ -49,17 +49,22 @@ def sample(node: str, t: float, rss: float = 0.35, cpu: float = 50.0) -> list[tu
 
 
 def run_metrics(mon: HealthMonitor, store: dist.TCPStore, seconds: int, faulty: str | None = None,
-                start: float = 0.0, leak_from: float = 20.0) -> tuple[list[Evict], float | None]:
-    """`seconds` of 1 s samples from every node (`faulty` leaks 50 MB/s from `leak_from`), polled as
-    they would arrive; returns the evictions and when the first came."""
+                start: float = 0.0, leak_from: float = 20.0,
+                levels: dict[str, float] | None = None) -> tuple[list[Evict], float | None]:
+    """`seconds` of 1 s samples from every node (`faulty` leaks 50 MB/s from `leak_from`; `levels`:
+    a node's memory and CPU relative to the others', its role's), polled as they would arrive;
+    returns the evictions and when the first came."""
     evictions, first = [], None
     for i in range(int(start), int(start) + seconds):
         t = T0 + i
         for k, node in enumerate(NODES):
             rss = 0.35 + 0.002 * k + 0.0005 * ((i * 7 + k) % 3)
+            level = (levels or {}).get(node, 1.0)
+            rss *= level
             if node == faulty and i >= leak_from:
                 rss += 0.05 * (i - leak_from + 1)
-            mon.receive(node, parse_metrics(metrics_message(node, sample(node, t + 0.01 * k, rss)).samples))
+            batch = sample(node, t + 0.01 * k, rss, cpu=50.0 * level)
+            mon.receive(node, parse_metrics(metrics_message(node, batch).samples))
         got = mon.poll(store, t + 0.5)
         if got and first is None:
             first = t + 0.5
@@ -99,6 +104,20 @@ def test_a_leaking_node_is_evicted_with_its_evidence(tmp_path: Path, store: dist
     assert event["score"] >= 4.5
     health = read_events(tmp_path / "events.jsonl", "health")
     assert health and set(health[-1]["scores"]) == set(NODES) and health[-1]["metrics"]["node3"] == "procs.rss_gib"
+
+
+def test_each_role_is_its_own_normal_under_every_plan(tmp_path: Path, store: dist.TCPStore) -> None:
+    # Heterogeneous pipelines: node1 holds twice the layers of the others (twice the memory and CPU).
+    publish(store, 0, NODES, [2, 2, 2, 2])
+    mon = monitor(tmp_path)
+    assert run_metrics(mon, store, 40, levels={"node1": 2.0})[0] == []
+    # A new plan gives node2 that role instead: both relearn, nobody is flagged for the change.
+    publish(store, 1, NODES, [2, 2, 2, 2])
+    assert run_metrics(mon, store, 40, start=40, levels={"node2": 2.0})[0] == []
+    # A leak that starts later is measured from the node's own role (relative to its level: 50 MB/s on
+    # twice the memory counts as 25 MB/s would on one share, so it takes longer than the 10 s above).
+    evictions, first = run_metrics(mon, store, 40, faulty="node2", start=80, leak_from=90, levels={"node2": 2.0})
+    assert [e.node for e in evictions] == ["node2"] and first is not None and first - (T0 + 90) <= 20
 
 
 def test_report_only_when_eviction_is_off(tmp_path: Path, store: dist.TCPStore) -> None:
