@@ -39,6 +39,7 @@ from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.recovery import StepUndo
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
+from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog, events_path
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or not args[2].isdigit():
         print("usage: python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE LOCAL", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     # The agent sets the thread budget (cores / workers per node) and, on GPUs, the device: before
     # anything touches CUDA, so the worker's context lives on its own GPU only.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
-        return 1
+        return EXIT_FAILED
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip destructors of aborted generations' groups (they could join stuck threads)

@@ -160,10 +160,6 @@ class Membership:
                     losses.append(loss)
         return losses
 
-    def stalled(self, now: float) -> bool:
-        """Training made no progress within the step timeout (whoever is to blame)."""
-        return bool(self.progress.hung(now))
-
     def _lose(self, node: str, cause: LossCause, detail: str, now: float) -> Loss | None:
         if node not in self.watched or node in self._lost:
             return None

@@ -30,7 +30,7 @@ def test_a_stall_blames_only_a_stopped_worker_and_a_new_generation_restarts_the_
     m.step(3, 0.0)
     m.heartbeat("a", 6.0, "sleeping")
     m.heartbeat("b", 6.0, "sleeping")
-    assert m.stalled(6.0) and m.check(6.0) == []  # stalled, but nobody is to blame: no false eviction
+    assert m.progress.hung(6.0) and m.check(6.0) == []  # stalled, but nobody is to blame: no false eviction
     m.restart_progress(6.0)
     m.heartbeat("b", 10.0, "stopped")
     assert m.check(10.0) == []  # within the step timeout of the new generation
