@@ -349,9 +349,12 @@ class MinderDetector:
             self._base = np.where(np.isnan(smooth), self._base, self._base + beta * (target - self._base))
         metric_score = np.nan_to_num(np.abs(dev) * self._weights[None, :], nan=0.0)
         metric_score[~present] = 0.0
-        self._metric_score = metric_score
         score = metric_score.max(axis=1) if metric_score.shape[1] else np.zeros(x.shape[0])
-        self._score = score
+        # What scores() shows: 0 for a node not judged now (in its grace, learning its role, or held),
+        # so that a dashboard never shows an alarming score that cannot lead to a flag.
+        quiet = (t - self._first_seen < cfg.grace) | (t < self._hold_until)
+        self._metric_score = np.where(quiet[:, None], 0.0, metric_score)
+        self._score = np.where(quiet, 0.0, score)
 
         judged = (present & (t - self._first_seen >= cfg.grace) & ~self._flagged
                   & (len(slots) >= cfg.min_nodes) & (t >= self._hold_until))
@@ -386,7 +389,8 @@ class MinderDetector:
     # ---- for dashboards ---------------------------------------------------------------------------
 
     def scores(self) -> dict[Hashable, float]:
-        """Every known node's score at the last sample (weighted robust z of its worst metric)."""
+        """Every known node's score at the last sample (weighted robust z of its worst metric; 0 while
+        the node is not judged)."""
         return {node: float(self._score[slot]) for node, slot in self._nodes.items()}
 
     def metric_scores(self, node: Hashable) -> dict[str, float]:

@@ -285,10 +285,8 @@ class DetectionConfig:
     min_nodes: int = field(default=4, metadata=check(at_least_three))
     priorities: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}),
                                             metadata=check(metric_weights))  # metric -> weight (0 = ignore)
-    # Act on a flagged machine like on a lost node (evict, replace); false (the default): report only.
-    # Off by default: on the embedded default's heterogeneous pipelines, healthy nodes of different
-    # roles (3-stage and 2-stage pipelines, a joiner) were flagged from their process metrics.
-    evict: bool = False
+    # Act on a flagged machine like on a lost node (evict, replace); false: report it only.
+    evict: bool = True
     # A straggler's pipeline gets fewer microbatches (rebalance), or it is evicted, or only reported; off:
     # compute times are not watched.
     stragglers: Literal["rebalance", "evict", "report", "off"] = "rebalance"

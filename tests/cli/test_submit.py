@@ -28,33 +28,23 @@ def plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
 
 
-def test_submit_local_runs_the_job_to_completion(tmp_path: Path) -> None:
-    recipe = tmp_path / "short.yaml"
-    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 6\n")
-    result = submit(tmp_path, str(recipe), "--no-dashboard")
-    assert result.returncode == 0, result.stdout + result.stderr
-    (job_dir,) = (tmp_path / "jobs").iterdir()
-    assert f"folder: {job_dir}" in result.stdout.replace("\n", "")
-    assert stat.S_IMODE((job_dir / "secret").stat().st_mode) == 0o600
-    assert json.loads((job_dir / "meta.json").read_text())["backend"] == "local"
-    steps = read_events(job_dir / "events.jsonl", "step")
-    assert [e["step"] for e in steps] == list(range(6))
-    (finished,) = read_events(job_dir / "events.jsonl", "job_finished")
-    assert finished["status"] == "completed"
-    assert "step 5: loss" in result.stdout
-    assert any((tmp_path / "templates_cache").rglob("*.json")), "templates were not pregenerated"
-
-
 def test_submit_on_a_terminal_draws_the_planning_progress_and_follows(tmp_path: Path) -> None:
     """On a terminal the planner reports to a progress bar (it was once handed the bar itself, which
-    is not callable: a TypeError on every first submit); --no-dashboard then prints the steps."""
+    is not callable: a TypeError on every first submit); --no-dashboard then prints the steps, and
+    --no-drills leaves the recipe's scripted failure out."""
     recipe = tmp_path / "short.yaml"
-    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 3\n")
-    result = submit(tmp_path, str(recipe), "--no-dashboard", terminal=True)
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 6\n"
+                      "drills:\n  - {step: 3, node: node2, how: worker}\n")
+    result = submit(tmp_path, str(recipe), "--no-dashboard", "--no-drills", terminal=True)
     out = plain(result.stdout)
     assert result.returncode == 0, out + result.stderr
     assert re.search(r"profiling layers .* 6/6", out) and re.search(r"generating templates .* (\d+)/\1", out), out
-    assert "step 2: loss" in out and "job_finished status=completed" in out
+    assert "step 5: loss" in out and "job_finished status=completed" in out
+    (job_dir,) = (tmp_path / "jobs").iterdir()
+    assert f"folder: {job_dir}" in out.replace("\n", "")
+    assert not read_events(job_dir / "events.jsonl", "drill") and not read_events(job_dir / "events.jsonl", "failure")
+    assert "summary: completed; 0 failure(s)" in " ".join(out.split())
+    assert any((tmp_path / "templates_cache").rglob("*.json")), "templates were not pregenerated"
 
 
 def test_submit_detach_returns_while_the_job_runs(tmp_path: Path) -> None:
@@ -67,6 +57,9 @@ def test_submit_detach_returns_while_the_job_runs(tmp_path: Path) -> None:
     subprocess.run(["python3", "-c", f"import os,time\nwhile os.path.exists('/proc/{pid}') and "
                     f"open('/proc/{pid}/stat').read().split()[2] != 'Z': time.sleep(0.2)"], timeout=300)
     assert [e["status"] for e in read_events(job_dir / "events.jsonl", "job_finished")] == ["completed"]
+    assert stat.S_IMODE((job_dir / "secret").stat().st_mode) == 0o600
+    assert json.loads((job_dir / "meta.json").read_text())["backend"] == "local"
+    assert [e["step"] for e in read_events(job_dir / "events.jsonl", "step")] == list(range(3))
 
 
 def test_default_submit_drills_a_failure_recovers_joins_and_summarises(tmp_path: Path) -> None:
@@ -90,17 +83,6 @@ def test_default_submit_drills_a_failure_recovers_joins_and_summarises(tmp_path:
     assert "summary: completed; 1 failure(s) ['node2']" in out, out
     assert "the trajectory went on unchanged: every step trained once, no checkpoint loaded" in out
     assert "joined: r1" in out and f"report: python -m oobleck_slurm report {job_dir}" in out
-
-
-def test_no_drills_leaves_the_scripted_failure_out(tmp_path: Path) -> None:
-    recipe = tmp_path / "short.yaml"
-    recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 8\n"
-                      "drills:\n  - {step: 3, node: node2, how: worker}\n")
-    result = submit(tmp_path, str(recipe), "--no-dashboard", "--no-drills")
-    assert result.returncode == 0, result.stdout + result.stderr
-    (job_dir,) = (tmp_path / "jobs").iterdir()
-    assert not read_events(job_dir / "events.jsonl", "drill") and not read_events(job_dir / "events.jsonl", "failure")
-    assert "summary: completed; 0 failure(s)" in " ".join(plain(result.stdout).split())
 
 
 def test_a_plan_that_cannot_fit_is_refused_before_launch_with_the_figures(tmp_path: Path) -> None:
@@ -137,7 +119,7 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     recipe = tmp_path / "drill.yaml"
     recipe.write_text("name: drill\ncluster: {backend: local, nodes: 4, workers_per_node: 2, cpus_per_node: 2, "
                       "memory_per_device: 10MB}\nmodel: {size: tiny}\n"
-                      "training: {global_batch_size: 16, microbatch_size: 2, steps: 80, precision: fp64}\n"
+                      "training: {global_batch_size: 16, microbatch_size: 2, steps: 40, precision: fp64}\n"
                       "fault_tolerance: {f: 0, checkpoint_interval: 0, replacement: none}\n")
     result = submit(tmp_path, str(recipe), "--detach", "--estimate", "A100-40")
     assert result.returncode == 0, result.stderr
@@ -179,7 +161,7 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     assert not read_events(events, "checkpoint_fallback")
     losses = {e["step"]: e["loss"] for e in read_events(events, "step")}
     ref, _ = train_reference(JobSpec.from_json((job_dir / "job.json").read_text()))
-    assert sorted(losses) == list(range(80))  # every step completed; none skipped
+    assert sorted(losses) == list(range(40))  # every step completed; none skipped
     assert all(abs(losses[s] - r) <= 1e-5 * abs(r) for s, r in enumerate(ref)), (losses, ref)
 
 
