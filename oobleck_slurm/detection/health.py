@@ -12,17 +12,21 @@ A straggler (`straggler.Straggler`, per node: its slowest rank) is, by `straggle
 (default), evicted, reported, or not watched (`off`). A node counts as a straggler once its slowdown
 (over the whole window) has been over `threshold` for `confirm` judgements in a row: on a busy
 machine a window's median crosses the threshold for a moment now and then. Rebalancing has
-hysteresis: a node enters then and leaves once under `release` (halfway
-back to 1), so a node hovering around the threshold does not make the plan flap; its factor is its
-recent slowdown (the newest half of the window: how slow it is now). A new decision is made only when
-the set of slow nodes changes or a factor moves by more than `REBALANCE_CHANGE`, and again after every new generation (a later
-plan, after a failure or a join, splits the batch afresh: the coordinator ignores a decision that
-does not change its plan, since `planning.reconfigure.rebalance` depends on the factors alone).
+hysteresis: a node enters then, with its recent slowdown as its factor (the newest half of the
+window: how slow it is now), and leaves once under `release` (halfway back to 1) for `confirm`
+judgements in a row. Meanwhile its factor only grows (when it is confirmed slower by more than
+`REBALANCE_CHANGE`), never shrinks: with fewer microbatches a slow node waits more for its peers,
+and a stall that falls into a wait (a throttled or time-shared machine) no longer shows in its
+compute time, so it looks faster than it is; shrinking its factor on that evidence gave it its
+microbatches back, and the plan flapped every few seconds (measured on the `slow` drill). A new
+decision is made only when the set of slow nodes changes or a factor grows, and again after every
+new generation (a later plan, after a failure or a join, splits the batch afresh: the coordinator
+ignores a decision that does not change its plan, since `planning.reconfigure.rebalance` depends on
+the factors alone).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -36,7 +40,7 @@ STRAGGLER = "straggler"
 STRAGGLER_MODES = ("rebalance", "evict", "report", "off")
 K = TypeVar("K")
 V = TypeVar("V")
-REBALANCE_CHANGE = 1.5  # a slow node's factor must move by more than this ratio for a new decision
+REBALANCE_CHANGE = 1.5  # a slow node's factor must grow by more than this ratio for a new decision
 
 
 def _frozen(mapping: Mapping[K, V]) -> Mapping[K, V]:
@@ -101,6 +105,7 @@ class HealthPolicy:
             raise ValueError(f"confirm must be >= 1, got {confirm}")
         self.evict, self.mode, self.threshold, self.confirm = evict, stragglers, threshold, confirm
         self._over: dict[Hashable, int] = {}  # judgements in a row over the threshold, per node
+        self._under: dict[Hashable, int] = {}  # judgements in a row under the release, per node
         self.release = 1 + (threshold - 1) / 2
         self.applied: dict[Hashable, float] = {}  # rebalance: the factors last decided
         self._applied_generation: int | None = None
@@ -118,6 +123,7 @@ class HealthPolicy:
             return []
         for node, s in by_node.items():
             self._over[node] = self._over.get(node, 0) + 1 if s.slowdown >= self.threshold else 0
+            self._under[node] = self._under.get(node, 0) + 1 if s.slowdown < self.release else 0
         if self.mode == "rebalance":
             return self._rebalance(by_node, generation)
         out: list[Decision] = []
@@ -131,12 +137,17 @@ class HealthPolicy:
         return out
 
     def _rebalance(self, by_node: Mapping[Hashable, Straggler], generation: int) -> list[Decision]:
-        wanted = {node: f for node, f in self.applied.items() if node not in by_node}
+        wanted = {node: f for node, f in self.applied.items() if node not in by_node}  # not judged now: kept
         for node, s in by_node.items():
-            if self._confirmed(node) or (node in self.applied and s.slowdown >= self.release):
-                wanted[node] = max(s.recent_slowdown, self.release)  # how slow it is now
-        changed = set(wanted) != set(self.applied) or any(
-            abs(math.log(wanted[n] / self.applied[n])) > math.log(REBALANCE_CHANGE) for n in wanted)
+            now = max(s.recent_slowdown, self.release)  # how slow it is now
+            applied = self.applied.get(node)
+            if applied is None:
+                if self._confirmed(node):
+                    wanted[node] = now
+            elif self._under.get(node, 0) < self.confirm:  # it stays, its factor grows only
+                grown = self._confirmed(node) and now > applied * REBALANCE_CHANGE
+                wanted[node] = now if grown else applied
+        changed = wanted != self.applied
         fresh_plan = bool(wanted) and generation != self._applied_generation
         if not (changed or fresh_plan):
             return []
@@ -157,3 +168,4 @@ class HealthPolicy:
         self.applied.pop(node, None)
         self._acted.discard(node)
         self._over.pop(node, None)
+        self._under.pop(node, None)
