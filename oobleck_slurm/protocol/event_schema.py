@@ -445,7 +445,7 @@ class Health(Event):
     """The detectors' view of every node (every few seconds while the monitor has scores)."""
 
     kind = "health"
-    scores: dict[str, float] | None = optional("node -> the metrics detector's score (robust z of its worst metric)")
+    scores: dict[str, float] | None = optional("node -> the metrics detector's score (robust z of its worst metric; 0 while the node is not judged)")
     metrics: dict[str, str] | None = optional("node -> the metric behind its score")
     slowdowns: dict[str, float] | None = optional("node -> its compute time over its peers'")
     threshold: float | None = optional("the score at which a machine is flagged")
