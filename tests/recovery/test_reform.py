@@ -53,6 +53,8 @@ def test_rank_hung_after_its_first_collective_is_named_and_evicted(tmp_path, tem
     run = run_job(tmp_path, tiny_recipe(optimizer="came", **FAST), templates_cache, faults=faults)
     assert_matches_reference(run)
     assert [e["nodes"] for e in run.kind("collective_error")][:1] and run.kind("reform")
+    kinds = [e["kind"] for e in run.events]
+    assert kinds.index("collective_error") < kinds.index("reform") < kinds.index("node_lost")
     lost = run.kind("node_lost")
     assert [(e["node"], e["cause"]) for e in lost] == [("node2", "hung")], lost
     assert re.match(r"did not leave generation \d+ within", lost[0]["detail"])  # 0, or 1 after a spurious re-form

@@ -1,8 +1,7 @@
 """A worker that hangs inside a step while it stays runnable (a deadlock, not SIGSTOP): its agent sees
 a live process. Hung before its first collective of the step, per-rank progress (`worker/{id}/step`)
-names it; hung after it (every rank reached the same step), its peers' collectives fail, the members
-re-form and it is the one that never leaves the aborted generation. Real supervisor, agents and workers
-on the local backend."""
+names it. (Hung after it, every rank at the same step, the re-form names it: tests/recovery/test_reform.py.)
+Real supervisor, agents and workers on the local backend."""
 
 from __future__ import annotations
 
@@ -46,19 +45,6 @@ def test_hung_running_worker_is_named_and_evicted(tmp_path: Path, templates_cach
         lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 180)
         assert [(e["node"], e["cause"]) for e in lost] == [("node3", "hung")], lost
         assert "behind" not in lost[0]["detail"] and f"collective of step {HANG_STEP - 1}, its peers of step {HANG_STEP}" in lost[0]["detail"]
-        detection = read_events(job / "events.jsonl", "detection")[0]
+        detection = wait_for(job, "detection", lambda ev: [e for e in ev if e["kind"] == "detection"])[0]  # after node_lost
         assert STEP_TIMEOUT_S <= detection["seconds"] < STEP_TIMEOUT_S + 10.0, detection  # slack: a busy machine
-        assert_recovers_without(job, "node3")
-
-
-def test_worker_hung_after_its_first_collective_is_named_by_the_reform(tmp_path: Path, templates_cache: Path) -> None:
-    with supervised_job(tmp_path, "wait:2", templates_cache) as job:
-        lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 180)
-        assert [(e["node"], e["cause"]) for e in lost] == [("node3", "hung")], lost
-        assert "did not leave generation" in lost[0]["detail"]
-        events = read_events(job / "events.jsonl")
-        kinds = [e["kind"] for e in events]
-        assert kinds.index("collective_error") < kinds.index("reform") < kinds.index("node_lost")
-        # its peers' collectives time out, the grace (the lease) passes, then the leave timeout
-        assert COLLECTIVE_S + LEASE_S + STEP_TIMEOUT_S <= lost[0]["detection_seconds"] < COLLECTIVE_S + LEASE_S + STEP_TIMEOUT_S + 10
         assert_recovers_without(job, "node3")

@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path, templates_cache: Path) -> None:
     with running_job(tmp_path, "  checkpoint_interval: 0\n  step_timeout: 5\n  reconfiguration_timeout: 60\n",
-                     templates_cache) as job:
+                     templates_cache, nodes=5) as job:
         wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
         port = live_status(job)  # authenticated status works
-        assert port.members == ("node1", "node2", "node3", "node4")
+        assert port.members == ("node1", "node2", "node3", "node4", "node5")
         supervisor = (job / "supervisor.json").read_text()
         address = __import__("json").loads(supervisor)
         with pytest.raises((EOFError, OSError, ProtocolError)):  # refused: no authenticated reply
@@ -33,8 +33,11 @@ def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path, te
             ch.send({"type": "fault", "node": "node2", "how": "agent", "t": 0})
             ch.recv()
         wait_for(job, "refused", lambda ev: [e for e in ev if e["kind"] == "refused"], 30)
-        for i, (node, how, cause) in enumerate([("node2", "worker", "process_exit"), ("node3", "agent", "agent_lost"),
-                                                ("node4", "hang", "hung")]):
+        # The hang first, on a calm machine: its detection time is asserted. The next drills do not wait
+        # for the previous replacement (5 nodes: f=1's 2 pipelines survive the 3 losses): losses while
+        # replacements join are part of the test.
+        for node, how, cause in [("node4", "hang", "hung"), ("node2", "worker", "process_exit"),
+                                 ("node3", "agent", "agent_lost")]:
             done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "kill-node", str(job), node, "--how", how],
                                   capture_output=True, text=True, timeout=60, cwd=tmp_path)
             assert done.returncode == 0, done.stdout + done.stderr
@@ -44,9 +47,8 @@ def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path, te
             # a stopped worker: named after the heartbeat lease (3 s), not the step timeout (5 s)
             assert lost["detection_seconds"] < (4.5 if how == "hang" else 1.0)
             assert how != "hang" or "has been stopped" in lost["detail"]
-            joins = i + 1
-            wait_for(job, f"join {joins}", lambda ev, joins=joins: len([e for e in ev if e["kind"] == "node_joined"]) >= joins,
-                     90)
+        wait_for(job, "3 joins", lambda ev: len([e for e in ev if e["kind"] == "node_joined"]) >= 3, 180)
         final = read_events(job / "events.jsonl", "plan")[-1]
-        assert sorted(n for p in final["pipelines"] for n in p["nodes"]) == ["node1", "r1", "r2", "r3"]
+        members = [n for p in final["pipelines"] for n in p["nodes"]] + final["spares"]  # 8 microbatches: 4 pipelines may beat 5
+        assert sorted(members) == ["node1", "node5", "r1", "r2", "r3"]
         assert all(e["ok"] for e in read_events(job / "events.jsonl", "health_check"))
