@@ -20,13 +20,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def running_job(tmp_path: Path, fault_tolerance: str, cache: Path,
-                faults: list[dict[str, Any]] | None = None, nodes: int = 4, sections: str = "") -> Iterator[Path]:
+                faults: list[dict[str, Any]] | None = None, nodes: int = 4, sections: str = "",
+                precision: str | None = None) -> Iterator[Path]:
     """local-tiny on `nodes` virtual nodes with endless steps and these `fault_tolerance:` lines (YAML,
     indented), and more top-level `sections` (YAML), started as `submit` starts it; stopped at the end
-    (frozen processes thawed first, so that they can die)."""
+    (frozen processes thawed first, so that they can die). fp64 `precision`: its losses can be compared
+    with the reference's within 1e-5 (assert_trained_on_the_reference)."""
     recipe = tmp_path / "r.yaml"
+    training = "  steps: 100000\n" + (f"  precision: {precision}\n" if precision else "")
     recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ncluster:\n  nodes: {nodes}\n"
-                      f"training:\n  steps: 100000\nfault_tolerance:\n{fault_tolerance}{sections}")
+                      f"training:\n{training}fault_tolerance:\n{fault_tolerance}{sections}")
     handle = prepare_job(load_recipe(recipe), cache_dir=cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs",
                          faults=faults)
     sup = start_local(handle)
@@ -52,3 +55,20 @@ def wait_for(job: Path, what: str, check, timeout: float = 180.0):  # noqa: ANN0
             pytest.fail(f"{what} not seen within {timeout}s: {read_events(job / 'events.jsonl')[-10:]}")
         time.sleep(0.1)
     return found
+
+
+def assert_trained_on_the_reference(job: Path, rtol: float = 1e-5) -> int:
+    """Every step a running job reported so far (0..last, none missing; a replayed step's last report
+    counts) has the loss of the failure-free single-process run of its recipe (tests/reference.py);
+    returns how many steps were checked."""
+    from reference import train_reference
+
+    from oobleck_slurm.engine.spec import JobSpec
+
+    losses = {e["step"]: e["loss"] for e in read_events(job / "events.jsonl", "step")}
+    steps = max(losses) + 1
+    assert sorted(losses) == list(range(steps)), "a step was skipped"
+    ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()), steps=steps)
+    bad = [(s, losses[s], r) for s, r in enumerate(ref) if abs(losses[s] - r) > rtol * abs(r)]
+    assert not bad, f"losses off the failure-free trajectory (step, job, reference): {bad[:5]}"
+    return steps

@@ -73,6 +73,8 @@ def test_default_submit_drills_a_failure_recovers_joins_and_summarises(tmp_path:
     assert (drill["node"], drill["how"], drill["ok"]) == ("node2", "worker", True) and drill["step"] >= 60
     assert [e["nodes"] for e in read_events(events, "failure")] == [["node2"]]
     assert [e["node"] for e in read_events(events, "node_joined")] == ["r1"]
+    losses = {e["step"]: e["loss"] for e in read_events(events, "step")}  # it learns the shipped text
+    assert losses[0] > 5.0 and sum(losses[s] for s in range(195, 200)) / 5 < losses[0] - 1.0, losses  # ~ln(256) at init
     sizes = [len(p["nodes"]) for p in read_events(events, "plan")[0]["pipelines"]]
     assert len(set(sizes)) > 1 and max(sizes) > 1, f"the default's first plan is not heterogeneous: {sizes}"
     from oobleck_slurm.dashboard.state import DashboardState
@@ -105,10 +107,11 @@ def test_submit_bad_recipe_exits_2_without_a_job(tmp_path: Path) -> None:
 
 
 def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None:
-    """The CLI drill: `submit` of 4 nodes x 2 workers (8 ranks, pipelines spanning two nodes), kill -9
-    of one worker process: its node (both its workers) is taken out, the survivors keep their
-    processes, no checkpoint is involved, and every step's loss and the final parameters equal the
-    failure-free single-process run."""
+    """The CLI drill: `submit` of 4 nodes x 2 workers (8 ranks, pipelines of 4 stages spanning two
+    nodes; CAME, factored second moments), kill -9 of one worker process: its node (both its workers)
+    is taken out, the survivors keep their processes, no checkpoint is involved, and every step's loss
+    and the final parameters equal the failure-free single-process run (fp64, 1e-5 relative:
+    tests/engine/test_exact.py)."""
     import signal
     import time
 
@@ -120,7 +123,7 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     recipe = tmp_path / "drill.yaml"
     recipe.write_text("name: drill\ncluster: {backend: local, nodes: 4, workers_per_node: 2, cpus_per_node: 2, "
                       "memory_per_device: 10MB}\nmodel: {size: tiny}\n"
-                      "training: {global_batch_size: 16, microbatch_size: 2, steps: 24, precision: fp64}\n"
+                      "training: {global_batch_size: 16, microbatch_size: 2, steps: 24, precision: fp64, optimizer: {name: came}}\n"
                       "fault_tolerance: {f: 0, checkpoint_interval: 0, replacement: none}\n")
     result = submit(tmp_path, str(recipe), "--detach", "--estimate", "A100-40")
     assert result.returncode == 0, result.stderr
@@ -143,7 +146,11 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     assert sorted(before) == [(f"node{n}", str(w)) for n in range(1, 5) for w in (0, 1)]
     psutil.Process(before[("node2", "1")]).send_signal(signal.SIGKILL)
     first_plan = read_events(events, "plan")[0]
-    assert first_plan["ranks"] == 8
+    assert first_plan["ranks"] == 8 and first_plan["workers_per_node"] == 2
+    assert [len(p["nodes"]) for p in first_plan["pipelines"]] == [2, 2]
+    for p in first_plan["pipelines"]:  # 4 stages over the 2 workers of each of 2 nodes
+        assert [(s["node"], s["worker"]) for s in p["stages"]] == [(n, w) for n in p["nodes"] for w in (0, 1)]
+    assert sorted(s["rank"] for p in first_plan["pipelines"] for s in p["stages"]) == list(range(8))
     # `submit --estimate` plans the job exactly as `plan --estimate` shows it
     shown = subprocess.run([sys.executable, "-m", "oobleck_slurm", "plan", str(recipe), "--estimate", "A100-40",
                             "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

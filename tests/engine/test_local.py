@@ -1,35 +1,16 @@
-"""The embedded default through the production path: recipe -> planner plan -> supervisor, agents and
-workers on the shipped text; and the mapping of a planner plan to worker ranks."""
+"""The mapping of a planner plan to worker ranks. (The embedded default through the production path,
+its loss falling on the shipped text: tests/cli/test_submit.py.)"""
 
 from pathlib import Path
 
 import pytest
-from jobrun import run_job
 
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.engine.from_recipe import job_from_recipe
 from oobleck_slurm.engine.layout import PlanError
 from oobleck_slurm.planning import instantiate
 from oobleck_slurm.planning.pregenerate import pregenerate
-from oobleck_slurm.recipe import load_recipe, recipe_to_dict
-
-
-def default_recipe(steps: int) -> dict:
-    tree = recipe_to_dict(load_recipe())  # tiny GPT, shipped text, 4 local virtual nodes, f=1
-    tree["training"]["steps"] = steps
-    tree["drills"] = []  # the default's scripted failure: tests/cli/test_submit.py
-    tree["fault_tolerance"]["checkpoint_interval"] = 0
-    return tree
-
-
-@pytest.mark.slow
-def test_loss_falls_on_the_shipped_text(tmp_path, templates_cache):
-    run = run_job(tmp_path, default_recipe(40), templates_cache, estimate=None)  # the measured profile
-    losses = [s["loss"] for s in run.kind("step")]
-    assert len(losses) == 40
-    assert losses[0] > 5.0  # ~ln(256) at init, byte-level
-    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
-    assert run.kind("job_finished")[-1]["status"] == "completed"
+from oobleck_slurm.recipe import load_recipe
 
 
 def test_planner_plan_maps_to_ranks(tmp_path):

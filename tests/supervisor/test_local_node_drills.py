@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from job_events import running_job, wait_for
+from job_events import assert_trained_on_the_reference, running_job, wait_for
 
 from oobleck_slurm.protocol.events import read_events
 
@@ -21,7 +21,7 @@ HEARTBEAT_S = 0.5  # fault_tolerance.heartbeat_interval (the default)
 
 def test_node_and_freeze_drills_on_virtual_nodes(tmp_path: Path, templates_cache: Path) -> None:
     with running_job(tmp_path, f"  checkpoint_interval: 0\n  replacement: none\n  heartbeat_lease: {LEASE_S}\n"
-                               "  step_timeout: 30\n  reconfiguration_timeout: 60\n", templates_cache) as job:
+                               "  step_timeout: 30\n  reconfiguration_timeout: 60\n", templates_cache, precision="fp64") as job:
         wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
         for node, how, causes in [("node2", "node", {"agent_lost", "process_exit", "srun_exit"}), ("node3", "freeze", {"heartbeat"})]:
             done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "kill-node", str(job), node, "--how", how],
@@ -38,3 +38,5 @@ def test_node_and_freeze_drills_on_virtual_nodes(tmp_path: Path, templates_cache
                 [e for e in ev if e["kind"] == "step"]) > steps + 2)
         final = read_events(job / "events.jsonl", "plan")[-1]
         assert sorted(n for p in final["pipelines"] for n in p["nodes"]) == ["node1", "node4"]
+    # (once the job is stopped: the reference would otherwise share the cores with it)
+    assert_trained_on_the_reference(job)  # through every drill, on the failure-free trajectory

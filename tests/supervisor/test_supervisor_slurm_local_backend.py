@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from job_events import running_job, wait_for
+from job_events import assert_trained_on_the_reference, running_job, wait_for
 
 from oobleck_slurm.protocol.events import read_events
 from oobleck_slurm.protocol.wire import ProtocolError
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path, templates_cache: Path) -> None:
     with running_job(tmp_path, "  checkpoint_interval: 0\n  step_timeout: 5\n  reconfiguration_timeout: 60\n",
-                     templates_cache, nodes=5) as job:
+                     templates_cache, nodes=5, precision="fp64") as job:
         wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
         port = live_status(job)  # authenticated status works
         assert port.members == ("node1", "node2", "node3", "node4", "node5")
@@ -52,3 +52,5 @@ def test_local_agents_detect_worker_agent_and_hang_and_refill(tmp_path: Path, te
         members = [n for p in final["pipelines"] for n in p["nodes"]] + final["spares"]  # 8 microbatches: 4 pipelines may beat 5
         assert sorted(members) == ["node1", "node5", "r1", "r2", "r3"]
         assert all(e["ok"] for e in read_events(job / "events.jsonl", "health_check"))
+    # (once the job is stopped: the reference would otherwise share the cores with it)
+    assert_trained_on_the_reference(job)  # through every drill, on the failure-free trajectory
