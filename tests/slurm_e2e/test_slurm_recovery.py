@@ -97,7 +97,7 @@ training:
   steps: 60
   precision: fp64
 fault_tolerance:
-  heartbeat_lease: 2.5
+  heartbeat_lease: 10  # the kill is found by its exit; 8 fp64 workers on 2 busy cores can starve an agent 2.5 s
   collective_timeout: 2.0
   step_timeout: 30
   reconfiguration_timeout: 60
