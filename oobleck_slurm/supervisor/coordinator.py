@@ -160,6 +160,7 @@ class Coordinator:
         self.total_steps = total_steps
         self.phase = Phase.RUNNING
         self.gen = 0
+        self.start_step = 0  # the step the current generation starts (resumes) at
         self.members: list[str] = []
         self.finished: set[str] = set()
         self.losses: dict[str, Loss] = {}  # node -> how it was lost (the failure event's cause)
@@ -209,7 +210,7 @@ class Coordinator:
                "resume_step": resume_step, "source": source}
         if checkpoint:
             cfg["checkpoint"] = checkpoint
-        self.plan, self.members = plan, members
+        self.plan, self.members, self.start_step = plan, members, resume_step
         self.store.set(keys.config(self.gen), json.dumps(cfg))
         self.store.set(keys.CURRENT_GEN, str(self.gen))
         if recovery is None:  # generation 0: no change led to it
@@ -339,7 +340,9 @@ class Coordinator:
         self.store.set(keys.failed(g), json.dumps({"lost": lost, "joined": joined, "cause": cause}))
         progress = self._progress()
         self.trained = self.trained or progress is not None
-        next_step = progress + 1 if progress is not None else 0
+        # The step in progress: after the generation's last completed one, or the one it started at (a
+        # failure during a recovery, before the new generation completed a step, is not at step 0).
+        next_step = progress + 1 if progress is not None else self.start_step
         t_kill = self._killed_at(lost) if lost else None
         if lost:
             self._failure_events(g, lost, cause, next_step, t_detect)

@@ -20,6 +20,9 @@ def assert_recovered_in_memory(run, expected_lost):
     assert lost_nodes(run) == sorted(expected_lost), run.kind("failure")
     assert not run.kind("checkpoint_fallback")
     assert not [e for e in run.kind("failure") if "timeout" in e["cause"]], run.kind("failure")
+    for failure in [e for e in run.kind("failure") if e["step"] is not None]:  # the step in progress ...
+        resumed = next(e for e in run.kind("resumed") if e["t"] >= failure["t"])  # ... is where training resumes
+        assert failure["step"] - 1 <= resumed["step"] <= failure["step"] + 1, (failure, resumed)
 
 
 @pytest.mark.parametrize("first, gen_first, second, gen_second", [
