@@ -21,6 +21,11 @@ import pytest
 
 SLURM_DIR = Path(__file__).resolve().parent / "slurm"
 
+# Every job of the suite runs its gloo groups under NCCL's ordering rules (engine/nccl_order.py), in
+# this process and in every worker it starts (they inherit the environment, through Slurm too): a
+# schedule that would deadlock on a GPU then fails here.
+os.environ.setdefault("OOBLECK_NCCL_ORDER", "1")
+
 
 def _slurm_module(stem: str) -> ModuleType:
     """tests/slurm/{stem}.py (lab, drill), imported by path: tests/ is not a package."""

@@ -1,22 +1,21 @@
 """Generation: every process group of one membership generation, built straight on a shared store.
 
-One seam for both backends: gloo on CPUs, NCCL on GPUs (one worker per GPU). What differs is kept
-here: NCCL groups are connected eagerly on the worker's device (no communicator is ever created in
-the middle of a step, where a dead peer would pin the thread in NCCL's bootstrap), stage-to-stage
-traffic goes through one 2-rank group per pipeline edge (shared/docs/nccl-notes.md, section 5), and
-an aborted generation's NCCL groups are aborted (`abort_groups`), while gloo groups, which cannot be
-aborted, are left to time out in the background (see abort.py). The environment NCCL workers get from
-their agent is `NCCL_WORKER_ENV` in supervisor/agent.py.
+One seam for both backends: gloo on CPUs, NCCL on GPUs (one worker per GPU). Every group of
+generation g is constructed directly on `PrefixStore("gen{g}/<name>", store)` by its members only: no
+global `new_group` ordering, and a group without a dead rank keeps working. Dropping a Generation and
+building the next one re-forms everything without restarting the process.
 
-The TCPStore lives in a process that does no training (the launcher, later the supervisor), so a
-worker's death never takes the store with it. Every group of generation g is a ProcessGroupGloo (or
-NCCL) constructed directly on `PrefixStore(f"gen{g}/<name>", store)` by its members only: no global
-`new_group` ordering, and a group that does not contain a dead rank keeps working. Dropping a
-Generation and building the next one re-forms everything without restarting the process.
+The TCPStore lives in the supervisor, which does no training, so a worker's death never takes the
+store with it. Groups are built (and warmed up) in one global order, sorted by name, by every rank,
+skipping those it is not in: each group's constructor waits for all its members, and a common order
+rules out a cycle of ranks waiting on each other.
 
-Groups are built in one global order (sorted by name) by every rank, skipping those it is not in:
-each group's constructor waits for all its members, and a common order rules out a cycle of ranks
-waiting on each other.
+What differs between the backends stays here (docs/nccl.md): NCCL groups are connected eagerly on the
+worker's device and warmed up, so no communicator connects in the middle of a step; stage-to-stage
+traffic uses one 2-rank group per edge and direction; plan-change copies are one batch; a generation's
+communicators are aborted together. gloo groups cannot be aborted, so they are left to their timeouts
+and dropped by a reaper thread. With OOBLECK_NCCL_ORDER=1 the gloo groups keep NCCL's ordering rules
+(nccl_order.py), so that the CPU tests catch what would deadlock on a GPU.
 """
 
 from __future__ import annotations
@@ -24,14 +23,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
+from oobleck_slurm.engine import nccl_order
 from oobleck_slurm.engine.layout import ExecPlan, layer_groups
+from oobleck_slurm.engine.nccl_order import OrderedGroup, P2POp
 from oobleck_slurm.protocol import keys
 
 # NCCL's own per-operation timeout: far above the job's collective timeout, which the generation's
@@ -105,24 +108,50 @@ def make_group(store: dist.Store, prefix: str, rank: int, size: int, timeout: dt
     return cast(dist.ProcessGroup, pg)
 
 
-def abort_groups(groups: list[dist.ProcessGroup]) -> None:
-    """Abort NCCL groups of a failed generation (every communicator, so no kernel stays queued);
-    gloo groups have no abort (#130345) and are left to their timeouts."""
+WARM_UP_POLL_S = 0.001  # a warm-up operation is polled this often (it completes in microseconds)
+ABORT_JOIN_S = 30.0  # how long aborting a generation's NCCL communicators may take before we go on
+
+
+def abort_groups(groups: list[Group]) -> None:
+    """Abort the NCCL communicators of a generation all at once, one thread each: aborting them one by
+    one can hang while kernels are still pending on the others (docs/nccl.md, "Aborting"). gloo groups
+    have no abort that unblocks a waiter (#130345): they are left to their timeouts."""
     nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
-    for pg in groups:
-        if nccl is not None and isinstance(pg, nccl):
-            pg.abort()
+    threads = [threading.Thread(target=pg.abort, daemon=True, name="abort-communicator")
+               for pg in groups if nccl is not None and isinstance(pg, nccl)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + ABORT_JOIN_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+class Group(Protocol):
+    """The operations the engine runs on a group: a torch ProcessGroup, or an OrderedGroup (gloo with
+    NCCL's ordering rules, nccl_order.py)."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+    def barrier(self) -> dist.Work: ...
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
 
 
 class Generation:
     """The groups of generation `number` for worker `rank` of `world_size` under `plan`.
 
-    world:      all workers (step metrics; with gloo also p2p between pipeline neighbours and state
-                transfers)
-    edges:      NCCL only: one 2-rank group per pipeline edge, for the stage-to-stage p2p
+    world:      all workers: step metrics, and the batched state copies of a plan change (`exchange`)
+    act/a-b:    per pipeline edge, stage a's activations to stage b; grad/a-b: b's gradients back to a.
+                One communicator per direction: each carries its transfers in one order that both ends
+                share, so 1F1B's crossing sends (a sends activation m+k while b sends gradient m)
+                cannot wait on each other on NCCL, where a communicator runs its operations in order
+                and a large send completes only once the peer has posted its receive (docs/nccl.md).
     pipeline:   this rank's pipeline, if it has more than one stage (gradient-norm sum)
     layers:     for each set of ranks holding the same layers, one group (gradient all-reduce);
-                `layer_group[layer]` = (group, rank's index in it)
+                `layer_group[layer]` = that group
+
+    Every group is warmed up with one small operation when it is built, in the build's common order:
+    NCCL connects its transports at a communicator's first operation, and that must not happen in the
+    middle of a step, where a dead peer would block it in a call nothing can interrupt.
     """
 
     def __init__(self, store: dist.Store, number: int, rank: int, world_size: int, plan: ExecPlan,
@@ -133,60 +162,120 @@ class Generation:
         self.plan = plan
         self.timeouts = timeouts
         self.backend = backend
+        self.device = device or torch.device("cpu")
         timeout = timeouts.td("collective")
         wanted: dict[str, tuple[int, ...]] = {"world": tuple(range(world_size))}
         for p in plan.pipelines:
             if p.num_stages > 1:
                 wanted["pipe/" + "-".join(map(str, p.ranks))] = tuple(p.ranks)
-            if backend == "nccl":
-                for a, b in zip(p.ranks, p.ranks[1:]):
-                    wanted[edge_name(a, b)] = (a, b)
+            for a, b in zip(p.ranks, p.ranks[1:]):
+                wanted[edge_name("act", a, b)] = (a, b)
+                wanted[edge_name("grad", a, b)] = (a, b)
         by_members = layer_groups(plan)
         for members in by_members:
             wanted["layers/" + "-".join(map(str, members))] = members
-        self.groups: dict[str, dist.ProcessGroup] = {}
+        ordered = backend == "gloo" and nccl_order.enabled()
+        self.groups: dict[str, Group] = {}
+        self._members: dict[str, tuple[int, ...]] = {}
         for name in sorted(wanted):
             members = wanted[name]
             if rank in members:
-                self.groups[name] = make_group(
-                    store, keys.group_prefix(number, name), members.index(rank), len(members), timeout,
-                    backend, timeouts.td("connect"), device,
-                )
+                pg = make_group(store, keys.group_prefix(number, name), members.index(rank), len(members),
+                                timeout, backend, timeouts.td("connect"), device)
+                self.groups[name] = OrderedGroup(pg, name) if ordered else cast(Group, pg)
+                self._members[name] = members
         self.world = self.groups["world"]
         role = plan.role(rank)
-        self.pipeline = None
+        self.pipeline: Group | None = None
         if role is not None and role.num_stages > 1:
             self.pipeline = self.groups["pipe/" + "-".join(map(str, role.pipeline_ranks))]
-        self.layer_group: dict[int, dist.ProcessGroup] = {}
+        self.layer_group: dict[int, Group] = {}
         for members, layers in by_members.items():
             if rank in members:
                 for layer in layers:
                     self.layer_group[layer] = self.groups["layers/" + "-".join(map(str, members))]
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One small operation on every group, in the build order (module doc of the class)."""
+        for name in sorted(self.groups):
+            group, members = self.groups[name], self._members[name]
+            if name.startswith(("act/", "grad/")):
+                src, dst = (members[0], members[1]) if name.startswith("act/") else (members[1], members[0])
+                probe = torch.zeros(1, device=self.device)
+                peer = dst if self.rank == src else src
+                work = (group.send if self.rank == src else group.recv)([probe], members.index(peer), 0)
+            else:
+                work = group.allreduce([torch.zeros(1, device=self.device)])
+            deadline = time.monotonic() + self.timeouts.connect
+            while not work.is_completed():  # NCCL's wait() would only order the streams
+                if time.monotonic() > deadline:
+                    raise CollectiveError(f"generation {self.number}: warming up group {name} took more than "
+                                          f"{self.timeouts.connect:g} s")
+                time.sleep(WARM_UP_POLL_S)
+            work.wait()
 
     def wait(self, work: dist.Work) -> None:
         """Wait for `work` at most the collective timeout (after which the group is dead)."""
         work.wait(self.timeouts.td("collective"))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
-        group, peer = self._p2p(dst)
+        """Send to a pipeline neighbour: activations forward, gradients backward."""
+        group, peer = self._p2p(self.rank, dst)
         return group.send([tensor], peer, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
-        group, peer = self._p2p(src)
+        group, peer = self._p2p(src, self.rank)
         return group.recv([tensor], peer, tag)
 
-    def _p2p(self, peer: int) -> tuple[dist.ProcessGroup, int]:
-        """The group and the peer's rank in it: the edge's own group on NCCL when there is one (no
-        communicator made mid-step), else the world group."""
-        name = edge_name(min(self.rank, peer), max(self.rank, peer))
-        if self.backend == "nccl" and name in self.groups:
-            return self.groups[name], int(peer > self.rank)
-        return self.world, peer
+    def _p2p(self, src: int, dst: int) -> tuple[Group, int]:
+        """The group carrying traffic from `src` to `dst` (pipeline neighbours), and the peer's rank in it."""
+        for name in (edge_name("act", src, dst), edge_name("grad", dst, src)):
+            if name in self.groups:
+                peer = dst if src == self.rank else src
+                return self.groups[name], self._members[name].index(peer)
+        raise RuntimeError(f"ranks {src} and {dst} are not neighbours in a pipeline of generation {self.number}")
+
+    def exchange(self, ops: Sequence[P2POp]) -> list[dist.Work]:
+        """Post sends and receives between any ranks (world ranks) as one batch whose operations start
+        together, on NCCL one `ncclGroupStart`/`ncclGroupEnd` on the world's eagerly connected
+        communicator: no order between the batch's operations can deadlock it."""
+        world = self.world
+        if isinstance(world, OrderedGroup):
+            return [world.exchange(ops)]
+        if self.backend == "nccl":
+            pg = cast(dist.ProcessGroup, world)
+            pg._start_coalescing(self.device)  # what batch_isend_irecv does, on a group of our own
+            for op in ops:
+                (pg.send if op.op == "send" else pg.recv)([op.tensor], op.peer, op.tag)
+            return [pg._end_coalescing(self.device)]
+        return [(world.send if op.op == "send" else world.recv)([op.tensor], op.peer, op.tag) for op in ops]
+
+    def release(self) -> None:
+        """Free this generation's groups once no member needs them any more (the next generation has
+        formed, so every member has left this one). A reaper thread drops them: a gloo group's
+        destructor waits for its stuck operations (a failed generation's) to time out, and that must
+        not hold up training. NCCL communicators are aborted, which frees their buffers on the device
+        whether the generation failed or ended cleanly."""
+        groups = list(self.groups.values())
+        self.groups.clear()
+        self.layer_group.clear()
+        self.pipeline = None
+
+        def reap() -> None:
+            abort_groups(groups)
+            for group in groups:
+                if isinstance(group, OrderedGroup):
+                    group.close()
+            groups.clear()
+
+        threading.Thread(target=reap, daemon=True, name=f"release:gen{self.number}").start()
 
 
-def edge_name(a: int, b: int) -> str:
-    """The group of the pipeline edge between ranks a < b (NCCL)."""
-    return f"edge/{a}-{b}"
+def edge_name(direction: str, a: int, b: int) -> str:
+    """The group of the pipeline edge from stage rank a to its next stage's rank b, one per direction
+    ("act": a to b, "grad": b to a)."""
+    return f"{direction}/{a}-{b}"
 
 
 @contextlib.contextmanager

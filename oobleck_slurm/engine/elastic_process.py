@@ -7,13 +7,14 @@ agent pins it to GPU LOCAL before CUDA initialises (see supervisor/agent.py). It
 coordinator through the store (keys: oobleck_slurm/protocol/keys.py).
 
 A config with `stop` ends the worker; with `save` {root, step} it first writes its layers (those it
-holds first in its plan) as the checkpoint of `step`, rolling back one step if it is ahead (an
-on-demand checkpoint at preemption: the requeued job resumes from it). After the last step every
+holds first in its plan) as the checkpoint of `step`, completing its pending step if it is one behind
+(an on-demand checkpoint at preemption: the requeued job resumes from it). After the last step every
 worker writes the layers it holds first as the final checkpoint (`checkpoints/step{steps}`): the
 trained model.
 
 Survivors never restart: they keep their process, their layers and optimizer state, and build the
-next generation's groups under a new store prefix. Fault injection (drills, tests, benchmarks: the job
+next generation's groups under a new store prefix; once those have formed, every member has left the
+previous generation and its groups are released. Fault injection (drills, tests, benchmarks: the job
 folder's faults.json) is engine/faults.py's `FaultHooks`, called at its hook points.
 """
 
@@ -31,12 +32,12 @@ from typing import Any
 import torch
 
 from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE
-from oobleck_slurm.engine.abort import GenerationAborted, build_generation
+from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import Timeouts, connect_store, is_collective_error
 from oobleck_slurm.engine.faults import FaultHooks
 from oobleck_slurm.engine.layout import ExecPlan
-from oobleck_slurm.engine.recovery import StepUndo
+from oobleck_slurm.engine.recovery import can_complete, reach_step
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED
@@ -63,7 +64,8 @@ class ElasticWorker:
         device = torch.device("cuda", torch.cuda.current_device()) if self.job.backend == "nccl" else None
         self.worker = Worker(self.job, 0, device)
         self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local)
-        self.undo = StepUndo(self.worker, self.faults)
+        self.worker.before_update = self.faults.before_update
+        self.gen: AbortableGeneration | None = None  # the generation this worker last built
         self.log = EventLog(events_path(job_dir))
         self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
@@ -124,7 +126,8 @@ class ElasticWorker:
                         raise
                 self.faults.before_report(self.worker.step)
                 self.store.set(keys.report(g, self.name), json.dumps(
-                    {"step": self.worker.step, "layers": sorted(self.worker.layers)}))
+                    {"step": self.worker.step, "layers": sorted(self.worker.layers),
+                     "completable": can_complete(self.worker)}))
                 g += 1
 
     def run_generation(self, g: int, cfg: dict[str, Any]) -> None:
@@ -132,19 +135,21 @@ class ElasticWorker:
         plan = ExecPlan.from_json(cfg["plan"])
         w.rank = cfg["members"].index(self.node) * self.per_node + self.local
         world_size = len(cfg["members"]) * self.per_node
-        self.undo.rollback_to(int(cfg["resume_step"]))
+        reach_step(w, int(cfg["resume_step"]))
         self.faults.generation = g
         self.faults.before_groups(w.step)
         t0 = time.perf_counter()
         gen = build_generation(self.store, g, w.rank, world_size, plan, self.timeouts,
                                self.job.backend, self._on_wait, w.device)
+        if self.gen is not None:  # every member of gen has left the previous generation
+            self.gen.release()
+        self.gen = gen
         t1 = time.perf_counter()
         self.faults.at_adopt(w.step)  # a failure during recovery: groups built, copies not done
         ckpt = cfg.get("checkpoint")
         received = w.adopt(plan, gen, cfg["source"], [tuple(t) for t in cfg.get("transfers", [])],
                            (ckpt["root"], int(ckpt["step"])) if ckpt else None)
         t2 = time.perf_counter()
-        self.undo.attach()
         self.store.set(keys.rebuilt(g, self.name), json.dumps(
             {"groups_s": t1 - t0, "copy_s": t2 - t1, "bytes": received, "t": time.time()}))
         first = True
@@ -172,7 +177,7 @@ class ElasticWorker:
     def save_checkpoint(self, root: str, step: int) -> None:
         """Write this worker's share of the checkpoint of `step` (layers it holds first) and wait for it."""
         w = self.worker
-        self.undo.rollback_to(step)
+        reach_step(w, step)
         if w.plan is None or not w.layers:
             return
         if self.writer is None or str(self.writer.root) != root:
@@ -207,15 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if os.environ.get("OOBLECK_DEVICE") == "cuda":
         torch.cuda.set_device(int(args[2]))
+    code = 0
     try:
         ElasticWorker(Path(args[0]), args[1], int(args[2])).run()
     except Exception:
         traceback.print_exc()
-        sys.stderr.flush()
-        return EXIT_FAILED
+        code = EXIT_FAILED
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip destructors of aborted generations' groups (they could join stuck threads)
+    # Never return through the interpreter's exit, failed or not: the destructors of live groups (an
+    # NCCL communicator with a peer gone, a gloo group with a stuck operation) could hang it.
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,86 +1,52 @@
-"""The worker side of checkpoint-free recovery: transactional steps and adopting a new generation.
+"""The worker side of checkpoint-free recovery: a step applied everywhere or nowhere, with no copy.
 
-Transactions. A step changes a rank's state only in its optimizer step, after the last collective
-of the step (the world all-reduce of step metrics). A failure can still strike between ranks'
-optimizer steps: some survivors then finished step s, others aborted it. `StepUndo` keeps, per
-layer, a copy of the parameters and optimizer state taken by an optimizer pre-hook right before the
-layer's update, i.e. after every rank contributed to step s's all-reduce. Survivors therefore differ
-by at most one step (finishing s+1's all-reduce proves everyone finished s), and one copy suffices:
-the coordinator takes the smallest step the survivors report and ranks one step ahead restore the
-copy. Every rank then replays that step with the same samples (the sampler depends on the step
-only), so the optimizer step is applied everywhere or nowhere and no sample is skipped or repeated.
+A step changes a rank's state only in its optimizer update, after the step's last collective, the
+world all-reduce of its metrics (`Worker.train_step`). Before that all-reduce the rank records the
+step as pending: its layers' gradients are reduced and the pipeline's gradient norm is known, so it
+needs no peer to apply the update. A failure can still strike between ranks' updates: the all-reduce
+may have completed on some ranks and not on others. Two cases, told apart by the survivors' reports:
 
-Adopting a generation: `Worker.adopt` gives a worker the layers of its new stage from the seed,
-a checkpoint (the fallback), or surviving holders in memory by the coordinator's transfer list; an
+- some survivor completed step s (it reports s + 1): the all-reduce completed somewhere, so every
+  rank had contributed to it, so every survivor holds step s pending. Those at s complete it
+  (`reach_step`): every survivor is at s + 1, and nothing is replayed;
+- no survivor completed step s: nobody applied it; pending steps are dropped and s is replayed with
+  the same samples (the sampler depends on the step only).
+
+The coordinator resumes at the largest reported step (supervisor/decisions.py `resume_step`). The
+rank's state is thus never copied for fault tolerance: the worker holds what a plain training loop
+holds. (An earlier design kept a pre-update copy of every layer's parameters and optimizer state to
+undo the step: +75% of the state's memory with AdamW.)
+
+Adopting a generation: `Worker.adopt` gives a worker the layers of its new stage from the seed, a
+checkpoint (the fallback), or surviving holders in memory by the coordinator's transfer list; an
 interrupted copy drops the half-received layers, so only valid layers are reported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import torch
-
-from oobleck_slurm.engine.faults import FaultHooks
 from oobleck_slurm.engine.worker import Worker
-from oobleck_slurm.optim import load_optimizer_state_tensors, optimizer_state_tensors
 
 
-class RollbackError(RuntimeError):
-    """A rank cannot reach the agreed step (more than one step ahead, or no pre-step copy)."""
+class StepMismatchError(RuntimeError):
+    """A rank cannot reach the agreed step: it is ahead of it, or more than one step behind, or one
+    step behind without the step pending (a coordinator bug, or state that is not what it reported)."""
 
 
-class StepUndo:
-    """Pre-update copies of this worker's layers for rolling back the last optimizer step."""
-
-    def __init__(self, worker: Worker, faults: FaultHooks | None = None) -> None:
-        self.worker = worker
-        self.faults = faults  # its `before_update` hook runs before each layer's update
-        self.saved: dict[int, tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]] = {}
-        self._hooked: set[int] = set()
-
-    def attach(self) -> None:
-        """Hook every optimizer of the worker (new layers included); forget older copies."""
-        for index, opt in self.worker.optimizers.items():
-            if id(opt) not in self._hooked:
-                opt.register_step_pre_hook(self._pre_step_hook(index))
-                self._hooked.add(id(opt))
-        self.saved.clear()
-
-    def _pre_step_hook(self, index: int) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
-        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self._save(index, opt)
-        return hook
-
-    def _save(self, index: int, opt: torch.optim.Optimizer) -> None:
-        if self.faults is not None:
-            self.faults.before_update(self.worker.step)
-        layer = self.worker.layers[index]
-        self.saved[index] = (
-            self.worker.step,
-            [p.detach().clone() for p in layer.parameters()],
-            {n: t.clone() for n, t in optimizer_state_tensors(opt).items()},
-        )
-
-    def rollback_to(self, target: int) -> bool:
-        """Bring the worker to the start of step `target`; True if a step was undone."""
-        w = self.worker
-        if not w.layers:  # a newcomer (or a spare): it holds nothing, it just adopts the step
-            w.step = target
-            return False
-        if w.step == target:
-            return False
-        stale = [i for i in w.layers if self.saved.get(i, (None,))[0] != target]
-        if w.step != target + 1 or stale:
-            raise RollbackError(f"rank at step {w.step} cannot return to step {target} "
-                                f"(no pre-step copy of layer(s) {sorted(stale)})")
-        with torch.no_grad():
-            for i, layer in w.layers.items():
-                _, params, state = self.saved[i]
-                for p, saved in zip(layer.parameters(), params):
-                    p.copy_(saved)
-                load_optimizer_state_tensors(w.optimizers[i], state)
-        w.step = target
-        self.saved.clear()
+def reach_step(worker: Worker, target: int) -> bool:
+    """Bring the worker to the start of step `target`, completing its pending step if it is the one
+    before; returns True if a step was completed. A worker that holds no layer just takes the step."""
+    if not worker.layers:  # a newcomer (or a spare): it holds nothing, it just adopts the step
+        worker.step, worker.pending = target, None
+        return False
+    if worker.step == target:
+        worker.pending = None  # no survivor applied it: it is replayed
+        return False
+    if worker.step + 1 == target and worker.pending is not None and worker.pending.step == worker.step:
+        worker.complete_step()
         return True
+    raise StepMismatchError(f"rank at step {worker.step} (pending: {worker.pending}) cannot reach step {target}")
+
+
+def can_complete(worker: Worker) -> bool:
+    """True if the worker holds its current step pending (reported to the coordinator)."""
+    return worker.pending is not None and worker.pending.step == worker.step

@@ -3,24 +3,27 @@
 Tensors only, no pickles: both sides derive every tensor's name, shape and dtype from the layer's
 parameters and the optimizer's state spec, so the receiver allocates its buffers and posts its
 receives without a header. All sends and receives of one call are posted at once (each with its
-own tag) and then waited for, so copies from several holders proceed in parallel.
+own tag) as one batch (`Generation.exchange`) and then waited for, so copies from several holders
+proceed in parallel, and on NCCL no order between a rank's sends and receives can deadlock them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from oobleck_slurm.engine.comm import Generation
+from oobleck_slurm.engine.nccl_order import P2POp
 from oobleck_slurm.optim import empty_state_tensors, load_optimizer_state_tensors, optimizer_state_tensors
 
 TAG_STRIDE = 10_000  # tensors per transfer, at most
 
 
 def layer_tensors(layer: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Everything that defines a trained layer, in a fixed order: parameters, then optimizer state."""
-    return [p.data for p in layer.parameters()] + list(optimizer_state_tensors(opt).values())
+    """Everything that defines a trained layer, in a fixed order: parameters, buffers (a receiver builds
+    its copy uninitialised), then optimizer state."""
+    return ([p.data for p in layer.parameters()] + list(layer.buffers())
+            + list(optimizer_state_tensors(opt).values()))
 
 
 def run_transfers(gen: Generation, transfers: list[tuple[int, int, int]],
@@ -31,7 +34,7 @@ def run_transfers(gen: Generation, transfers: list[tuple[int, int, int]],
     optimizer under the same index beforehand: they are overwritten. Returns bytes received.
     """
     device_for_p2p = None if gen.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-    works: list[tuple[dist.Work, torch.Tensor]] = []  # posted, with their buffers kept alive
+    ops: list[P2POp] = []  # posted as one batch; they keep their buffers alive
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, GPU receive buffer)
     state_loads: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # after the copies
     received = 0
@@ -44,20 +47,20 @@ def run_transfers(gen: Generation, transfers: list[tuple[int, int, int]],
                 t = t.contiguous()
                 if device_for_p2p is not None and t.device.type == "cpu":  # nccl: step counters
                     t = t.to(device_for_p2p)
-                works.append((gen.send(t, dst, base + k), t))
+                ops.append(P2POp("send", t, dst, base + k))
         else:
             layer_mod, opt = layers[layer], optimizers[layer]
             params = list(layer_mod.parameters())
             state = empty_state_tensors(opt)
-            targets = [p.data for p in params] + list(state.values())
+            targets = [p.data for p in params] + list(layer_mod.buffers()) + list(state.values())
             for k, t in enumerate(targets):
                 buf = t if device_for_p2p is None or t.device.type != "cpu" else t.to(device_for_p2p)
-                works.append((gen.recv(buf, src, base + k), buf))
+                ops.append(P2POp("recv", buf, src, base + k))
                 if buf is not t:
                     copies.append((t, buf))
                 received += t.numel() * t.element_size()
             state_loads.append((opt, state))
-    for work, _ in works:
+    for work in gen.exchange(ops) if ops else []:
         gen.wait(work)
     for dst_t, buf in copies:
         dst_t.copy_(buf)

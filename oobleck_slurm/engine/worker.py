@@ -8,6 +8,10 @@ generation's groups. `train_step()` runs
 one step: 1F1B over this rank's stage, layer-wise gradient all-reduce overlapped with the last
 microbatch's backward, global-norm clipping, optimizer step.
 
+Memory: a layer's gradients are views into one flat buffer per layer (`grads`), all-reduced in place,
+so a worker holds what a plain training loop holds (parameters, one gradient, optimizer state) and no
+copy for fault tolerance: an interrupted step is completed, not undone (`pending`, recovery.py).
+
 Exactness: every microbatch's mean loss is scaled by 1 / (microbatches in the whole step), so the
 SUM all-reduce of a layer's gradient over the pipelines holding it is the gradient of the mean loss
 over the global batch, for any split of microbatches between pipelines.
@@ -15,8 +19,9 @@ over the global batch, for any split of microbatches between pipelines.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,14 +31,7 @@ from torch import nn
 from oobleck_slurm.engine.batches import StepBatches, open_dataset
 from oobleck_slurm.engine.checkpoint import load_layer
 from oobleck_slurm.engine.comm import Generation, step_timeout_waits
-from oobleck_slurm.engine.layer_optim import (
-    clip_coefficient,
-    layer_sq_norm,
-    make_layer_optimizer,
-    scale_grads,
-    set_lr,
-    zero_grads,
-)
+from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
 from oobleck_slurm.engine.layout import ExecPlan, Role
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.schedule import one_f_one_b
@@ -42,11 +40,18 @@ from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
 
 
-def grad_of(p: torch.Tensor) -> torch.Tensor:
-    """`p`'s gradient; every held parameter has one in a step (zero_grads gives it before the schedule)."""
-    if p.grad is None:
-        raise RuntimeError("a held parameter has no gradient in a step")
-    return p.grad
+def attach_grad_buffer(layer: nn.Module) -> torch.Tensor:
+    """One zeroed flat buffer for the layer's gradients, each parameter's `.grad` a view into it:
+    autograd accumulates in place, and the buffer is all-reduced in place (no packing copy)."""
+    params = list(layer.parameters())
+    if not params:
+        return torch.zeros(0)
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
 
 
 def peer(rank: int | None) -> int:
@@ -54,6 +59,7 @@ def peer(rank: int | None) -> int:
     if rank is None:
         raise RuntimeError("the schedule sends to or receives from a stage that does not exist")
     return rank
+
 
 @dataclass
 class StepResult:
@@ -77,6 +83,45 @@ class StepResult:
         }
 
 
+@dataclass(frozen=True)
+class PendingStep:
+    """A step whose every collective this rank finished (its layers' reduced gradients are in `grads`,
+    the pipeline's squared gradient norm is `total_sq`): it can be completed without any peer."""
+
+    step: int
+    total_sq: float
+
+
+class ComputeClock:
+    """A step's forward and backward time: wall time on the CPU; on a GPU, CUDA events around the
+    kernels, since the CPU only launches them asynchronously (its own time would be launch time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.cpu_seconds = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self.cpu_seconds += time.perf_counter() - t
+
+    def seconds(self) -> float:
+        """The total so far (on a GPU this waits for the last span's kernels)."""
+        if not self.events:
+            return self.cpu_seconds
+        self.events[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.events) / 1000.0
+
+
 def check_supported(job: JobSpec) -> None:
     """Refuse what the engine cannot train exactly, with the reason."""
     if job.model.gpt.tie_embeddings:
@@ -97,6 +142,9 @@ class Worker:
         self.step = 0
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.grads: dict[int, torch.Tensor] = {}  # layer -> the flat buffer its parameters' .grad view
+        self.pending: PendingStep | None = None  # a step finished everywhere but not yet applied here
+        self.before_update: Callable[[int], None] | None = None  # called before each layer's update (faults)
         self.plan: ExecPlan | None = None
         self.gen: Generation | None = None
         self.role: Role | None = None
@@ -107,11 +155,28 @@ class Worker:
 
     # ---- plan changes -------------------------------------------------------------------------
 
-    def _fresh_layer(self, index: int) -> None:
-        """Layer `index` as the seed makes it, with a new optimizer (then filled by a copy or a load)."""
-        layer = self._build(self.job.train.seed, index, index + 1)[0].to(self.device, self.job.train.param_dtype)
+    def _fresh_layer(self, index: int, initialise: bool = True) -> None:
+        """Layer `index` with a new optimizer and gradient buffer: as the seed makes it, or, when its
+        state is about to be received (`initialise=False`), built on the meta device and only then
+        allocated on the worker's device, uninitialised (no time spent on an initialisation that the
+        copy overwrites)."""
+        seed, dtype = self.job.train.seed, self.job.train.param_dtype
+        if initialise:
+            layer = self._build(seed, index, index + 1)[0].to(self.device, dtype)
+        else:
+            with torch.device("meta"):
+                layer = self._build(seed, index, index + 1)[0]
+            layer = layer.to_empty(device=self.device).to(dtype)
         self.layers[index] = layer
         self.optimizers[index] = make_layer_optimizer(layer, self.job.optim)
+        self.grads[index] = attach_grad_buffer(layer)
+
+    def _drop_layer(self, index: int) -> None:
+        del self.layers[index], self.optimizers[index], self.grads[index]
+
+    def _clear_layers(self) -> None:
+        for index in list(self.layers):
+            self._drop_layer(index)
 
     def adopt(self, plan: ExecPlan, gen: Generation, source: str = "seed",
               transfers: Sequence[tuple[int, int, int]] = (), checkpoint: tuple[str, int] | None = None) -> int:
@@ -134,17 +199,16 @@ class Worker:
         role = plan.role(self.rank)
         needed = set(role.layers) if role else set()
         received = 0
+        self.pending = None  # a plan change starts at a step boundary (recovery.reach_step ran before)
         if source == "seed":
-            self.layers.clear()
-            self.optimizers.clear()
+            self._clear_layers()
             for index in sorted(needed):
                 self._fresh_layer(index)
         elif source == "checkpoint":
             if checkpoint is None:
                 raise ValueError("adopt from a checkpoint needs its (root, step)")
             root, step = checkpoint
-            self.layers.clear()
-            self.optimizers.clear()
+            self._clear_layers()
             for index in sorted(needed):
                 self._fresh_layer(index)
                 received += load_layer(root, step, self.keys[index], self.layers[index], self.optimizers[index])
@@ -152,17 +216,17 @@ class Worker:
         elif source == "memory":
             incoming = [layer for layer, _, dst in transfers if dst == self.rank]
             for index in incoming:
-                self._fresh_layer(index)
+                self._fresh_layer(index, initialise=False)
             try:
                 with step_timeout_waits(gen):
                     received = run_transfers(gen, list(transfers), self.layers, self.optimizers)
             except BaseException:
                 for index in incoming:
-                    del self.layers[index], self.optimizers[index]
+                    self._drop_layer(index)
                 raise
             for index in list(self.layers):
                 if index not in needed:
-                    del self.layers[index], self.optimizers[index]
+                    self._drop_layer(index)
         else:
             raise ValueError(f"adopt: source must be 'seed', 'checkpoint' or 'memory', got {source!r}")
         if missing := needed - set(self.layers):
@@ -178,24 +242,32 @@ class Worker:
                            dtype=self.job.train.param_dtype)
 
     def train_step(self) -> StepResult:
-        """Run step `self.step` on the current plan, then advance `self.step`."""
+        """Run step `self.step` on the current plan, then advance `self.step`.
+
+        The step's last collective (the world all-reduce of its metrics) is its commit point: before
+        it, this rank records the step as `pending` (every collective it needs is done); a rank that
+        finishes the metrics all-reduce proves every rank reached that point, so a failure after it
+        leaves survivors that can complete the step on their own (recovery.py)."""
         plan, gen, role = self.plan, self.gen, self.role
         if plan is None or gen is None:
             raise RuntimeError("Worker.train_step: no plan/generation; call adopt() first")
         t0 = time.perf_counter()
-        held = [self.layers[i] for i in sorted(self.layers)]
-        zero_grads(held)
+        self.pending = None
+        for flat in self.grads.values():
+            flat.zero_()
         pending: list[tuple[torch.distributed.Work, torch.Tensor]] = []  # sends: keep buffers alive
-        reductions: list[tuple[int, torch.distributed.Work | None, torch.Tensor]] = []
-        loss_sum, compute, schedule_s = 0.0, 0.0, 0.0
+        reductions: list[torch.distributed.Work] = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        clock = ComputeClock(self.device)
+        schedule_s = 0.0
 
-        def reduce_layer(index: int) -> None:
-            layer = self.layers[index]
-            flat = torch.cat([grad_of(p).reshape(-1) for p in layer.parameters()])
+        def reduce_layer(index: int) -> None:  # in place, on the layer's flat gradient buffer
             group = gen.layer_group.get(index)
-            reductions.append((index, group.allreduce([flat]) if group is not None else None, flat))
+            if group is not None:
+                reductions.append(group.allreduce([self.grads[index]]))
 
         if role is not None:
+            held = [self.layers[i] for i in role.layers]
             stage = Stage(held, role.layers.start, role.is_last, self.device,
                           bf16=self.job.train.precision == "bf16")
             scale = 1.0 / plan.num_microbatches
@@ -211,11 +283,10 @@ class Worker:
                     else:
                         x = self._hidden_buffer()
                         gen.wait(gen.recv(x, peer(role.prev_rank), 2 * m))
-                    c = time.perf_counter()
-                    out = stage.forward(m, x, y, scale)
-                    compute += time.perf_counter() - c
+                    with clock.span():
+                        out = stage.forward(m, x, y, scale)
                     if role.is_last:
-                        loss_sum += float(out)
+                        loss_sum += out.double()  # on the device: no host sync per microbatch
                     else:
                         pending.append((gen.send(out, peer(role.next_rank), 2 * m), out))
                 else:
@@ -223,9 +294,8 @@ class Worker:
                     if not role.is_last:
                         grad = self._hidden_buffer()
                         gen.wait(gen.recv(grad, peer(role.next_rank), 2 * m + 1))
-                    c = time.perf_counter()
-                    grad_in = stage.backward(m, grad, reduce_layer if m == last_mb else None)
-                    compute += time.perf_counter() - c
+                    with clock.span():
+                        grad_in = stage.backward(m, grad, reduce_layer if m == last_mb else None)
                     if not role.is_first:
                         if grad_in is None:
                             raise RuntimeError("a stage after the first returned no input gradient")
@@ -237,23 +307,19 @@ class Worker:
                 gen.wait(work)
             schedule_s = time.perf_counter() - t0
 
-        # Gradients: wait for each layer's all-reduce, unpack; per-layer squared norms.
+        # Gradients: wait for every layer's all-reduce; the layers' squared norms, summed over the pipeline.
+        for reduction in reductions:
+            gen.wait(reduction)
         sq = torch.zeros(plan.num_layers, dtype=torch.float64, device=self.device)  # nccl: on the GPU
-        for index, reduction, flat in reductions:
-            if reduction is not None:
-                gen.wait(reduction)
-            offset = 0
-            for p in self.layers[index].parameters():
-                n = p.numel()
-                grad = grad_of(p)
-                grad.copy_(flat[offset : offset + n].view_as(grad))
-                offset += n
-            sq[index] = layer_sq_norm(self.layers[index])
+        for index, flat in self.grads.items():
+            sq[index] = torch.linalg.vector_norm(flat, dtype=torch.float64).square()
         if gen.pipeline is not None:
             gen.wait(gen.pipeline.allreduce([sq]))
         total_sq = sum(sq.tolist())  # fixed order: every pipeline gets the same bits
+        if role is not None:
+            self.pending = PendingStep(self.step, total_sq)
 
-        # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time.
+        # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time, peak memory.
         num_p = len(plan.pipelines)
         metrics = torch.zeros(1 + num_p + 2 * gen.world_size, dtype=torch.float64, device=self.device)
         if role is not None:
@@ -261,23 +327,18 @@ class Worker:
                 metrics[0] = loss_sum
             if role.is_first:
                 metrics[1 + role.pipeline] = schedule_s
-        metrics[1 + num_p + self.rank] = compute
+        metrics[1 + num_p + self.rank] = clock.seconds()
         if self.device.type == "cuda":  # what the planner's memory model is checked against
             metrics[1 + num_p + gen.world_size + self.rank] = torch.cuda.max_memory_allocated(self.device)
-        gen.wait(gen.world.allreduce([metrics]))
+        gen.wait(gen.world.allreduce([metrics]))  # the commit point
         metrics = metrics.cpu()
-
-        # Optimizer step.
-        t = self.job.train
-        lr = lr_at(self.step, lr=self.job.optim.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
-                   min_lr=t.min_lr, decay=t.decay)
         if role is not None:
-            scale_grads(held, clip_coefficient(total_sq, t.grad_clip))
-            for index in sorted(self.optimizers):
-                set_lr(self.optimizers[index], lr)
-                self.optimizers[index].step()
-        result = StepResult(
-            step=self.step,
+            lr = self.complete_step()
+        else:  # a spare: nothing to update
+            lr = self.lr()
+            self.step += 1
+        return StepResult(
+            step=self.step - 1,
             loss=float(metrics[0]),
             grad_norm=total_sq**0.5,
             lr=lr,
@@ -286,8 +347,30 @@ class Worker:
             compute_seconds=[float(v) for v in metrics[1 + num_p : 1 + num_p + gen.world_size]],
             peak_memory=[float(v) for v in metrics[1 + num_p + gen.world_size :]] if self.device.type == "cuda" else [],
         )
+
+    def lr(self) -> float:
+        """The learning rate of step `self.step`."""
+        t = self.job.train
+        return lr_at(self.step, lr=self.job.optim.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                     min_lr=t.min_lr, decay=t.decay)
+
+    def complete_step(self) -> float:
+        """Apply the pending step: clip the reduced gradients to the global norm, update every layer,
+        advance `step`. Returns the step's learning rate. Needs no peer (recovery.py)."""
+        if self.pending is None or self.pending.step != self.step:
+            raise RuntimeError(f"no pending step {self.step} to complete (pending: {self.pending})")
+        lr = self.lr()
+        coef = clip_coefficient(self.pending.total_sq, self.job.train.grad_clip)
+        for index in sorted(self.optimizers):
+            if self.before_update is not None:
+                self.before_update(self.step)
+            if coef < 1.0:
+                self.grads[index].mul_(coef)
+            set_lr(self.optimizers[index], lr)
+            self.optimizers[index].step()
         self.step += 1
-        return result
+        self.pending = None
+        return lr
 
     def layer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Parameters of the held layers, by layer key then parameter name (CPU copies)."""

@@ -9,8 +9,9 @@ torchft's manager: the coordinator owns the store and the plan; workers only fol
 On a membership change in generation g (a node's processes died, a timeout, or a node joins):
 1. set `gen{g}/failed`: every survivor leaves g's collectives at once (abortable waits);
 2. collect the survivors' reports (step, valid layers); new deaths meanwhile join the lost set;
-3. `decide` (pure; `reconfigure` inside) -> new plan + layer copies, or a checkpoint fallback; resume at the smallest reported step (ranks one
-   step ahead roll back: the step is replayed, see engine/recovery.py);
+3. `decide` (pure; `reconfigure` inside) -> new plan + layer copies, or a checkpoint fallback; resume at
+   the largest reported step (ranks one step behind complete the step they hold pending, see
+   engine/recovery.py);
 4. publish `gen{g+1}/config`; survivors build new groups and copy layers; training goes on.
 If recovery is impossible (a layer lost every replica, too few pipelines) or the mode is
 "checkpoint", every worker is stopped and restarted from the last complete checkpoint.
@@ -21,7 +22,7 @@ network error, or a rank hung inside a step after its first collective). Workers
 members re-form under generation g+1 (a `reform`). A member that does not leave the aborted
 generation within `leave_timeout` is hung (its peers left in milliseconds): it is lost like a dead one.
 On a preemption notice (see preemption.py) the same abort collects every worker's step; the next
-generation's config says `stop` with `save`: each worker rolls back to the smallest step, writes its
+generation's config says `stop` with `save`: each worker reaches the largest reported step, writes its
 layers as an on-demand checkpoint of that step, and exits 0; a requeued job resumes from it.
 Events (events.jsonl): failure, detection, collective_error, reform, node_lost (a hung member named
 here), replan, plan, group_rebuild, state_copy, replay, resumed, node_joined, run_complete,
@@ -68,6 +69,7 @@ from oobleck_slurm.supervisor.decisions import (
     on_tick,
     resume_step,
     transition,
+    unreachable,
 )
 from oobleck_slurm.supervisor.membership import Loss
 from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S, Preemption
@@ -357,7 +359,9 @@ class Coordinator:
                    for n in self.members if n not in lost_set
                    for local in range(self.cfg.devices_per_node) if keys.worker_id(n, local) in reports}
         steps = {w: int(r["step"]) for w, r in reports.items() if r["layers"]}
-        collected = Collected(self.plan, lost_set, tuple(joined), steps, holders, finished=bool(self.finished),
+        completable = frozenset(w for w, r in reports.items() if r["layers"] and r.get("completable"))
+        collected = Collected(self.plan, lost_set, tuple(joined), steps, holders, completable=completable,
+                              finished=bool(self.finished),
                               checkpoint_mode=self.cfg.mode == "checkpoint",
                               reforms_at_resume=self.reforms.get(resume_step(steps.values()), 0),
                               trained=self.trained, slowdown=change.slowdown)
@@ -501,13 +505,19 @@ class Coordinator:
             return self._stopped(None)
         self.store.set(keys.failed(g), json.dumps({"lost": [], "joined": [], "cause": "checkpoint"}))
         reports, _ = self._collect_reports(g, frozenset())
-        steps = [r["step"] for r in reports.values() if r["layers"]]
+        steps = {w: int(r["step"]) for w, r in reports.items() if r["layers"]}
+        completable = [w for w, r in reports.items() if r["layers"] and r.get("completable")]
         self.gen = g + 1
         if not steps:  # the notice came before any worker held layers: nothing to save
             self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
             self.log.emit("checkpoint", step=None, ok=False, on_demand=True, detail="no worker holds layers yet")
             return self._stopped(None)
-        step = min(steps)
+        step = resume_step(steps.values())
+        if behind := unreachable(steps, completable):
+            self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
+            self.log.emit("checkpoint", step=step, ok=False, on_demand=True,
+                          detail=f"worker(s) {behind} cannot reach step {step}")
+            return self._stopped(None)
         self.store.set(keys.config(self.gen), json.dumps(
             {"generation": self.gen, "stop": True, "save": {"root": root, "step": step}}))
         self.store.set(keys.CURRENT_GEN, str(self.gen))

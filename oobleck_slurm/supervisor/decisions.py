@@ -21,7 +21,7 @@ Phases of a job (`Phase`, protocol/phases.py: the events carry them) and their t
     REPLAYING      rebuilt: the first step of g+1 runs (a rolled-back step is replayed)
                                                        -> RUNNING (its first step completed)
     ENDING         the run ended during a change: members stop; their exits are awaited  -> DONE
-    CHECKPOINTING  preemption: workers save the smallest reported step and stop  -> DONE
+    CHECKPOINTING  preemption: workers save the largest reported step and stop  -> DONE
     DONE           terminal
 
 A new loss during REBUILDING, RESTARTING or REPLAYING starts the next recovery at once (-> COLLECTING),
@@ -104,7 +104,7 @@ class Finish:
 
 @dataclass(frozen=True)
 class CheckpointAndStop:
-    """Preemption: abort, have every worker save the smallest reported step, stop."""
+    """Preemption: abort, have every worker save the largest reported step, stop."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,7 @@ class Collected:
     joined: tuple[str, ...]
     steps: Mapping[str, int]  # worker -> the step it reports (workers that hold layers)
     holders: Mapping[Device, frozenset[int]]  # (node, device) -> the layers it holds valid
+    completable: frozenset[str] = frozenset()  # workers that hold their step pending (engine/recovery.py)
     finished: bool = False  # a member completed the last step meanwhile
     checkpoint_mode: bool = False  # the recipe's recovery mode is "checkpoint"
     reforms_at_resume: int = 0  # re-forms that already resumed at this change's resume step
@@ -198,8 +199,16 @@ ChangeAction = Complete | Fallback | Publish
 
 
 def resume_step(steps: Collection[int]) -> int:
-    """Survivors resume at the smallest reported step (those one step ahead roll back and replay)."""
-    return min(steps) if steps else 0
+    """Survivors resume at the largest reported step: those one step behind hold it pending and
+    complete it (engine/recovery.py); if none completed it, everyone replays it."""
+    return max(steps) if steps else 0
+
+
+def unreachable(steps: Mapping[str, int], completable: Collection[str]) -> list[str]:
+    """Workers that cannot reach `resume_step`: behind it without the step pending, or further behind
+    (none, if the engine's commit rule holds)."""
+    resume = resume_step(steps.values())
+    return sorted(w for w, s in steps.items() if not (s == resume or (s == resume - 1 and w in completable)))
 
 
 def decide(c: Collected, policy: Policy, generation: int, trigger: str) -> ChangeAction:
@@ -211,8 +220,8 @@ def decide(c: Collected, policy: Policy, generation: int, trigger: str) -> Chang
         return Complete(f"{trigger} as the run ended: no recovery needed")
     if c.checkpoint_mode and c.lost:
         return Fallback(f"checkpoint-restart mode: node(s) {lost} lost at step {resume}")
-    if steps and max(steps) - resume > 1:
-        return Fallback(f"survivors report steps {sorted(steps)}: more than one step apart")
+    if behind := unreachable(c.steps, c.completable):
+        return Fallback(f"survivors report steps {sorted(steps)}: {behind} cannot reach step {resume}")
     if c.slowdown and not c.lost and not c.joined:
         # Stragglers: the same pipelines on the same nodes, a straggler's pipeline gets fewer
         # microbatches; the global batch and its order are kept, so the trajectory is unchanged.

@@ -146,22 +146,30 @@ def test_a_loss_with_replicas_publishes_a_new_plan_and_asks_for_replacements(set
     assert decide(collected(plan, lost), Policy(templates, 1), 4, "x").replacements == 0
 
 
-def test_the_resume_step_is_the_smallest_reported():
+def test_the_resume_step_is_the_largest_reported():
     assert resume_step([]) == 0
     for steps in itertools.product(range(3), repeat=3):
-        assert resume_step(steps) == min(steps)
+        assert resume_step(steps) == max(steps)
 
 
-def test_survivors_one_step_apart_resume_at_the_smaller_more_apart_fall_back(setup):
+def test_workers_one_step_behind_complete_their_pending_step_others_fall_back(setup):
     templates, plan = setup
     holders = plan_holders(plan)
     workers = [f"{d[0]}:{d[1]}" for d in holders]
+    lost = [plan.pipelines[0].nodes[-1]]
     one = dict.fromkeys(workers, 8) | {workers[0]: 7}
-    action = decide(collected(plan, [plan.pipelines[0].nodes[-1]], steps=one), Policy(templates, 1), 2, "x")
-    assert isinstance(action, Publish) and action.resume_step == 7
+    action = decide(collected(plan, lost, steps=one, completable=frozenset(workers)), Policy(templates, 1), 2, "x")
+    assert isinstance(action, Publish) and action.resume_step == 8
+    # Behind without the step pending: the commit rule was broken somewhere; no in-memory recovery.
+    action = decide(collected(plan, lost, steps=one, completable=frozenset(workers[1:])), Policy(templates, 1), 2, "x")
+    assert isinstance(action, Fallback) and f"['{workers[0]}'] cannot reach step 8" in action.reason
     two = dict.fromkeys(workers, 9) | {workers[0]: 7}
-    action = decide(collected(plan, [plan.pipelines[0].nodes[-1]], steps=two), Policy(templates, 1), 2, "x")
-    assert isinstance(action, Fallback) and "more than one step apart" in action.reason
+    action = decide(collected(plan, lost, steps=two, completable=frozenset(workers)), Policy(templates, 1), 2, "x")
+    assert isinstance(action, Fallback) and "cannot reach step 9" in action.reason
+    # Everyone at the same step, some with it pending: nobody applied it, it is replayed.
+    same = dict.fromkeys(workers, 8)
+    action = decide(collected(plan, lost, steps=same, completable=frozenset(workers[:2])), Policy(templates, 1), 2, "x")
+    assert isinstance(action, Publish) and action.resume_step == 8
 
 
 def test_a_layer_without_a_replica_falls_back_naming_the_failure(setup):

@@ -1,0 +1,149 @@
+"""NCCL's ordering rules on gloo (engine/nccl_order.py): a schedule that would deadlock on a GPU deadlocks
+here too, and the engine's own p2p (1F1B, state copies) does not.
+
+Ranks are threads of this process, each with its own real gloo group on one TCPStore."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from exec_plans import make_plan
+
+from oobleck_slurm.engine import nccl_order
+from oobleck_slurm.engine.comm import Generation, Timeouts, make_group
+from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec
+from oobleck_slurm.engine.nccl_order import OrderedGroup, P2POp
+from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
+from oobleck_slurm.engine.worker import Worker
+from oobleck_slurm.models.config import gpt_config
+
+SHORT = dt.timedelta(seconds=3)
+
+
+def run_ranks(n: int, fn: Callable[[int], Any], timeout: float = 120.0) -> list[Any]:
+    """fn(rank) in n threads; their results (or the exception each raised)."""
+    results: list[Any] = [None] * n
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            results[rank] = e
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a rank is still running past the test's bound"
+    return results
+
+
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=30))
+
+
+def client(s: dist.TCPStore) -> dist.TCPStore:
+    """A rank's own connection: one client blocked in a get would hold up the other ranks' calls."""
+    return dist.TCPStore("127.0.0.1", s.port, is_master=False, timeout=dt.timedelta(seconds=30))
+
+
+def pair(s: dist.Store, prefix: str, rank: int, ordered: bool) -> Any:
+    pg = make_group(client(s), prefix, rank, 2, SHORT, "gloo", dt.timedelta(seconds=30))
+    return OrderedGroup(pg, prefix) if ordered else pg
+
+
+BIG = 1 << 20  # elements: far above any internal buffer, as the rendezvous rule assumes
+
+
+def crossing_sends(group: Any, rank: int) -> torch.Tensor:
+    """Both ranks send, then receive, on one group: 1F1B's steady state on one communicator."""
+    out, into = torch.full((BIG,), float(rank)), torch.empty(BIG)
+    send = group.send([out], 1 - rank, 0)
+    group.recv([into], 1 - rank, 0).wait(SHORT)
+    send.wait(SHORT)
+    return into
+
+
+def test_crossing_sends_complete_on_plain_gloo_but_deadlock_under_nccl_order() -> None:
+    s = store()
+    plain = run_ranks(2, lambda r: crossing_sends(pair(s, "plain", r, ordered=False), r))
+    assert [float(t[0]) for t in plain] == [1.0, 0.0]  # gloo buffers the sends
+    ordered = run_ranks(2, lambda r: crossing_sends(pair(s, "ordered", r, ordered=True), r))
+    assert all(isinstance(e, RuntimeError) and "timed out" in str(e) for e in ordered), ordered
+
+
+def test_a_batch_that_sends_and_receives_starts_together() -> None:
+    s = store()
+
+    def batch(rank: int) -> torch.Tensor:
+        group = pair(s, "batch", rank, ordered=True)
+        out, into = torch.full((BIG,), float(rank)), torch.empty(BIG)
+        group.exchange([P2POp("send", out, 1 - rank, 0), P2POp("recv", into, 1 - rank, 0)]).wait(SHORT)
+        return into
+
+    assert [float(t[0]) for t in run_ranks(2, batch)] == [1.0, 0.0]
+
+
+def test_a_failed_operation_breaks_the_group_for_every_later_one() -> None:
+    s = store()
+    # One member only: its peer never comes, so its receive times out, and what follows fails too.
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("solo", s), 0, 1, SHORT)
+    group = OrderedGroup(pg, "solo")
+    first = group.recv([torch.empty(4)], 0, 7)  # nobody sends to rank 0 with tag 7
+    second = group.allreduce([torch.ones(1)])
+    with pytest.raises(RuntimeError, match="ordered group"):
+        first.wait(dt.timedelta(seconds=20))
+    with pytest.raises(RuntimeError, match="ordered group failed"):
+        second.wait(dt.timedelta(seconds=20))
+
+
+def tiny_job(microbatches: int) -> JobSpec:
+    return JobSpec(
+        model=ModelSpec(gpt_config("tiny")),  # 6 layers: embedding, 4 blocks, head
+        data=DataSpec("random", num_samples=256, seed=1),
+        optim=OptimSpec("adamw", lr=3e-3, weight_decay=0.1),
+        train=TrainSpec(steps=3, microbatch_size=2, num_microbatches=microbatches, seed=0, precision="fp64"),
+    )
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_1f1b_and_state_copies_run_under_nccl_order_and_match_one_rank(monkeypatch, stages) -> None:
+    """A pipeline of 2-3 stages with more microbatches than stages (steady 1F1B, where sends cross),
+    then a plan change that copies every layer to other ranks; the losses equal a one-rank run's."""
+    monkeypatch.setenv(nccl_order.ENV, "1")
+    torch.set_num_threads(1)
+    job = tiny_job(microbatches=6)
+    bounds = {2: [0, 3, 6], 3: [0, 2, 4, 6]}[stages]
+    s = store()
+    one = Worker(job, 0)
+    plan1 = make_plan(6, [[0, 6]], [6])
+    one.adopt(plan1, Generation(s, 100, 0, 1, plan1, Timeouts()))
+    expected = [one.train_step().loss for _ in range(3)]
+
+    pipeline = make_plan(6, [bounds], [6])
+    # The second plan runs the same pipeline with its stages on the ranks in reverse order: every
+    # layer moves, each rank both sends and receives (copies that cross).
+    reverse = ExecPlan(6, 6, (PipelineSpec(tuple(reversed(range(stages))), tuple(bounds), 0, 6),))
+    timeouts = Timeouts(collective=20.0)
+
+    def rank_fn(rank: int) -> list[float]:
+        w = Worker(job, rank)
+        c = client(s)
+        w.adopt(pipeline, Generation(c, 0, rank, stages, pipeline, timeouts))
+        losses = [w.train_step().loss, w.train_step().loss]
+        transfers = [(layer, pipeline.holders(layer)[0], reverse.holders(layer)[0]) for layer in range(6)
+                     if pipeline.holders(layer)[0] != reverse.holders(layer)[0]]
+        w.adopt(reverse, Generation(c, 1, rank, stages, reverse, timeouts), "memory", transfers)
+        losses.append(w.train_step().loss)
+        return losses
+
+    results = run_ranks(stages, rank_fn)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    assert results[0] == pytest.approx(expected, rel=1e-12)
