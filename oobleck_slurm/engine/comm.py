@@ -207,6 +207,9 @@ class Generation:
                 work = (group.send if self.rank == src else group.recv)([probe], members.index(peer), 0)
             else:
                 work = group.allreduce([torch.zeros(1, device=self.device)])
+            if self.backend != "nccl":  # gloo's p2p work only completes through wait()
+                work.wait(self.timeouts.td("connect"))
+                continue
             deadline = time.monotonic() + self.timeouts.connect
             while not work.is_completed():  # NCCL's wait() would only order the streams
                 if time.monotonic() > deadline:

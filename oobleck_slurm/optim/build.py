@@ -30,8 +30,10 @@ def build_optimizer(
     """'adamw' (betas (0.9, 0.999), eps 1e-8) or 'came' (betas (0.9, 0.999, 0.9999), eps
     (1e-30, 1e-16), clip threshold 1), both with decoupled weight decay.
 
-    AdamW runs with foreach=False: its per-tensor loop gives the same bits in every process
-    whatever else it holds, which recovery relies on when it copies state between replicas.
+    AdamW updates its tensors together (foreach) on a GPU, where one kernel per operation over all
+    of a layer's tensors beats one per tensor, and one tensor at a time on the CPU, where foreach
+    has no fast path. Replicas of a layer run the same kind on the same tensors (the engine makes one
+    optimizer per layer), so they stay bitwise equal, which recovery relies on when it copies state.
     """
     _check_name(name)
     if name == "adamw":
@@ -39,8 +41,11 @@ def build_optimizer(
         eps = 1e-8 if eps is None else eps
         if len(betas) != 2 or not isinstance(eps, (int, float)):
             raise ValueError(f"adamw: betas must be 2 values and eps one number, got {betas}, {eps}")
+        groups: list[Any] = list(params)
+        tensors = [t for g in groups for t in (g["params"] if isinstance(g, dict) else [g])]
+        on_gpu = bool(tensors) and all(t.is_cuda for t in tensors)
         return torch.optim.AdamW(
-            params, lr=lr, betas=betas, eps=float(eps), weight_decay=weight_decay, foreach=False
+            groups, lr=lr, betas=betas, eps=float(eps), weight_decay=weight_decay, foreach=on_gpu
         )
     betas = (0.9, 0.999, 0.9999) if betas is None else tuple(betas)
     eps = (1e-30, 1e-16) if eps is None else eps

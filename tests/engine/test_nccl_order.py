@@ -6,7 +6,9 @@ Ranks are threads of this process, each with its own real gloo group on one TCPS
 from __future__ import annotations
 
 import datetime as dt
+import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -147,3 +149,40 @@ def test_1f1b_and_state_copies_run_under_nccl_order_and_match_one_rank(monkeypat
     results = run_ranks(stages, rank_fn)
     assert not any(isinstance(r, BaseException) for r in results), results
     assert results[0] == pytest.approx(expected, rel=1e-12)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_released_generations_free_their_groups(monkeypatch) -> None:
+    """Ten generations of a 2-stage pipeline, each released once the next has formed (as a worker
+    does): the process's sockets and threads stay at one generation's, they do not grow with each."""
+    monkeypatch.setenv(nccl_order.ENV, "1")
+    s = store()
+    plan = make_plan(6, [[0, 3, 6]], [2])
+    counts: list[tuple[int, int]] = []
+
+    def generations(rank: int, first: int) -> None:
+        c = client(s)
+        previous = None
+        for g in range(first, first + 10):
+            gen = Generation(c, g, rank, 2, plan, Timeouts())
+            if previous is not None:
+                previous.release()
+            previous = gen
+        if previous is not None:
+            previous.release()  # the job's end
+
+    def settle(first: int) -> tuple[int, int]:
+        run_ranks(2, lambda rank: generations(rank, first))
+        deadline = time.monotonic() + 30  # the reaper threads drop the groups in the background
+        while time.monotonic() < deadline and threading.active_count() > base_threads + 2 * 6:
+            time.sleep(0.05)
+        return open_fds(), threading.active_count()
+
+    base_threads = threading.active_count()
+    counts.append(settle(0))  # 10 generations
+    counts.append(settle(10))  # 10 more: nothing left behind by the first ten
+    (fds1, threads1), (fds2, threads2) = counts
+    assert fds2 - fds1 < 20 and threads2 - threads1 < 5, counts
