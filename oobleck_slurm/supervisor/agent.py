@@ -63,8 +63,7 @@ from oobleck_slurm.supervisor.server import connect
 
 ADDRESS_WAIT_S = 120.0  # a replacement job may start before the supervisor wrote its address
 CONNECT_TIMEOUT_S = 10.0
-# Set in every NCCL worker's environment, before torch starts (shared/docs/nccl-notes.md, "Recommended
-# design"): torch's watchdog must never act on its own (it sleeps 60 s, then tears the process down);
+# Set in every NCCL worker's environment, before torch starts (docs/nccl.md, "Aborting"): torch's watchdog must never act on its own (it sleeps 60 s, then tears the process down);
 # the generation design aborts groups itself (engine/abort.py), and a timeout dump key left in the root
 # store by one generation must not kill a later process.
 NCCL_WORKER_ENV = {
