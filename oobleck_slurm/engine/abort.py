@@ -1,24 +1,26 @@
 """Abortable generations: a worker blocked in a collective leaves it as soon as the generation fails.
 
 gloo does not always fail fast (a large send whose receiver died hangs until the group timeout), and
-`abort()`/`destroy_process_group()` from another thread do not unblock it. What works (see
-shared/docs/torch-distributed-notes.md): wait for the work in a helper thread and, meanwhile, poll
-the store for `gen{g}/failed`, which the coordinator sets when it sees a node die. On that key the
-worker raises `GenerationAborted` and moves on; the helper thread stays blocked until the group's
-collective timeout and then ends, and the old groups are kept referenced (`graveyard`) so that
-their destructors never join a stuck thread on the training path.
+`abort()`/`destroy_process_group()` from another thread do not unblock it. What works
+(docs/nccl.md, "Aborting"): wait for the work in a helper thread while watching for `gen{g}/failed`,
+which the coordinator sets when it sees a node die. On that key the worker raises `GenerationAborted`
+and moves on; the helper thread stays blocked until the group's collective timeout and then ends.
+The generation's groups are released once the next generation has formed (`Generation.release`), by
+a reaper thread, so a destructor that waits for a stuck operation never holds up training.
 
-NCCL (shared/docs/nccl-notes.md): `Work.is_completed()` never blocks the CPU, so the main thread polls
-it together with the failed key (no helper thread), enforcing the job's collective timeout itself;
-on a failed generation every NCCL group of it is aborted, so no kernel of g stays queued on the GPU,
-and what g's collectives produced is discarded (aborted work looks successful): the step is replayed
-from the pre-step state (recovery.py).
+NCCL: `Work.is_completed()` never blocks the CPU, so the main thread polls it together with the
+failed key (no helper thread), enforcing the job's collective timeout itself; on a failed generation
+every NCCL communicator of it is aborted at once, so no kernel of g stays queued on the GPU, and what
+g's unfinished collectives produced is discarded (aborted work looks successful): the step is either
+completed from what finished before the failure or replayed (recovery.py).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +31,8 @@ from oobleck_slurm.engine.comm import CollectiveError, Generation, Timeouts, abo
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.protocol import keys
 
-POLL_S = 0.01  # how often a waiting worker looks at the store: bounds the abort latency
+POLL_S = 0.01  # how often a waiting worker looks at its FailureWatch (a flag, no store request): bounds the abort latency
+WATCH_RENEW_S = 300.0  # a FailureWatch thread re-issues its blocking wait this often, on a fresh connection
 
 
 class GenerationAborted(RuntimeError):
@@ -37,23 +40,96 @@ class GenerationAborted(RuntimeError):
 
 
 class FailureWatch:
-    """`failed()` is True once `gen{g}/failed` exists; store look-ups at most every POLL_S."""
+    """`failed()` is True once `gen{g}/failed` exists, and costs no store request.
+
+    On a TCPStore one daemon thread per generation (shared by every FailureWatch of that generation on
+    the worker's store or its clones, see clone_store) blocks in `wait([key])` on a connection of its
+    own and sets a flag that `failed()` and `wait()` read: a worker's watch makes one store request per
+    generation (one more per WATCH_RENEW_S it lasts) instead of a look-up every POLL_S while it waits,
+    ~50,000 requests/s on one store at 512 workers (benchmarks/bench_store.py). The thread ends when the
+    key appears (the coordinator sets it at every generation change, so at most one is left per worker),
+    when the store fails (`failed()` then raises a DistNetworkError, as a look-up would), or at a renewal
+    once no FailureWatch of it is left; a worker process ends with os._exit. Any other store (a HashStore
+    in tests) gets no second connection: `failed()` looks the key up itself, at most every POLL_S."""
 
     def __init__(self, store: dist.Store, generation: int) -> None:
         self.store = store
         self.key = keys.failed(generation)
+        self._watcher = _Watcher.of(store, self.key) if isinstance(store, dist.TCPStore) else None
         self._seen = False
         self._last = 0.0
 
     def failed(self) -> bool:
+        w = self._watcher
+        if w is not None:
+            if w.error is not None:
+                first = (str(w.error).splitlines() or [""])[0]  # torch appends its C++ stack
+                raise dist.DistNetworkError(f"watching {self.key}: {type(w.error).__name__}: {first}")
+            return w.done.is_set()
         now = time.monotonic()
         if not self._seen and now - self._last >= POLL_S:
             self._last = now
             self._seen = self.store.check([self.key])
         return self._seen
 
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` s until the generation fails; return failed() (no store request on a TCPStore)."""
+        if self._watcher is not None:
+            self._watcher.done.wait(timeout)
+            return self.failed()
+        deadline = time.monotonic() + timeout
+        while not self.failed() and time.monotonic() < deadline:
+            time.sleep(max(0.0, min(POLL_S, deadline - time.monotonic())))
+        return self.failed()
 
-graveyard: list[Any] = []  # groups and threads of aborted generations: never destroyed on our path
+
+class _Watcher:
+    """The thread behind the FailureWatches of one key on one store (see FailureWatch): it holds its
+    FailureWatches' handle weakly, so that it can end once none is left."""
+
+    _lock = threading.Lock()
+    _live: weakref.WeakValueDictionary[tuple[int, str], _Watcher] = weakref.WeakValueDictionary()
+
+    @classmethod
+    def of(cls, store: dist.Store, key: str) -> _Watcher:
+        root = _clone_of.get(store, store)
+        with cls._lock:
+            w = cls._live.get((id(root), key))
+            if w is None:
+                w = cls._live[(id(root), key)] = cls(root, key)
+            return w
+
+    def __init__(self, store: dist.Store, key: str) -> None:
+        self.store = store  # keeps id(store) from being reused while this watcher is registered
+        self.done = threading.Event()  # the key exists, or the store failed (error)
+        self.error: BaseException | None = None
+        threading.Thread(target=_watch, args=(weakref.ref(self), store, key, self.done),
+                         daemon=True, name=f"watch:{key}").start()
+
+
+def _watch(handle: weakref.ref[_Watcher], store: dist.Store, key: str, done: threading.Event) -> None:
+    """The watcher thread: block until `key` exists or the store fails (then the handle's error is set),
+    and set `done`; or end at a renewal where no FailureWatch holds the handle any more."""
+    try:
+        while True:
+            # Its own connection: a blocking wait would hold up every other request on a shared client.
+            # A fresh one at each renewal: no torch version leaves a timed-out wait's answer on it.
+            conn = clone_store(store)
+            t0 = time.monotonic()
+            try:
+                conn.wait([key], dt.timedelta(seconds=WATCH_RENEW_S))
+                break
+            except Exception:  # noqa: BLE001 - a timeout's error type varies between torch versions
+                if time.monotonic() - t0 < WATCH_RENEW_S / 2:
+                    raise  # not a timeout: the store failed
+            del conn
+            if handle() is None:
+                return
+    except Exception as err:  # noqa: BLE001 - handed to failed()
+        w = handle()
+        if w is not None:
+            w.error = err
+    done.set()
 
 
 def wait_abortable(fn: Callable[[], Any], watch: FailureWatch, what: str) -> Any:
@@ -73,8 +149,7 @@ def wait_abortable(fn: Callable[[], Any], watch: FailureWatch, what: str) -> Any
     thread = threading.Thread(target=target, daemon=True, name=f"wait:{what}")
     thread.start()
     while not done.wait(POLL_S):
-        if watch.failed():
-            graveyard.append(thread)
+        if watch.failed():  # the helper thread ends with the operation's timeout
             raise GenerationAborted(f"{watch.key} while waiting for {what}")
     if "error" in box:
         raise box["error"]
@@ -92,7 +167,6 @@ class AbortableGeneration(Generation):
         super().__init__(store, number, rank, world_size, plan, timeouts, backend, device)
         self.watch = FailureWatch(store, number)
         self.on_wait = on_wait
-        graveyard.append(self.groups)  # keep every group alive past the generation (see module doc)
 
     def wait(self, work: dist.Work) -> None:
         if self.on_wait is not None:
@@ -156,8 +230,14 @@ def build_generation(store: dist.Store, number: int, rank: int, world_size: int,
 
 
 def clone_store(store: dist.Store) -> dist.Store:
-    """A second client connection to the same TCPStore (the same keys), for a thread that blocks in it."""
+    """A second client connection to the same TCPStore (the same keys), for a thread that blocks in it.
+    Of the same type (a benchmark's counting client stays one); FailureWatch finds a clone's origin."""
     if isinstance(store, dist.TCPStore):
         # Store.timeout exists at run time but not in torch's stubs.
-        return dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)  # type: ignore[attr-defined]
+        clone = type(store)(store.host, store.port, is_master=False, timeout=store.timeout)  # type: ignore[attr-defined]
+        _clone_of[clone] = _clone_of.get(store, store)
+        return clone
     return store
+
+
+_clone_of: weakref.WeakKeyDictionary[dist.Store, dist.Store] = weakref.WeakKeyDictionary()  # clone -> origin
