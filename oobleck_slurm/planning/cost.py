@@ -21,11 +21,29 @@ the pace of the slowest stage. Transfers are blocking (gloo send/recv), so a sta
 of its boundaries. The in-stage all-reduce (g > 1 only) happens once per iteration; it is charged
 per microbatch as 1/N_b of it, as if spread over the step (gradient buckets overlap backward).
 
-Memory of each device of stage i, under 1F1B (stage i holds at most S - i microbatches in flight;
-with one device per stage S - i = D - u, and with g > 1 we use D - u, an upper bound):
+Memory of each device of stage i: every term the engine's worker holds at its step's peak (checked
+against the bytes a worker really holds, measured with oobleck_slurm/peak_memory.py, by
+tests/planning/test_memory_model.py). Under 1F1B stage i holds at most k = min(N_b, S - i) microbatches
+in flight; with one device per stage S - i = D - u, and with g > 1 we use D - u, an upper bound:
 
-    mem_i = sum (param + grad + optimizer bytes) + sum activation_bytes * min(N_b, D - u) / g
+    mem_i = sum (param + grad + optimizer bytes)             once per stage
+          + k * (sum activation_bytes + out_i) / g           per microbatch in flight
+          + (out_i + in_i) / g                               the boundary buffers of one backward
+          + max workspace_bytes / g                          one layer's forward or backward at work
             <= USABLE_MEMORY_FRACTION * device_memory_bytes
+
+param and grad bytes are in the parameters' dtype (bf16 precision trains fp32 master weights under
+autocast: 4 + 4 bytes); the optimizer's bytes come from its state layout (optim/memory.py). A layer's
+activation_bytes is what autograd keeps for its backward (under bf16 autocast that includes the bf16
+copy of each weight matrix, cast once per forward and kept for the backward). out_i = output bytes of
+the stage's last layer, 0 on the last stage: each in-flight microbatch's output is kept until its
+backward (it is also what is sent to stage i+1); in_i = output bytes of the layer before the stage, 0
+on the first stage. Per backward the stage also holds the gradient received from stage i+1 (out_i) and
+the input gradient it sends to stage i-1 (in_i). The received input of an in-flight microbatch is
+the first layer's saved input: inside activation_bytes already. While one layer runs its forward or
+backward it allocates, for a moment, more than it keeps (gradients of its intermediate tensors,
+attention scores): its workspace_bytes, at most one layer's at a time. What the worker holds besides
+(the framework's own buffers, the allocator's slack) is what USABLE_MEMORY_FRACTION leaves room for.
 
 Data-parallel gradient synchronisation across pipelines (after the last backward, not overlapped):
 each device all-reduces its stage's gradients with the P - 1 other holders of the same layers,
@@ -85,12 +103,26 @@ def in_flight(num_microbatches: int, devices_from_here: int) -> int:
     return min(num_microbatches, devices_from_here)
 
 
+def stage_memory_terms(profile: Profile, start: int, stop: int, devices: int,
+                       microbatches_in_flight: int) -> dict[str, float]:
+    """The terms of `stage_memory` by name (bytes on each device of the stage; see the module doc)."""
+    layers = profile.layers[start:stop]
+    out = profile.layers[stop - 1].output_bytes if stop < profile.num_layers else 0
+    inp = profile.layers[start - 1].output_bytes if start > 0 else 0
+    return {
+        "parameters": float(sum(layer.param_bytes for layer in layers)),
+        "gradients": float(sum(layer.grad_bytes for layer in layers)),
+        "optimizer": float(sum(layer.optimizer_bytes for layer in layers)),
+        "activations": microbatches_in_flight * sum(layer.activation_bytes for layer in layers) / devices,
+        "stage_outputs": microbatches_in_flight * out / devices,
+        "boundary_gradients": (out + inp) / devices,
+        "workspace": max(layer.workspace_bytes for layer in layers) / devices,
+    }
+
+
 def stage_memory(profile: Profile, start: int, stop: int, devices: int, microbatches_in_flight: int) -> float:
     """Peak bytes on each device of a stage."""
-    layers = profile.layers[start:stop]
-    state = sum(layer.state_bytes for layer in layers)
-    activations = sum(layer.activation_bytes for layer in layers)
-    return state + activations * microbatches_in_flight / devices
+    return sum(stage_memory_terms(profile, start, stop, devices, microbatches_in_flight).values())
 
 
 def usable_memory(profile: Profile) -> float:

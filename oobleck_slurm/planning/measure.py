@@ -2,7 +2,15 @@
 
 Times are medians over `repeats` runs after `warmup` runs. Held activation bytes are what autograd
 actually saves for backward (counted with saved-tensor hooks, parameters excluded), so the memory
-model sees the real implementation, not a formula. Links are measured between two local processes
+model sees the real implementation, not a formula. Layers run as the engine runs them: parameters in
+the precision's parameter dtype (fp32 master weights for bf16, fp64 for fp64) and, for bf16, the
+forward under autocast, so the bf16 copy of each weight matrix that autocast casts and autograd keeps
+for the backward is counted with the activations; the GPT's last layer includes its loss (the log-
+probabilities cross-entropy keeps). A layer's workspace is the most its forward or backward allocates
+for a moment beyond what it keeps, measured once per layer after the timings (oobleck_slurm/peak_memory.py:
+max_memory_allocated on a GPU; on the CPU the process's peak resident memory, for which glibc is set to
+return freed memory to the OS for the rest of the process: `profile_model`'s processes are the
+planning commands'). Links are measured between two local processes
 (gloo on CPU, nccl when two GPUs are visible): this machine has no second node, so the inter-node
 figures equal the intra-node ones; plan a multi-node GPU job from a profile file made on its
 nodes, or with `--estimate`.
@@ -10,13 +18,14 @@ nodes, or with `--estimate`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from torch import nn
@@ -24,7 +33,9 @@ from torch import nn
 from oobleck_slurm.models.config import GPTConfig
 from oobleck_slurm.planning.profile import LayerProfile, Link, Profile, profile_key
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+# The parameters' dtype under each precision (engine/spec.py TrainSpec.param_dtype): bf16 trains fp32
+# master weights under autocast.
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
 
 
 def _sync(device: torch.device) -> None:
@@ -41,21 +52,33 @@ def profile_layers(
     warmup: int = 1,
     names: Sequence[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    autocast: torch.dtype | None = None,
+    loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    workspace: bool = False,
 ) -> list[LayerProfile]:
-    """Run each layer on the previous layer's output; time forward and backward, count bytes."""
+    """Run each layer on the previous layer's output; time forward and backward, count bytes.
+
+    `autocast`: run the forwards under torch.autocast to this dtype (bf16 precision). `loss`: applied
+    to the last layer's output inside its forward (its saved tensors count as the last layer's).
+    `workspace`: also measure each layer's workspace (`layer_workspace`; on the CPU this sets glibc's
+    malloc for the rest of the process), else it is 0."""
     from oobleck_slurm.optim.memory import optimizer_state_bytes
 
     x = sample_input
     device = sample_input.device
     out_profiles = []
+    cast = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast is not None else contextlib.nullcontext
     for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
         params = list(layer.parameters())
-        param_ptrs = {p.data_ptr() for p in params}
+        # By storage: views of one tensor (attention's q, k, v of one qkv projection) hold its memory once.
+        param_ptrs = {p.untyped_storage().data_ptr() for p in params}
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor, param_ptrs: set[int] = param_ptrs, saved: dict[int, int] = saved) -> torch.Tensor:
-            if t.data_ptr() not in param_ptrs:
-                saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.untyped_storage().nbytes())
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in param_ptrs:
+                saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         fwd, bwd = [], []
@@ -65,11 +88,15 @@ def profile_layers(
             saved.clear()
             _sync(device)
             t0 = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast():
                 out = layer(inp)
+                scalar = loss(out) if last and loss is not None else None
             _sync(device)
             t1 = time.perf_counter()
-            out.backward(torch.ones_like(out))
+            if scalar is not None:
+                scalar.backward()
+            else:
+                out.backward(torch.ones_like(out))
             _sync(device)
             t2 = time.perf_counter()
             if rep >= warmup:
@@ -92,7 +119,61 @@ def profile_layers(
         x = out.detach()
         if progress:
             progress(i + 1, len(layers))
+    if workspace:
+        spaces = layer_workspace(layers, sample_input, autocast=autocast, loss=loss)
+        out_profiles = [replace(p, workspace_bytes=w) for p, w in zip(out_profiles, spaces)]
     return out_profiles
+
+
+def layer_workspace(
+    layers: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    *,
+    autocast: torch.dtype | None = None,
+    loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[int]:
+    """Per layer, the most its forward or backward allocates at one moment beyond what it keeps: during
+    the forward, the peak above the bytes it leaves behind (saved tensors, output); during the backward,
+    the peak above the bytes held when it starts (every saved tensor still alive). Parameter gradients
+    exist beforehand, as in the engine (one flat buffer per layer), so they are not counted.
+
+    GPU: torch.cuda.max_memory_allocated. CPU: the process's peak anonymous resident memory
+    (peak_memory.PeakMemory), with glibc set to return freed chunks to the OS and the heap trimmed before
+    each measurement, so that RSS follows the tensors; without glibc the CPU figures are 0."""
+    from oobleck_slurm import peak_memory
+
+    device = sample_input.device
+    if device.type == "cpu" and not peak_memory.release_freed_memory():
+        return [0] * len(layers)
+    probe = peak_memory.PeakMemory(device)
+    cast = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast is not None else contextlib.nullcontext
+    spaces = []
+    x = sample_input
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        peak_memory.trim_heap()
+        probe.start()
+        with cast():
+            out = layer(inp)
+            scalar = loss(out) if i == len(layers) - 1 and loss is not None else None
+        forward = probe.peak() - probe.now()  # the peak above what the forward leaves behind
+        seed = torch.ones_like(out) if scalar is None else None
+        peak_memory.trim_heap()
+        start = probe.now()
+        probe.start()
+        if scalar is not None:
+            scalar.backward()
+        else:
+            out.backward(seed)
+        backward = probe.peak() - start
+        spaces.append(max(0, forward, backward))
+        layer.zero_grad(set_to_none=True)
+        x = out.detach()
+        del out, scalar, seed, inp
+    return spaces
 
 
 def _link_worker(rank: int, init_file: str, backend: str, large_n: int) -> tuple[float, float, float, float] | None:
@@ -203,16 +284,22 @@ def profile_model(
     links: dict[str, Link] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Profile:
-    """Measure a GPT from `models.gpt` on this machine (first GPU, or the CPU with one thread)."""
-    from oobleck_slurm.models.gpt import build_layers, layer_keys
+    """Measure a GPT from `models.gpt` on this machine (first GPU, or the CPU with one thread), as the
+    engine trains it (see the module doc: parameter dtype, autocast, the loss on the last layer)."""
+    from oobleck_slurm.models.gpt import build_layers, layer_keys, lm_loss
 
+    if dtype not in PARAM_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, got {dtype!r}")
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)  # what each CPU worker runs with
-    layers = [layer.to(device=device, dtype=DTYPES[dtype]) for layer in build_layers(cfg, seed=0)]
+    layers = [layer.to(device=device, dtype=PARAM_DTYPES[dtype]) for layer in build_layers(cfg, seed=0)]
     sample = torch.randint(cfg.vocab_size, (microbatch_size, cfg.seq_len), device=device)
+    targets = torch.randint(cfg.vocab_size, (microbatch_size, cfg.seq_len), device=device)
     measured = profile_layers(
-        layers, sample, optimizer=optimizer, repeats=repeats, names=layer_keys(cfg), progress=progress
+        layers, sample, optimizer=optimizer, repeats=repeats, names=layer_keys(cfg), progress=progress,
+        autocast=torch.bfloat16 if dtype == "bf16" else None, loss=lambda logits: lm_loss(logits, targets),
+        workspace=True,
     )
     name, memory = device_description(device)
     if links is None:
@@ -222,8 +309,10 @@ def profile_model(
         model=model, microbatch_size=microbatch_size, dtype=dtype, device_name=name,
         torch_version=torch.__version__, optimizer=optimizer, source="measured", devices_per_node=devices_per_node,
     )
+    # Each GPU has its own memory; a CPU's is shared by the node's workers.
+    per_device = memory if device.type == "cuda" else memory // devices_per_node
     return Profile(
-        layers=tuple(measured), device_name=name, device_memory_bytes=memory // devices_per_node,
+        layers=tuple(measured), device_name=name, device_memory_bytes=per_device,
         devices_per_node=devices_per_node, microbatch_size=microbatch_size, dtype=dtype, optimizer=optimizer,
         links=links, source="measured", model=model, key=key,
     )

@@ -23,7 +23,12 @@ from oobleck_slurm.planning.profile import Profile, load_profile, profile_from_d
 from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, explain_infeasible, generate_templates
 
 # Bump when the template algorithm or the cost model changes: older cache entries become stale.
-PLANNER_VERSION = 1
+# 2: the memory model counts every term a worker holds (fp32 master weights under bf16, stage outputs
+# per microbatch in flight, boundary gradients).
+PLANNER_VERSION = 2
+# Bump when what a measured profile counts changes (planning/measure.py): cached profiles become stale.
+# 2: layers in the parameter dtype under autocast for bf16; the loss counted with the last layer.
+MEASURE_VERSION = 2
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -112,6 +117,7 @@ def _source_profile(
         "model": {"family": "gpt", **asdict(cfg)}, "microbatch_size": training.microbatch_size,
         "dtype": training.precision, "optimizer": training.optimizer.name, "devices_per_node": per_node,
         "device_name": device_description(device)[0], "torch_version": torch.__version__, "source": "measured",
+        "measure_version": MEASURE_VERSION,
     }
 
     def measure() -> dict[str, Any]:

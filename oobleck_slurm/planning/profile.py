@@ -18,12 +18,14 @@ JSON format, version 1 (every number is per microbatch of `microbatch_size` samp
       },
       "layers": [{"name": "embed", "forward_s": ..., "backward_s": ..., "param_bytes": ...,
                   "grad_bytes": ..., "optimizer_bytes": ..., "output_bytes": ...,
-                  "activation_bytes": ...}, ...],
+                  "activation_bytes": ..., "workspace_bytes": ...}, ...],
       "key": "<sha256 of what the profile depends on>"   (optional in hand-written files)
     }
 
 `output_bytes` is what the layer sends to the next stage; `activation_bytes` is what it keeps for
-its backward pass (one microbatch).
+its backward pass (one microbatch); `workspace_bytes` is the most its forward or backward allocates
+for a moment on top of that (gradients of its intermediate tensors, attention scores; optional, 0
+when absent: files written before it existed).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ class LayerProfile:
     optimizer_bytes: int
     output_bytes: int
     activation_bytes: int
+    workspace_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -200,8 +203,8 @@ def profile_from_dict(data: Any, where: str = "profile") -> Profile:
             raise ProfileError(f"{where}: key 'layers[{i}].name' must be a string, got {_short(name)}")
         values: dict[str, Any] = {"name": name}
         for f in fields(LayerProfile):
-            if f.name == "name":
-                continue
+            if f.name == "name" or (f.name not in raw and f.default is not MISSING):
+                continue  # an optional key left out: its default
             if f.type == "int":
                 values[f.name] = int(get(raw, f.name, (int, float), path, limit=MAX_PROFILE_BYTES_VALUE))
             else:

@@ -149,6 +149,10 @@ class _Tables:
         grad = prefix([x.grad_bytes for x in layers])
         state = prefix([x.state_bytes for x in layers])
         act = prefix([x.activation_bytes for x in layers])
+        # ws[a, b] = the largest workspace of layers a..b-1 (for a < b)
+        ws = np.zeros((L + 1, L + 1))
+        for a in range(L):
+            ws[a, a + 1:] = np.maximum.accumulate(np.asarray([x.workspace_bytes for x in layers[a:]], dtype=np.float64))
         span = lambda p: p[None, :] - p[:, None]  # noqa: E731  [a, b] -> sum over layers a..b-1
         valid = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)
         out = np.array([0.0] + [x.output_bytes for x in layers])  # out[a] = bytes entering layer a
@@ -165,8 +169,11 @@ class _Tables:
         ar = profile.link("allreduce_intra")
         self.w: dict[tuple[int, int, int], np.ndarray] = {}
         self.kmax: dict[int, np.ndarray] = {}
-        static = span(state)
+        # Memory (cost.stage_memory): the stage's output (out[b], none after the last layer) is held per
+        # microbatch in flight; the boundary gradients (out[b] + out[a]) and one layer's workspace once.
+        end_out = np.concatenate([out[:L], [0.0]])
         for g in self.gs:
+            static = span(state) + (end_out[None, :] + out[:, None] + ws) / g
             base = span(fb) / g
             if g > 1:
                 k = g
@@ -175,7 +182,7 @@ class _Tables:
                 for et in (0, 1):
                     w = base + boundary[st][:, None] + end_boundary[et][None, :]
                     self.w[g, st, et] = np.where(valid, w, INF)
-            per_mb = span(act) / g
+            per_mb = (span(act) + end_out[None, :]) / g
             with np.errstate(divide="ignore", invalid="ignore"):
                 kmax = np.floor((budget - static) / per_mb)
             kmax = np.where(per_mb <= 0, np.where(static <= budget, INF, -1.0), kmax)

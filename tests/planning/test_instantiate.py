@@ -69,7 +69,8 @@ def test_faster_pipelines_get_more_microbatches():
 @pytest.mark.parametrize("f", [0, 1, 2])
 def test_coverage_every_node_count_from_f_plus_1_times_n0(f):
     # A model that needs 2 nodes (memory): n0 = 2; templates 2..3 = n0..2n0-1 cover every N' >= (f+1) n0.
-    profile = make_profile([0.01] * 6, memory=2000 * 3 / 0.9 * 1.0001, act=[1] * 6)
+    # (Outputs of 1 byte: the boundary buffers, cost.stage_memory, leave the state as what decides.)
+    profile = make_profile([0.01] * 6, memory=2000 * 3 / 0.9 * 1.0001, act=[1] * 6, out=[1] * 6)
     templates = generate_templates(profile, 3, num_microbatches=4)
     assert [t.num_nodes for t in templates] == [2, 3]
     n0 = 2

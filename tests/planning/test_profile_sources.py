@@ -54,7 +54,8 @@ def test_estimate_shapes_match_the_model_and_optimizers_differ():
     adamw = estimate_profile(big, "H100", microbatch_size=1, optimizer="adamw")
     came = estimate_profile(big, "H100", microbatch_size=1, optimizer="came", dtype="fp32")
     adamw32 = estimate_profile(big, "H100", microbatch_size=1, optimizer="adamw", dtype="fp32")
-    assert sum(x.param_bytes for x in adamw.layers) == 2 * big.num_params  # bf16
+    assert sum(x.param_bytes for x in adamw.layers) == 4 * big.num_params  # bf16: fp32 master weights
+    assert [x.optimizer_bytes for x in adamw.layers] == [x.optimizer_bytes for x in adamw32.layers]
     assert sum(x.optimizer_bytes for x in came.layers) < 0.6 * sum(x.optimizer_bytes for x in adamw32.layers)
     assert adamw.key != came.key
     blocks = adamw.layers[1:-1]

@@ -74,8 +74,9 @@ def test_balances_uniform_layers():
 
 
 def test_memory_forces_more_nodes_and_explains():
-    # Each layer holds 1000 bytes of state; 1800 usable bytes per device hold one layer, not two.
-    profile = make_profile([0.01] * 4, memory=2000, act=[1] * 4)
+    # Each layer holds 1000 bytes of state; 1800 usable bytes per device hold one layer, not two (with
+    # its activations and boundary buffers of a few bytes).
+    profile = make_profile([0.01] * 4, memory=2000, act=[1] * 4, out=[1] * 4)
     templates = generate_templates(profile, 6, num_microbatches=2)
     assert [t.num_nodes for t in templates] == [4]  # 5, 6 nodes: more devices than layers
     small = make_profile([0.01] * 4, memory=500)

@@ -27,7 +27,7 @@ def profile_and_templates(n_layers=6, dpn=1, tight=False, seed=0, max_nodes=8):
         state = [1000] * n_layers
         mem = (sum(state) * 0.6 + 2000) / 0.9
         profile = make_profile([rng.uniform(0.01, 0.1) for _ in range(n_layers)], devices_per_node=dpn,
-                               memory=mem, state=state)
+                               memory=mem, state=state, out=[100] * n_layers)  # outputs ~ activations
     else:
         profile = random_profile(rng, n_layers, dpn, tight_memory=False)
     return profile, generate_templates(profile, max_nodes, num_microbatches=4)
@@ -121,7 +121,7 @@ def test_failure_then_joins_restore_throughput():
 
 def fixed_templates():
     """Sizes 2, 3, 4 (the model needs 2 nodes), 6 equal layers."""
-    profile = make_profile([0.03] * 6, memory=(6000 * 0.6 + 2000) / 0.9, state=[1000] * 6)
+    profile = make_profile([0.03] * 6, memory=(6000 * 0.6 + 2000) / 0.9, state=[1000] * 6, out=[100] * 6)
     templates = generate_templates(profile, 6, num_microbatches=4)
     assert [t.num_nodes for t in templates][:3] == [2, 3, 4]
     return profile, {t.num_nodes: t for t in templates}

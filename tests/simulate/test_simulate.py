@@ -198,7 +198,13 @@ def test_cli_bad_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["simulate", "--estimate", "V100", "--cache", str(tmp_path / "cache"), "--mtbf", "10m",
+    # The embedded default with the room Bamboo-style redundancy needs on the V100 estimate: its 8MB budget
+    # is sized for the default's measured CPU profile, in which no stage holds its successor's state too.
+    from oobleck_slurm.recipe import DEFAULT_RECIPE
+
+    recipe = tmp_path / "roomy.yaml"
+    recipe.write_text(f"extends: {DEFAULT_RECIPE}\ncluster:\n  memory_per_device: 10MB\n")
+    code = main(["simulate", str(recipe), "--estimate", "V100", "--cache", str(tmp_path / "cache"), "--mtbf", "10m",
                  "--nodes", "8", "--min-nodes", "4", "--json", "--out", str(tmp_path / "out")])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
