@@ -19,6 +19,7 @@ over the global batch, for any split of microbatches between pipelines.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -255,7 +256,19 @@ class Worker:
         self.pending = None
         for flat in self.grads.values():
             flat.zero_()
-        pending: list[tuple[torch.distributed.Work, torch.Tensor]] = []  # sends: keep buffers alive
+        # Sends in flight, per direction, with their buffers. At most as many as 1F1B keeps
+        # microbatches in flight at this stage: the oldest is waited for before one more is posted,
+        # so a stage holds O(stages) send buffers, not one per microbatch. That wait cannot deadlock:
+        # the peer's thread never waits for a send of ours that is not yet posted.
+        sends: dict[str, collections.deque[tuple[torch.distributed.Work, torch.Tensor]]] = {
+            "act": collections.deque(), "grad": collections.deque()}
+        in_flight = max(1, min(role.num_stages - role.stage, role.mb_count)) if role is not None else 1
+
+        def post_send(direction: str, tensor: torch.Tensor, dst: int, tag: int) -> None:
+            queue = sends[direction]
+            while len(queue) >= in_flight:
+                gen.wait(queue.popleft()[0])
+            queue.append((gen.send(tensor, dst, tag), tensor))
         reductions: list[torch.distributed.Work] = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         clock = ComputeClock(self.device)
@@ -288,7 +301,7 @@ class Worker:
                     if role.is_last:
                         loss_sum += out.double()  # on the device: no host sync per microbatch
                     else:
-                        pending.append((gen.send(out, peer(role.next_rank), 2 * m), out))
+                        post_send("act", out, peer(role.next_rank), 2 * m)
                 else:
                     grad = None
                     if not role.is_last:
@@ -299,12 +312,13 @@ class Worker:
                     if not role.is_first:
                         if grad_in is None:
                             raise RuntimeError("a stage after the first returned no input gradient")
-                        pending.append((gen.send(grad_in, peer(role.prev_rank), 2 * m + 1), grad_in))
+                        post_send("grad", grad_in, peer(role.prev_rank), 2 * m + 1)
             if role.mb_count == 0:  # no microbatch: still take part in every layer's all-reduce
                 for index in reversed(role.layers):
                     reduce_layer(index)
-            for work, _ in pending:
-                gen.wait(work)
+            for queue in sends.values():
+                for work, _ in queue:
+                    gen.wait(work)
             schedule_s = time.perf_counter() - t0
 
         # Gradients: wait for every layer's all-reduce; the layers' squared norms, summed over the pipeline.
