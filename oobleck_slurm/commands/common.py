@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from oobleck_slurm.exit_codes import EXIT_BAD_INPUT
-from oobleck_slurm.recipe import Recipe, RecipeError, load_recipe
+from oobleck_slurm.recipe import Recipe, RecipeError, RecipeIssue, load_recipe
 
 console = Console()
 # soft_wrap: an error line is copied into tickets and grepped; never break it at the terminal width.
@@ -25,13 +25,33 @@ def add_recipe_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_recipe_or_report(path: Path | None) -> Recipe | None:
-    """The validated recipe, or None after printing every issue to stderr."""
+def load_recipe_or_report(path: Path | None, check_model: bool = False) -> Recipe | None:
+    """The validated recipe, or None after printing every issue to stderr. `check_model`: also build a
+    model factory's layers on the meta device (importing the user's code) and check them."""
     try:
-        return load_recipe(path)
+        recipe = load_recipe(path)
+        if check_model and recipe.model.factory:
+            issues = model_factory_issues(recipe)
+            if issues:
+                raise RecipeError(issues)
+        return recipe
     except RecipeError as err:
         report_recipe_error(err)
         return None
+
+
+def model_factory_issues(recipe: Recipe) -> list[RecipeIssue]:
+    """What is wrong with the recipe's model factory (engine.spec.ModelSpec.check_factory), each
+    named by the recipe file, line and key; empty without a factory or when it fits."""
+    if not recipe.model.factory:
+        return []
+    from oobleck_slurm.engine.from_recipe import model_spec
+    from oobleck_slurm.recipe.source import read_source
+
+    problem = model_spec(recipe).check_factory(recipe.training.seed)
+    if problem is None:
+        return []
+    return [read_source(Path(recipe.source)).issue(tuple(problem.key.split(".")), str(problem))]
 
 
 def report_recipe_error(err: RecipeError) -> None:

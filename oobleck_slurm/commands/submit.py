@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    recipe = load_recipe_or_report(args.recipe)
+    recipe = load_recipe_or_report(args.recipe, check_model=True)
     if recipe is None:
         return EXIT_BAD_INPUT
     from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU

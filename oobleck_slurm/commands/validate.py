@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    recipe = load_recipe_or_report(args.recipe)
+    recipe = load_recipe_or_report(args.recipe, check_model=True)
     if recipe is None:
         return EXIT_BAD_INPUT
     values = recipe_to_dict(recipe)
@@ -30,9 +30,12 @@ def run(args: argparse.Namespace) -> int:
     # Names, paths and values are the user's text (setup lines, descriptions): escaped, never markup.
     tree = Tree(f"[bold green]✓[/] [bold]{escape(recipe.name)}[/]  [dim]{escape(recipe.source)}[/]")
     _add_branch(tree, {k: v for k, v in values.items() if k not in ("name", "source")})
-    model = recipe.model.resolve() if not recipe.model.factory else None
+    model = recipe.model.resolve()
     console.print(tree)
-    if model is not None:
+    if recipe.model.factory:
+        console.print(f"model: {escape(recipe.model.factory)}, {model.n_layer + 2} layers (n_layer {model.n_layer} "
+                      f"+ embedding + head), d={model.d_model}", highlight=False)
+    else:
         console.print(f"model: GPT {model.n_layer} layers, d={model.d_model}, {model.num_params / 1e6:,.1f} M parameters")
     return EXIT_OK
 

@@ -1,7 +1,8 @@
 """Last-resort checkpoints: one file per layer per step, written off the training path.
 
-Layout: `<dir>/step<S>/<layer key>.pt`, each a dict of tensors {"param.<name>": ..., "state.<name>":
-..., "step": tensor(S)} saved with torch.save and read back with torch.load(weights_only=True): no
+Layout: `<dir>/step<S>/<layer key>.pt`, each a dict of tensors {"param.<name>": ..., "buffer.<name>":
+... (persistent buffers; a non-persistent one is remade by the seed build the load starts from),
+"state.<name>": ..., "step": tensor(S)} saved with torch.save and read back with torch.load(weights_only=True): no
 pickled objects. A file appears only complete (temp file + os.replace), so a checkpoint is complete
 when every layer's file exists. Every `interval` steps, the holder of each layer in the first
 pipeline clones the layer's parameters and optimizer state (a memory copy, the only cost on the
@@ -29,9 +30,16 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
 def layer_payload(layer: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, torch.Tensor]:
     """Detached CPU copies of everything that defines a trained layer at `step`."""
     out = {f"param.{n}": p.detach().to("cpu", copy=True) for n, p in layer.named_parameters()}
+    out.update({f"buffer.{n}": b.detach().to("cpu", copy=True) for n, b in persistent_buffers(layer).items()})
     out.update({f"state.{n}": t.detach().to("cpu", copy=True) for n, t in optimizer_state_tensors(opt).items()})
     out["step"] = torch.tensor(step)
     return out
+
+
+def persistent_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's buffers that belong to its state (`state_dict`), by name."""
+    saved = layer.state_dict(keep_vars=True).keys()
+    return {n: b for n, b in layer.named_buffers() if n in saved}
 
 
 def load_layer(root: str | os.PathLike[str], step: int, key: str, layer: nn.Module,
@@ -44,6 +52,9 @@ def load_layer(root: str | os.PathLike[str], step: int, key: str, layer: nn.Modu
     with torch.no_grad():
         for n, p in layer.named_parameters():
             p.copy_(data[f"param.{n}"])
+        for n, b in persistent_buffers(layer).items():
+            if f"buffer.{n}" in data:  # checkpoints written before buffers were saved have none
+                b.copy_(data[f"buffer.{n}"])
     load_optimizer_state_tensors(opt, {k[6:]: v for k, v in data.items() if k.startswith("state.")})
     return sum(t.numel() * t.element_size() for t in data.values())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,18 @@ def token_file_for(recipe: Any, cache_dir: str | os.PathLike[str]) -> Path:
     return out
 
 
+def model_spec(recipe: Any) -> ModelSpec:
+    """The recipe's model: the GPT shape (preset and overrides) and, if given, the factory and its kwargs."""
+    return ModelSpec(recipe.model.resolve(), recipe.model.factory, _plain(recipe.model.kwargs))
+
+
 def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str]) -> JobSpec:
     t, o, s = recipe.training, recipe.training.optimizer, recipe.training.lr_schedule
     eps: Any = o.eps
     if eps is not None and len(eps) == 1:
         eps = eps[0]
     return JobSpec(
-        model=ModelSpec(recipe.model.resolve(), recipe.model.factory),
+        model=model_spec(recipe),
         data=DataSpec("tokens", path=str(token_file)),
         optim=OptimSpec(o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=eps),
         train=TrainSpec(steps=t.steps, microbatch_size=t.microbatch_size, num_microbatches=t.global_microbatches,
@@ -43,3 +49,12 @@ def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str]) -> JobSpec:
                         min_lr=s.min_lr, precision=t.precision),
         backend="nccl" if recipe.cluster.gpus_per_node > 0 else "gloo",
     )
+
+
+def _plain(value: Any) -> Any:
+    """A recipe value as plain JSON types (the recipe's mappings are read-only views)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -166,7 +166,9 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A built-in family with its size (and optional shape overrides), or a user factory."""
+    """A built-in family with its size and optional shape overrides; with a user `factory`
+    (called as f(seed, start, stop, **kwargs)), the size and overrides give the shapes of the
+    factory model's GPT interface (n_layer + 2 layers, d_model between them, vocab_size logits)."""
 
     family: Literal["gpt"] = "gpt"
     size: str = field(default="tiny", metadata=check(known_size))

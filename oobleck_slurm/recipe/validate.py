@@ -236,20 +236,14 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     if t.lr_schedule.min_lr > opt.lr:
         add(("training", "lr_schedule", "min_lr"), f"min_lr {t.lr_schedule.min_lr:g} exceeds optimizer.lr {opt.lr:g}")
 
-    # `model:` with nothing after it is None in the tree (all defaults), not a mapping.
-    model_tree = source.tree.get("model")
-    if not isinstance(model_tree, dict):
-        model_tree = {}
-    shape_keys = [k for k in ("size", "n_layer", "d_model", "n_head", "seq_len", "vocab_size")
-                  if model_tree.get(k) is not None]
-    if m.factory and shape_keys:
-        add(("model", "factory"), f"a factory builds its own model; remove model.{shape_keys[0]} or the factory")
+    # Beside a factory, size and the shape keys give the GPT-interface shapes the engine (activation
+    # buffers) and the planner use; the factory's layers are checked against them by
+    # `engine.spec.ModelSpec.check_factory` (it imports the user's code, so not here).
     if m.kwargs and not m.factory:
         add(("model", "kwargs"), "kwargs are passed to model.factory, which is not set")
-    if not m.factory:
-        cfg = m.resolve()
-        if cfg.d_model % cfg.n_head:
-            add(("model", "n_head"), f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}")
+    cfg = m.resolve()
+    if cfg.d_model % cfg.n_head:
+        add(("model", "n_head"), f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}")
 
     d = recipe.data
     if d.path and d.text:

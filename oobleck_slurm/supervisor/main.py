@@ -138,6 +138,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     token_file = token_file_for(recipe, job.data)
     spec = job_from_recipe(recipe, token_file)
     check_supported(spec)
+    problem = spec.model.check_factory(spec.train.seed)  # `submit` checked it; a job started otherwise
+    if problem is not None:
+        raise ValueError(f"{recipe.source}: {problem.key}: {problem}")
     if job.faults.is_file():  # drills: worker faults (engine/faults.py)
         spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.faults)})
     # The profile `submit` planned with: a file given to it (kept in the job folder), an estimate, or

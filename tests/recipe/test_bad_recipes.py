@@ -35,7 +35,7 @@ BAD_RECIPES = [
     ("model-unknown-size", "model:\n  size: 7b\n", "model.size", 2, "unknown GPT size '7b'"),
     ("model-heads-not-divisor", "model:\n  size: tiny\n  n_head: 5\n", "model.n_head", 3, "d_model 64 is not divisible by n_head 5"),
     ("model-factory-bad-format", "model:\n  factory: mypkg.models.build\n", "model.factory", 2, "expected 'package.module:function'"),
-    ("model-factory-and-size", "model:\n  size: tiny\n  factory: mypkg.models:build\n", "model.factory", 3, "remove model.size or the factory"),
+    ("model-factory-heads-not-divisor", "model:\n  factory: mypkg.models:build\n  d_model: 30\n", "model.n_head", 1, "d_model 30 is not divisible by n_head 4"),
     ("model-kwargs-without-factory", "model:\n  kwargs: {depth: 3}\n", "model.kwargs", 2, "model.factory, which is not set"),
     ("precision-unknown", "training:\n  precision: fp16\n", "training.precision", 2, "expected one of 'fp32', 'bf16'"),
     ("timeouts-out-of-order", "fault_tolerance:\n  collective_timeout: 5\n  heartbeat_lease: 3\n", "fault_tolerance.heartbeat_lease", 3, "collective_timeout (5 s) < heartbeat_lease (3 s) is required"),

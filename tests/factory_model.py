@@ -1,0 +1,89 @@
+"""A user's model for the `model.factory` tests, written as a user would write one: not a GPT
+(residual MLP blocks, no attention), with a persistent buffer (fixed random positions, saved in
+checkpoints) and a non-persistent one (a scale that the seed build remakes).
+
+    model: {factory: "factory_model:make_layers", kwargs: {depth: 3, width: 32, vocab: 256, seq: 32},
+            n_layer: 3, d_model: 32, vocab_size: 256, seq_len: 32}
+
+Workers import it by name: tests put this folder on PYTHONPATH (`factory_pythonpath`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+
+
+def factory_pythonpath() -> str:
+    """PYTHONPATH with this folder first, for the job's processes (they inherit the environment)."""
+    return os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, width: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.register_buffer("pos", torch.zeros(seq, width))  # persistent: saved with the layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos[: ids.shape[1]]
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int, scale: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.register_buffer("scale", torch.tensor(scale), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def make_layers(seed: int, start: int, stop: int, *, depth: int, width: int, vocab: int, seq: int,
+                hidden: int = 64, scale: float = 0.5) -> list[nn.Module]:
+    """Layers [start, stop) of embedding + `depth` blocks + head; each initialised from (seed, index)
+    alone, so that any range builds the same layers."""
+    n = depth + 2
+    layers: list[nn.Module] = []
+    for index in range(start, min(stop, n)):
+        layer: nn.Module
+        if index == 0:
+            layer = Embed(vocab, width, seq)
+        elif index == n - 1:
+            layer = Head(width, vocab)
+        else:
+            layer = Block(width, hidden, scale)
+        gen = torch.Generator().manual_seed(seed * 1000 + index)
+        with torch.no_grad():
+            for p in [*layer.parameters(), *([layer.pos] if isinstance(layer, Embed) else [])]:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        layers.append(layer)
+    return layers
+
+
+def shaped_wrong(seed: int, start: int, stop: int, **kwargs: int) -> list[nn.Module]:
+    """make_layers whose blocks' output is wider than their input: the next layer cannot take it."""
+    layers = make_layers(seed, start, stop, **kwargs)
+    return [nn.Sequential(layer, nn.Linear(kwargs["width"], kwargs["width"] + 1)) if isinstance(layer, Block)
+            else layer for layer in layers]
+
+
+def not_modules(seed: int, start: int, stop: int, **kwargs: int) -> dict[str, int]:
+    return {"layers": stop - start}
