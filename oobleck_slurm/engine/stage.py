@@ -1,9 +1,10 @@
 """One pipeline stage: forward and backward of its contiguous layers for one microbatch at a time.
 
-Each layer's input is detached at the layer boundary, and backward runs one layer at a time from
-the last to the first. The arithmetic is the same as one autograd pass over the stage, but the
-caller learns the moment a layer's gradient is complete (after the last microbatch's backward
-passes through it) and can start that layer's all-reduce while earlier layers are still in backward.
+For the step's last microbatch (`split`), each layer's input is detached at the layer boundary and
+backward runs one layer at a time from the last to the first: the arithmetic is the same as one
+autograd pass over the stage, but the caller learns the moment a layer's gradient is complete and can
+start that layer's all-reduce while earlier layers are still in backward. Other microbatches run one
+autograd pass over the stage (one backward call, not one per layer).
 """
 
 from __future__ import annotations
@@ -38,15 +39,20 @@ class Stage:
         return contextlib.nullcontext()
 
     def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None,
-                loss_scale: float = 1.0) -> torch.Tensor:
-        """The stage's output for microbatch `mb` (detached), or on the last stage its scaled loss."""
+                loss_scale: float = 1.0, split: bool = True) -> torch.Tensor:
+        """The stage's output for microbatch `mb` (detached), or on the last stage its scaled loss.
+        `split`: layer by layer, so that backward can report each layer as it completes."""
         saved = []
         h = x
         with self._autocast():
-            for layer in self.layers:
-                inp = h.detach().requires_grad_(h.is_floating_point())
-                h = layer(inp)
-                saved.append((inp, h))
+            for index, layer in enumerate(self.layers):
+                if split or index == 0:
+                    inp = h.detach().requires_grad_(h.is_floating_point())
+                    h = layer(inp)
+                    saved.append((inp, h))
+                else:
+                    h = layer(h)
+                    saved[-1] = (saved[-1][0], h)
             if self.is_last:
                 if targets is None:
                     raise ValueError("Stage.forward: the last stage needs the targets")
@@ -65,6 +71,8 @@ class Stage:
         layer first.
         """
         saved = self._saved.pop(mb)
+        if on_layer_done is not None and len(saved) != len(self.layers):
+            raise RuntimeError(f"microbatch {mb} ran as one pass: its layers' completion cannot be reported")
         grad = grad_out
         for i in range(len(saved) - 1, -1, -1):
             inp, out = saved[i]

@@ -297,7 +297,7 @@ class Worker:
                         x = self._hidden_buffer()
                         gen.wait(gen.recv(x, peer(role.prev_rank), 2 * m))
                     with clock.span():
-                        out = stage.forward(m, x, y, scale)
+                        out = stage.forward(m, x, y, scale, split=m == last_mb)
                     if role.is_last:
                         loss_sum += out.double()  # on the device: no host sync per microbatch
                     else:
