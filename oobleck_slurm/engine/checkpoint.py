@@ -91,8 +91,12 @@ class CheckpointWriter:
             tmp = d / f".{key}.{os.getpid()}.tmp"
             t0 = time.perf_counter()
             torch.save(payload, tmp)
+            # The timing lands (atomically) before the layer file: the supervisor reads it as soon as
+            # the checkpoint is complete, and a half-written figure read as '' failed a requeued job.
+            seconds = d / f".{key}.{os.getpid()}.seconds.tmp"
+            seconds.write_text(f"{time.perf_counter() - t0:.6f}")
+            os.replace(seconds, d / f".{key}.seconds")
             os.replace(tmp, d / f"{key}.pt")
-            (d / f".{key}.seconds").write_text(f"{time.perf_counter() - t0:.6f}")
             self._queue.task_done()
 
     def flush(self) -> None:
