@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oobleck_slurm.engine.comm import CollectiveError, Generation, Timeouts, abort_groups
+from oobleck_slurm.engine.comm import CollectiveError, Generation, Timeouts, abort_groups, step_timeout_waits
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.protocol import keys
 
@@ -184,6 +184,19 @@ class AbortableGeneration(Generation):
             raise
         except RuntimeError as err:  # whatever the backend raised: a failed collective (see comm.py)
             raise CollectiveError(f"{type(err).__name__}: {err}") from err
+
+    def align(self) -> None:
+        """Wait until every member has adopted the generation's plan, under the step timeout and
+        outside any step's count of waits (fault points). Without it, the first step's collective
+        timeout would have to cover the slowest member's adoption (building its layers from the seed,
+        loading a checkpoint), and a send under NCCL's rules waits for its receiver from the moment
+        it is posted: on a loaded machine that re-formed healthy generations."""
+        on_wait, self.on_wait = self.on_wait, None
+        try:
+            with step_timeout_waits(self):
+                self.wait(self.world.allreduce([torch.zeros(1, device=self.device)]))
+        finally:
+            self.on_wait = on_wait
 
     def _poll(self, work: dist.Work) -> None:
         """NCCL: poll the work and the failed key from this thread; past the collective timeout the

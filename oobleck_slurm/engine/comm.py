@@ -163,7 +163,11 @@ class Generation:
         self.timeouts = timeouts
         self.backend = backend
         self.device = device or torch.device("cpu")
-        timeout = timeouts.td("collective")
+        # A gloo group's own operation timeout is the longer step timeout: the generation's waits enforce
+        # the collective timeout themselves (`wait`), and the waits that may take longer (a state copy
+        # to a newcomer, `AbortableGeneration.align`) raise theirs. gloo bounds a collective by the
+        # group's timeout whatever its waiter allows.
+        timeout = dt.timedelta(seconds=max(timeouts.collective, timeouts.step))
         wanted: dict[str, tuple[int, ...]] = {"world": tuple(range(world_size))}
         for p in plan.pipelines:
             if p.num_stages > 1:

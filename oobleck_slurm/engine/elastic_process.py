@@ -66,6 +66,7 @@ class ElasticWorker:
         self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local)
         self.worker.before_update = self.faults.before_update
         self.gen: AbortableGeneration | None = None  # the generation this worker last built
+        self.last_step: dict[str, Any] | None = None  # the `step` event of the last step it completed
         self.log = EventLog(events_path(job_dir))
         self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
@@ -127,7 +128,7 @@ class ElasticWorker:
                 self.faults.before_report(self.worker.step)
                 self.store.set(keys.report(g, self.name), json.dumps(
                     {"step": self.worker.step, "layers": sorted(self.worker.layers),
-                     "completable": can_complete(self.worker)}))
+                     "completable": can_complete(self.worker), "last_step": self.last_step}))
                 g += 1
 
     def run_generation(self, g: int, cfg: dict[str, Any]) -> None:
@@ -152,6 +153,7 @@ class ElasticWorker:
         t2 = time.perf_counter()
         self.store.set(keys.rebuilt(g, self.name), json.dumps(
             {"groups_s": t1 - t0, "copy_s": t2 - t1, "bytes": received, "t": time.time()}))
+        gen.align()
         first = True
         while w.step < self.job.train.steps:
             if first and g > 0:
@@ -160,8 +162,9 @@ class ElasticWorker:
             self.step_reported = False
             result = w.train_step()
             self.faults.at_step_end()
+            self.last_step = result.event(g, self.job.train.global_batch_size)
             if w.rank == 0:
-                self.log.emit("step", **result.event(g, self.job.train.global_batch_size))
+                self.log.emit("step", **self.last_step)
                 self.store.set(keys.progress(g), str(result.step))
                 self.store.set(keys.step_compute(g), json.dumps({"step": result.step,
                                                                  "compute_seconds": result.compute_seconds}))

@@ -304,6 +304,19 @@ class Coordinator:
         """`key(worker)` for every worker of `node`."""
         return [key(w) for w in keys.node_workers(node, self.cfg.devices_per_node)]
 
+    def _log_step_completed_in_recovery(self, logged_next: int, resume: int,
+                                        reports: dict[str, dict[str, Any]]) -> None:
+        """Log the `step` event of a step that rank 0 did not log: its last collective completed on
+        some ranks only, and rank 0 completes it in the recovery (engine/recovery.py). A survivor
+        that finished the collective has the step's figures in its report."""
+        if resume <= logged_next:
+            return
+        for report in reports.values():
+            last = report.get("last_step")
+            if last is not None and last.get("step") == resume - 1:
+                self.log.emit("step", **last)
+                return
+
     def _progress(self) -> int | None:
         key = keys.progress(self.gen)
         return int(self.store.get(key)) if self.store.check([key]) else None
@@ -382,6 +395,7 @@ class Coordinator:
             self._rebalance_due = False
         if action.reason == "reform":
             self.reforms[action.resume_step] = self.reforms.get(action.resume_step, 0) + 1
+        self._log_step_completed_in_recovery(next_step, action.resume_step, reports)
         self.log.emit("replan", generation=self.gen, seconds=time.perf_counter() - t0,
                       rules=list(action.change.rules), transfers=len(action.change.transfers),
                       resume_step=action.resume_step, survivor_steps=steps, **self._recovery_fields(recovery_id))

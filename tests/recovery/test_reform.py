@@ -39,7 +39,10 @@ def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path, te
     assert [p["reason"] for p in plans] == ["initial"] + ["reform"] * len(reform)
     assert all(p["pipelines"] == plans[0]["pipelines"] for p in plans)  # the same members, the same stages
     assert {(tuple(e["rules"]), e["transfers"]) for e in run.kind("replan")} == {(("re-form",), 0)}
-    assert any(e["step"] == 2 for e in run.kind("resumed"))
+    # Resumed at 2 (replayed), or at 3: the paused rank finished step 2's last collective with the
+    # others' contributions after they had stopped waiting, and they completed the step in the
+    # recovery (engine/recovery.py); step 2 is logged once either way (assert_matches_reference).
+    assert any(e["step"] in (2, 3) for e in run.kind("resumed"))
     assert {n for p in plans[-1]["pipelines"] for n in p["nodes"]} == {f"node{i}" for i in range(1, 5)}
     board = DashboardState().apply_all(run.events)  # the dashboard reads the real log
     assert [(r.trigger, r.done) for r in board.recoveries] == [("reform", True)] * len(reform)
