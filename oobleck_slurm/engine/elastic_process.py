@@ -20,6 +20,7 @@ folder's faults.json) is engine/faults.py's `FaultHooks`, called at its hook poi
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -66,7 +67,7 @@ class ElasticWorker:
         self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local)
         self.worker.before_update = self.faults.before_update
         self.gen: AbortableGeneration | None = None  # the generation this worker last built
-        self.last_step: dict[str, Any] | None = None  # the `step` event of the last step it completed
+        self.last_step: dict[str, Any] | None = None  # the last step it completed: StepResult and generation
         self.log = EventLog(events_path(job_dir))
         self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
@@ -162,9 +163,10 @@ class ElasticWorker:
             self.step_reported = False
             result = w.train_step()
             self.faults.at_step_end()
-            self.last_step = result.event(g, self.job.train.global_batch_size)
+            self.last_step = {"result": dataclasses.asdict(result), "generation": g,
+                              "global_batch_size": self.job.train.global_batch_size}
             if w.rank == 0:
-                self.log.emit("step", **self.last_step)
+                self.log.emit("step", **result.event(g, self.job.train.global_batch_size))
                 self.store.set(keys.progress(g), str(result.step))
                 self.store.set(keys.step_compute(g), json.dumps({"step": result.step,
                                                                  "compute_seconds": result.compute_seconds}))

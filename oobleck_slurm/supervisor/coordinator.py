@@ -43,6 +43,7 @@ import torch.distributed as dist
 from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
+from oobleck_slurm.engine.worker import StepResult
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
 from oobleck_slurm.planning.instantiate import NodeId
 from oobleck_slurm.planning.reconfigure import (
@@ -313,8 +314,9 @@ class Coordinator:
             return
         for report in reports.values():
             last = report.get("last_step")
-            if last is not None and last.get("step") == resume - 1:
-                self.log.emit("step", **last)
+            if last is not None and last["result"]["step"] == resume - 1:
+                result = StepResult(**last["result"])
+                self.log.emit("step", **result.event(last["generation"], last["global_batch_size"]))
                 return
 
     def _progress(self) -> int | None:
