@@ -128,7 +128,7 @@ SECTIONS: dict[str, str] = {
     "e": "two_ranks_one_gpu",
     "f": "two_stage_pipeline",
 }
-# NCCL 2.30.3 added NCCL_MULTI_RANK_GPU_ENABLE (shared/docs/nccl-notes.md, section 3); 2.30.0 is the
+# NCCL 2.30 added NCCL_MULTI_RANK_GPU_ENABLE (docs/nccl.md, "Several ranks on one GPU"); 2.30.0 is the
 # floor we test for, and a 2.30 release that still refuses shows up as section f's error.
 NCCL_MULTI_RANK_MIN = (2, 30, 0)
 MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}

@@ -83,7 +83,7 @@ def srun_argv(node: str, command: Sequence[str], cpus: int, gpus: int = 0) -> li
     enough); `--overlap`: the agent shares the node's CPUs with nothing else of ours but the batch step.
     With GPUs the step takes all of the node's (`--gpus-per-node`) with no per-task binding
     (`--gpu-bind=none`): the agent starts one worker per GPU and pins each itself before CUDA
-    initialises, and every worker sees its peers' GPUs for NCCL's peer access (nccl-notes.md, 4.3)."""
+    initialises, and every worker sees its peers' GPUs for NCCL's peer access (docs/nccl.md, "Slurm and GPUs")."""
     gpu_args = [f"--gpus-per-node={gpus}", "--gpu-bind=none"] if gpus else []
     return ["srun", "--no-kill", "--kill-on-bad-exit=0", "--overlap", "-N1", "-n1", f"--nodelist={node}",
             f"--cpus-per-task={cpus}", *gpu_args, f"--job-name={AGENT_STEP_NAME}", *command]
