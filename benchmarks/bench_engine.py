@@ -73,7 +73,7 @@ def _batches(job: Any) -> Any:
     from oobleck_slurm.engine.batches import StepBatches, open_dataset
 
     t = job.train
-    return StepBatches(open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size),
+    return StepBatches(open_dataset(job.data, job.model.seq_len, job.model.vocab_size),
                        t.global_batch_size, t.microbatch_size, t.seed)
 
 
@@ -93,7 +93,7 @@ def _accumulation_steps(job: Any, model: torch.nn.Module, forward: Any, device: 
     """Time `steps` optimizer steps of `model`, each accumulating the gradients of `microbatches` of the
     step through `forward` (the model, or its DDP wrapper: then all but the last run under `no_sync()`,
     one all-reduce per step)."""
-    from oobleck_slurm.models.gpt import lm_loss
+    from oobleck_slurm.models.loss import lm_loss
 
     t = job.train
     opt = torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay,
@@ -121,9 +121,9 @@ def _accumulation_steps(job: Any, model: torch.nn.Module, forward: Any, device: 
 def _ddp_steps(job: Any, rank: int, world: int, steps: int, device: torch.device) -> list[float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from oobleck_slurm.models.gpt import build_layers
+    from oobleck_slurm.models.gpt.model import build_layers
 
-    model = torch.nn.Sequential(*build_layers(job.model.gpt, job.train.seed)).to(device)
+    model = torch.nn.Sequential(*build_layers(job.model.config, job.train.seed)).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     per_rank = job.train.num_microbatches // world
     return _accumulation_steps(job, model, ddp, device, steps, range(rank * per_rank, (rank + 1) * per_rank),
@@ -133,10 +133,11 @@ def _ddp_steps(job: Any, rank: int, world: int, steps: int, device: torch.device
 def _pipelining_steps(job: Any, rank: int, world: int, steps: int, bounds: list[int]) -> list[float]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from oobleck_slurm.models.gpt import build_layers, lm_loss
+    from oobleck_slurm.models.gpt.model import build_layers
+    from oobleck_slurm.models.loss import lm_loss
 
     t = job.train
-    sub = torch.nn.Sequential(*build_layers(job.model.gpt, t.seed, bounds[rank], bounds[rank + 1]))
+    sub = torch.nn.Sequential(*build_layers(job.model.config, t.seed, bounds[rank], bounds[rank + 1]))
     stage = PipelineStage(sub, rank, world, torch.device("cpu"))
     sched = Schedule1F1B(stage, n_microbatches=t.num_microbatches, loss_fn=lm_loss)
     opt = torch.optim.AdamW(sub.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay, foreach=False)
@@ -160,10 +161,10 @@ def _pipelining_steps(job: Any, rank: int, world: int, steps: int, bounds: list[
 
 def _single_gpu_steps(job: Any, steps: int) -> list[float]:
     """One GPU, no distribution: the same model, global batch and microbatches (accumulation)."""
-    from oobleck_slurm.models.gpt import build_layers
+    from oobleck_slurm.models.gpt.model import build_layers
 
     device = torch.device("cuda", 0)
-    model = torch.nn.Sequential(*build_layers(job.model.gpt, job.train.seed)).to(device)
+    model = torch.nn.Sequential(*build_layers(job.model.config, job.train.seed)).to(device)
     return _accumulation_steps(job, model, model, device, steps, range(job.train.num_microbatches))
 
 
@@ -257,8 +258,8 @@ def stage_bounds(plan_event: dict[str, Any]) -> list[int]:
 def state_bytes_per_param(name: str) -> float:
     from oobleck_slurm.engine.layer_optim import make_layer_optimizer
     from oobleck_slurm.engine.spec import OptimSpec
-    from oobleck_slurm.models.config import gpt_config
-    from oobleck_slurm.models.gpt import build_layers
+    from oobleck_slurm.models import gpt_config
+    from oobleck_slurm.models.gpt.model import build_layers
     from oobleck_slurm.optim import optimizer_state_tensors
 
     total_bytes = total_params = 0
@@ -371,8 +372,8 @@ def main() -> None:
             rows = [dp, ddp, single]
             gpu_name, peak = peak_flops(args.gpu)
             params = sum(p.numel() for p in torch.nn.Sequential(*__import__(
-                "oobleck_slurm.models.gpt", fromlist=["build_layers"]).build_layers(spec.model.gpt, 0)).parameters())
-            seq = spec.model.gpt.seq_len
+                "oobleck_slurm.models.gpt.model", fromlist=["build_layers"]).build_layers(spec.model.config, 0)).parameters())
+            seq = spec.model.seq_len
             for r in rows:
                 r["tokens_per_s"] = r["samples_per_s"] * seq
                 r["mfu"] = 6 * params * r["tokens_per_s"] / (peak * r["ranks"])

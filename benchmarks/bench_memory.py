@@ -55,7 +55,7 @@ QUICK = {"n_layer": 4, "d_model": 256, "n_head": 4, "seq_len": 128}  # --quick: 
 def job_spec(c: dict[str, Any]) -> Any:
     """The JobSpec of a configuration: random tokens, so no file is read."""
     from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
-    from oobleck_slurm.models.config import GPTConfig
+    from oobleck_slurm.models import GPTConfig
 
     m, mbs = c["microbatches"], c["microbatch_size"]
     return JobSpec(
@@ -135,18 +135,19 @@ def measure_plain(c: dict[str, Any]) -> dict[str, Any]:
     import contextlib
 
     from oobleck_slurm.engine.batches import StepBatches, open_dataset
-    from oobleck_slurm.models.gpt import build_layers, lm_loss
+    from oobleck_slurm.models.gpt.model import build_layers
+    from oobleck_slurm.models.loss import lm_loss
     from oobleck_slurm.optim import build_optimizer
     from oobleck_slurm.peak_memory import PeakMemory, warm_up
 
     job = job_spec(c)
     device = _device(c)
     t = job.train
-    batches = StepBatches(open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size),
+    batches = StepBatches(open_dataset(job.data, job.model.seq_len, job.model.vocab_size),
                           t.global_batch_size, t.microbatch_size, t.seed)
     warm_up(device)
     probe = PeakMemory(device)
-    model = torch.nn.Sequential(*build_layers(job.model.gpt, t.seed)).to(device, t.param_dtype)
+    model = torch.nn.Sequential(*build_layers(job.model.config, t.seed)).to(device, t.param_dtype)
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": job.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -217,7 +218,7 @@ def planned(c: dict[str, Any], device: str) -> tuple[dict[str, Any], float, dict
     """The planner's one-node plan for configuration `c` on a measured profile: the engine's ExecPlan (as
     JSON), the stage's predicted bytes and the prediction's terms."""
     from oobleck_slurm.engine.from_planner import exec_plan
-    from oobleck_slurm.models.config import GPTConfig
+    from oobleck_slurm.models import GPTConfig
     from oobleck_slurm.planning import generate_templates, instantiate
     from oobleck_slurm.planning.cost import stage_memory_terms
     from oobleck_slurm.planning.measure import profile_model
@@ -259,7 +260,7 @@ def main() -> None:
         raise SystemExit("--device cuda: CUDA is not available on this machine; run without --device cuda")
     if args.steps < 2:
         ap.error("--steps must be >= 2: the first step creates the gradients and the optimizer state")
-    from oobleck_slurm.models.config import gpt_config
+    from oobleck_slurm.models import gpt_config
 
     gpt = asdict(gpt_config("tiny", **QUICK)) if args.quick else asdict(gpt_config(args.preset))
     console = Console(width=None if sys.stdout.isatty() else 200)

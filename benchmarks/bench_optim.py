@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from oobleck_slurm.models.config import GPT_PRESETS, GPTConfig
+from oobleck_slurm.models import GPT_PRESETS, GPTConfig
 from oobleck_slurm.optim import build_optimizer, optimizer_state_bytes
 
 RESULTS = Path(__file__).parent / "results" / "bench_optim.json"
@@ -70,7 +70,7 @@ def state_rows(presets: list[str]) -> list[dict]:
 
 
 def step_rows(presets: list[str], reps: int) -> list[dict]:
-    from oobleck_slurm.models.gpt import Block
+    from oobleck_slurm.models.gpt.model import Block
 
     rows = []
     for name in presets:

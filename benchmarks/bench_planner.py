@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "tests" / "planning"))
 
 from bruteforce import best_counts_brute, best_template_brute  # noqa: E402 - tests/planning/bruteforce.py
 
-from oobleck_slurm.models.config import gpt_config  # noqa: E402
+from oobleck_slurm.models import gpt_config  # noqa: E402
 from oobleck_slurm.planning import estimate_profile, generate_templates, instantiate  # noqa: E402
 from oobleck_slurm.planning.instantiate import choose_counts, fluid_time  # noqa: E402
 
@@ -89,7 +89,8 @@ def cost_model_accuracy(microbatches: int = 8) -> dict:
     """One worker running the whole tiny GPT (one stage): predicted vs measured iteration time."""
     import torch
 
-    from oobleck_slurm.models.gpt import build_layers, lm_loss
+    from oobleck_slurm.models.gpt.model import build_layers
+    from oobleck_slurm.models.loss import lm_loss
     from oobleck_slurm.planning.measure import profile_model
     from oobleck_slurm.planning.profile import Link
 

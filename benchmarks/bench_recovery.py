@@ -126,8 +126,8 @@ def bench(model: str, args: argparse.Namespace, root: Path, console: Console) ->
                        checkpoint_interval=args.checkpoint_interval, name=f"rec-{model}", **timeouts)
     memory = budget_for_span(base, 2, cache, args.estimate, root / "recipes", fs=[0, 1])
     fault = {**KILLED, "step": kill_step}
-    from oobleck_slurm.models.config import gpt_config
-    from oobleck_slurm.models.gpt import build_layers
+    from oobleck_slurm.models import gpt_config
+    from oobleck_slurm.models.gpt.model import build_layers
 
     cfg = gpt_config(model)
     params = sum(p.numel() for layer in build_layers(cfg, 0) for p in layer.parameters())

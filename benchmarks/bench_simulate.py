@@ -27,7 +27,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from oobleck_slurm.models.config import GPTConfig, gpt_config  # noqa: E402
+from oobleck_slurm.models import GPTConfig, gpt_config  # noqa: E402
 from oobleck_slurm.planning import estimate_profile, generate_templates  # noqa: E402
 from oobleck_slurm.simulate import (  # noqa: E402
     DEFAULT_CALIBRATION,

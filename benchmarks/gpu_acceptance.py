@@ -182,7 +182,7 @@ class Settings:
         """The job every section trains: a slice of the preset's shape, random tokens (no I/O),
         AdamW, global-norm clipping, warm-up then cosine."""
         from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
-        from oobleck_slurm.models.config import gpt_config
+        from oobleck_slurm.models import gpt_config
 
         mbs = microbatch_size or self.microbatch_size
         m = microbatches or self.microbatches
@@ -213,7 +213,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         return value if value is not None else (on_cuda if cuda else on_cpu)
 
     preset = pick(args.preset, "1.3b", "tiny")
-    from oobleck_slurm.models.config import GPT_PRESETS
+    from oobleck_slurm.models import GPT_PRESETS
 
     if preset not in GPT_PRESETS:
         raise SystemExit(f"--preset {preset!r}: known presets are {', '.join(GPT_PRESETS)}")
@@ -347,7 +347,7 @@ def planned(s: Settings, job: JobSpec, nodes: int) -> tuple[ExecPlan, Profile, P
     from oobleck_slurm.planning import estimate_profile, explain_infeasible, generate_templates, instantiate
 
     t = job.train
-    profile = estimate_profile(job.model.gpt, estimate_gpu(s), microbatch_size=t.microbatch_size,
+    profile = estimate_profile(job.model.config, estimate_gpu(s), microbatch_size=t.microbatch_size,
                                dtype=t.precision, optimizer=job.optim.name, devices_per_node=1)
     templates = [x for x in generate_templates(profile, nodes, nodes, num_microbatches=t.num_microbatches)
                  if x.num_nodes == nodes]
@@ -607,7 +607,7 @@ def run_with_failures(s: Settings, job: JobSpec, plan: ExecPlan,
 def section_abort_rebuild(s: Settings, rec: Record) -> None:
     job = s.job(steps=max(5, s.steps))
     plan, _profile, _plan = planned(s, job, 1)
-    rec.results["config"] = {"model": dataclasses.asdict(job.model.gpt), "steps": job.train.steps,
+    rec.results["config"] = {"model": dataclasses.asdict(job.model.config), "steps": job.train.steps,
                              "microbatch_size": job.train.microbatch_size,
                              "microbatches": job.train.num_microbatches, "precision": job.train.precision,
                              "backend": job.backend, "plan": plan.to_json()}
@@ -668,9 +668,9 @@ def engine_times(s: Settings, job: JobSpec, plan: ExecPlan) -> list[float]:
 
 def plain_model(job: JobSpec, device: torch.device) -> torch.nn.Sequential:
     """The same layers, initialised as the engine initialises them, as one module."""
-    from oobleck_slurm.models.gpt import build_layers
+    from oobleck_slurm.models.gpt.model import build_layers
 
-    return torch.nn.Sequential(*build_layers(job.model.gpt, job.train.seed)).to(device, job.train.param_dtype)
+    return torch.nn.Sequential(*build_layers(job.model.config, job.train.seed)).to(device, job.train.param_dtype)
 
 
 def plain_optimizer(job: JobSpec, model: torch.nn.Module, device: torch.device, fused: bool) -> torch.optim.Optimizer:
@@ -683,7 +683,7 @@ def plain_optimizer(job: JobSpec, model: torch.nn.Module, device: torch.device, 
 def plain_step(job: JobSpec, model: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
                opt: torch.optim.Optimizer, batches: Any, step: int, device: torch.device) -> None:
     """One step of the plain loop: the step's microbatches accumulated (loss / M), clip, AdamW."""
-    from oobleck_slurm.models.gpt import lm_loss
+    from oobleck_slurm.models.loss import lm_loss
 
     t = job.train
     opt.zero_grad()
@@ -701,7 +701,7 @@ def step_batches(job: JobSpec) -> Any:
     from oobleck_slurm.engine.batches import StepBatches, open_dataset
 
     t = job.train
-    return StepBatches(open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size),
+    return StepBatches(open_dataset(job.data, job.model.seq_len, job.model.vocab_size),
                        t.global_batch_size, t.microbatch_size, t.seed)
 
 
@@ -730,12 +730,12 @@ def child_compiled(s: Settings, config: dict[str, Any]) -> dict[str, Any]:
 def section_throughput(s: Settings, rec: Record) -> None:
     job = s.job(steps=s.warmup + s.timed)
     plan, _profile, _plan = planned(s, job, 1)
-    params = job.model.gpt.num_params
-    embedding = job.model.gpt.embedding_params
-    tokens = job.train.global_batch_size * job.model.gpt.seq_len
+    params = job.model.config.num_params
+    embedding = job.model.config.embedding_params
+    tokens = job.train.global_batch_size * job.model.seq_len
     gpu, peak = peak_flops(s)
     fused = "fused=True" if s.cuda else "foreach=True"
-    rec.results["config"] = {"model": dataclasses.asdict(job.model.gpt), "parameters": params,
+    rec.results["config"] = {"model": dataclasses.asdict(job.model.config), "parameters": params,
                              "tokens_per_step": tokens, "warmup_steps": s.warmup, "timed_steps": s.timed,
                              "precision": s.precision, "threads": torch.get_num_threads(),
                              "peak_gpu": gpu, "peak_flops": peak,
@@ -935,7 +935,7 @@ def measured_profile_layers(job: JobSpec, links: dict[str, Any]) -> list[Any]:
     from oobleck_slurm.planning.measure import profile_model
 
     t = job.train
-    profile = profile_model(job.model.gpt, microbatch_size=t.microbatch_size, dtype=t.precision,
+    profile = profile_model(job.model.config, microbatch_size=t.microbatch_size, dtype=t.precision,
                             optimizer=job.optim.name, devices_per_node=1, repeats=1, links=links)
     return list(profile.layers)
 
@@ -989,7 +989,7 @@ def section_memory(s: Settings, rec: Record) -> None:
             for name, p in profiles.items()}
     exact = s.cuda  # the CUDA allocator counts tensors; RSS (even with MALLOC_ENV) counts pages
     probe = m["engine"]["probe"]
-    rec.results["config"] = {"model": dataclasses.asdict(job.model.gpt), "microbatch_size": job.train.microbatch_size,
+    rec.results["config"] = {"model": dataclasses.asdict(job.model.config), "microbatch_size": job.train.microbatch_size,
                              "microbatches": job.train.num_microbatches, "precision": s.precision,
                              "steps": job.train.steps, "probe": probe, "probe_exact": exact,
                              "malloc_configured": m.pop("malloc_configured"), "estimate_gpu": estimate_gpu(s),
@@ -1268,7 +1268,7 @@ def section_two_stage_pipeline(s: Settings, rec: Record) -> None:
     variants = pipeline_variants(s)
     job = s.job(steps=s.pipe_steps, microbatch_size=s.pipe_microbatch_size, microbatches=s.pipe_microbatches)
     plan, _profile, _plan = planned(s, job, 2)
-    g = job.model.gpt
+    g = job.model.config
     element = torch.tensor([], dtype=job.train.param_dtype).element_size()
     boundary = job.train.microbatch_size * g.seq_len * g.d_model * element  # what crosses the stage boundary
     rec.results["config"] = {"model": dataclasses.asdict(g), "plan": plan.to_json(), "steps": job.train.steps,

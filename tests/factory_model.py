@@ -3,7 +3,9 @@
 checkpoints) and a non-persistent one (a scale that the seed build remakes).
 
     model: {factory: "factory_model:make_layers", kwargs: {depth: 3, width: 32, vocab: 256, seq: 32},
-            n_layer: 3, d_model: 32, vocab_size: 256, seq_len: 32}
+            vocab_size: 256, seq_len: 32}
+
+It declares its layers by name (a dict): embed, block.0 .. block.<depth-1>, head.
 
 Workers import it by name: tests put this folder on PYTHONPATH (`factory_pythonpath`).
 """
@@ -56,34 +58,39 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def make_layers(seed: int, start: int, stop: int, *, depth: int, width: int, vocab: int, seq: int,
-                hidden: int = 64, scale: float = 0.5) -> list[nn.Module]:
-    """Layers [start, stop) of embedding + `depth` blocks + head; each initialised from (seed, index)
-    alone, so that any range builds the same layers."""
+def make_layers(seed: int, start: int, stop: int | None, *, depth: int, width: int, vocab: int, seq: int,
+                hidden: int = 64, scale: float = 0.5, notes: dict | None = None) -> dict[str, nn.Module]:
+    """Layers [start, stop) of embedding + `depth` blocks + head (all of them for stop=None), by name;
+    each initialised from (seed, index) alone, so that any range builds the same layers."""
     n = depth + 2
-    layers: list[nn.Module] = []
-    for index in range(start, min(stop, n)):
+    layers: dict[str, nn.Module] = {}
+    for index in range(start, n if stop is None else min(stop, n)):
         layer: nn.Module
         if index == 0:
-            layer = Embed(vocab, width, seq)
+            name, layer = "embed", Embed(vocab, width, seq)
         elif index == n - 1:
-            layer = Head(width, vocab)
+            name, layer = "head", Head(width, vocab)
         else:
-            layer = Block(width, hidden, scale)
+            name, layer = f"block.{index - 1}", Block(width, hidden, scale)
         gen = torch.Generator().manual_seed(seed * 1000 + index)
         with torch.no_grad():
             for p in [*layer.parameters(), *([layer.pos] if isinstance(layer, Embed) else [])]:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        layers.append(layer)
+        layers[name] = layer
     return layers
 
 
-def shaped_wrong(seed: int, start: int, stop: int, **kwargs: int) -> list[nn.Module]:
+def shaped_wrong(seed: int, start: int, stop: int | None, **kwargs: int) -> list[nn.Module]:
     """make_layers whose blocks' output is wider than their input: the next layer cannot take it."""
-    layers = make_layers(seed, start, stop, **kwargs)
+    layers = make_layers(seed, start, stop, **kwargs).values()
     return [nn.Sequential(layer, nn.Linear(kwargs["width"], kwargs["width"] + 1)) if isinstance(layer, Block)
             else layer for layer in layers]
 
 
-def not_modules(seed: int, start: int, stop: int, **kwargs: int) -> dict[str, int]:
-    return {"layers": stop - start}
+def not_modules(seed: int, start: int, stop: int | None, **kwargs: int) -> dict[str, int]:
+    return {"layers": 3}
+
+
+def ignores_the_range(seed: int, start: int, stop: int | None, **kwargs: int) -> list[nn.Module]:
+    """A factory that always returns its whole model, whatever range is asked for."""
+    return list(make_layers(seed, 0, None, **kwargs).values())

@@ -22,7 +22,7 @@ from oobleck_slurm.engine.layer_optim import (
 )
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.spec import JobSpec
-from oobleck_slurm.models.gpt import lm_loss
+from oobleck_slurm.models.loss import lm_loss
 
 _TRAINED: dict[str, tuple[list[float], dict[str, dict[str, torch.Tensor]]]] = {}
 
@@ -51,8 +51,8 @@ def train_reference(job: JobSpec, steps: int | None = None
 
 
 def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, torch.Tensor]]]:
-    t, g = job.train, job.model.gpt
-    layers = [layer.to(t.param_dtype) for layer in job.model.builder()(t.seed, 0, job.model.num_layers)]
+    t, g = job.train, job.model.config
+    layers = [layer.to(t.param_dtype) for layer in job.model.build(t.seed, 0, job.model.num_layers)]
     optimizers = [make_layer_optimizer(layer, job.optim) for layer in layers]
     batches = StepBatches(open_dataset(job.data, g.seq_len, g.vocab_size), t.global_batch_size,
                           t.microbatch_size, t.seed)

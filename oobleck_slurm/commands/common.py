@@ -41,17 +41,18 @@ def load_recipe_or_report(path: Path | None, check_model: bool = False) -> Recip
 
 
 def model_factory_issues(recipe: Recipe) -> list[RecipeIssue]:
-    """What is wrong with the recipe's model factory (engine.spec.ModelSpec.check_factory), each
-    named by the recipe file, line and key; empty without a factory or when it fits."""
+    """What is wrong with the recipe's model factory (`models.inspect_factory`), named by the recipe
+    file, line and key; empty without a factory or when it fits."""
     if not recipe.model.factory:
         return []
-    from oobleck_slurm.engine.from_recipe import model_spec
+    from oobleck_slurm.models import FactoryError, with_layers
     from oobleck_slurm.recipe.source import read_source
 
-    problem = model_spec(recipe).check_factory(recipe.training.seed)
-    if problem is None:
-        return []
-    return [read_source(Path(recipe.source)).issue(tuple(problem.key.split(".")), str(problem))]
+    try:
+        with_layers(recipe.model.resolve(), recipe.training.seed)
+    except FactoryError as problem:
+        return [read_source(Path(recipe.source)).issue(tuple(problem.key.split(".")), str(problem))]
+    return []
 
 
 def report_recipe_error(err: RecipeError) -> None:

@@ -10,6 +10,7 @@ from rich.tree import Tree
 
 from oobleck_slurm.commands.common import add_recipe_argument, console, load_recipe_or_report
 from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_OK
+from oobleck_slurm.models import with_layers
 from oobleck_slurm.recipe import recipe_to_dict
 
 
@@ -30,13 +31,9 @@ def run(args: argparse.Namespace) -> int:
     # Names, paths and values are the user's text (setup lines, descriptions): escaped, never markup.
     tree = Tree(f"[bold green]✓[/] [bold]{escape(recipe.name)}[/]  [dim]{escape(recipe.source)}[/]")
     _add_branch(tree, {k: v for k, v in values.items() if k not in ("name", "source")})
-    model = recipe.model.resolve()
+    model = with_layers(recipe.model.resolve(), recipe.training.seed)  # a factory was checked on load
     console.print(tree)
-    if recipe.model.factory:
-        console.print(f"model: {escape(recipe.model.factory)}, {model.n_layer + 2} layers (n_layer {model.n_layer} "
-                      f"+ embedding + head), d={model.d_model}", highlight=False)
-    else:
-        console.print(f"model: GPT {model.n_layer} layers, d={model.d_model}, {model.num_params / 1e6:,.1f} M parameters")
+    console.print(f"model: {escape(model.describe())}", highlight=False)
     return EXIT_OK
 
 

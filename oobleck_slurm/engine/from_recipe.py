@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from oobleck_slurm.data import default_token_file, prepare
 from oobleck_slurm.data.tokens import TokenFile, TokenFileError
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
+from oobleck_slurm.models import with_layers
 
 
 def token_file_for(recipe: Any, cache_dir: str | os.PathLike[str]) -> Path:
@@ -31,8 +31,14 @@ def token_file_for(recipe: Any, cache_dir: str | os.PathLike[str]) -> Path:
 
 
 def model_spec(recipe: Any) -> ModelSpec:
-    """The recipe's model: the GPT shape (preset and overrides) and, if given, the factory and its kwargs."""
-    return ModelSpec(recipe.model.resolve(), recipe.model.factory, _plain(recipe.model.kwargs))
+    """The recipe's model, its layers known (a factory's inspected: FactoryError if it does not fit),
+    starting from the weights of its Hugging Face folder when it holds some."""
+    cfg = with_layers(recipe.model.resolve(), recipe.training.seed)
+    if recipe.model.hf is None:
+        return ModelSpec(cfg)
+    from oobleck_slurm.models.hf import has_weights
+
+    return ModelSpec(cfg, weights=recipe.model.hf if has_weights(recipe.model.hf) else None)
 
 
 def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str]) -> JobSpec:
@@ -49,12 +55,3 @@ def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str]) -> JobSpec:
                         min_lr=s.min_lr, precision=t.precision),
         backend="nccl" if recipe.cluster.gpus_per_node > 0 else "gloo",
     )
-
-
-def _plain(value: Any) -> Any:
-    """A recipe value as plain JSON types (the recipe's mappings are read-only views)."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value

@@ -15,13 +15,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from oobleck_slurm.models.gpt import lm_loss
-
 
 class Stage:
     def __init__(self, layers: list[nn.Module], first_layer: int, is_last: bool, device: torch.device,
-                 bf16: bool = False) -> None:
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], bf16: bool = False) -> None:
         self.layers = layers
+        self.loss = loss
         self.first_layer = first_layer
         self.is_last = is_last
         self.device = device
@@ -56,7 +55,7 @@ class Stage:
             if self.is_last:
                 if targets is None:
                     raise ValueError("Stage.forward: the last stage needs the targets")
-                h = lm_loss(h, targets) * loss_scale
+                h = self.loss(h, targets) * loss_scale
                 saved[-1] = (saved[-1][0], h)
         self._saved[mb] = saved
         # What crosses a stage boundary has the parameters' dtype (the receiver's buffer): under

@@ -125,7 +125,7 @@ class ComputeClock:
 
 def check_supported(job: JobSpec) -> None:
     """Refuse what the engine cannot train exactly, with the reason."""
-    if job.model.gpt.tie_embeddings:
+    if getattr(job.model.config, "tie_embeddings", False):
         raise NotImplementedError(
             "tie_embeddings=True is not supported by the engine: layers are built and moved one at a "
             "time and the embedding and the head may sit on different stages, so one shared weight "
@@ -149,9 +149,8 @@ class Worker:
         self.plan: ExecPlan | None = None
         self.gen: Generation | None = None
         self.role: Role | None = None
-        self._build = job.model.builder()
         t = job.train
-        dataset = open_dataset(job.data, job.model.gpt.seq_len, job.model.gpt.vocab_size)
+        dataset = open_dataset(job.data, job.model.seq_len, job.model.vocab_size)
         self.batches = StepBatches(dataset, t.global_batch_size, t.microbatch_size, t.seed)
 
     # ---- plan changes -------------------------------------------------------------------------
@@ -162,12 +161,7 @@ class Worker:
         allocated on the worker's device, uninitialised (no time spent on an initialisation that the
         copy overwrites)."""
         seed, dtype = self.job.train.seed, self.job.train.param_dtype
-        if initialise:
-            layer = self._build(seed, index, index + 1)[0].to(self.device, dtype)
-        else:
-            with torch.device("meta"):
-                layer = self._build(seed, index, index + 1)[0]
-            layer = layer.to_empty(device=self.device).to(dtype)
+        layer = self.job.model.build(seed, index, index + 1, device=self.device, initialise=initialise)[0].to(dtype)
         self.layers[index] = layer
         self.optimizers[index] = make_layer_optimizer(layer, self.job.optim)
         self.grads[index] = attach_grad_buffer(layer)
@@ -237,9 +231,10 @@ class Worker:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def _hidden_buffer(self) -> torch.Tensor:
-        g = self.job.model.gpt
-        return torch.empty(self.job.train.microbatch_size, g.seq_len, g.d_model, device=self.device,
+    def _boundary_buffer(self, index: int) -> torch.Tensor:
+        """A receive buffer for the tensor entering layer `index` (or its gradient)."""
+        shape = self.job.model.config.boundary_shape(index)
+        return torch.empty(self.job.train.microbatch_size, *shape, device=self.device,
                            dtype=self.job.train.param_dtype)
 
     def train_step(self) -> StepResult:
@@ -281,7 +276,7 @@ class Worker:
 
         if role is not None:
             held = [self.layers[i] for i in role.layers]
-            stage = Stage(held, role.layers.start, role.is_last, self.device,
+            stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
                           bf16=self.job.train.precision == "bf16")
             scale = 1.0 / plan.num_microbatches
             last_mb = role.mb_count - 1
@@ -294,7 +289,7 @@ class Worker:
                     if role.is_first:
                         x = tokens
                     else:
-                        x = self._hidden_buffer()
+                        x = self._boundary_buffer(role.layers.start)
                         gen.wait(gen.recv(x, peer(role.prev_rank), 2 * m))
                     with clock.span():
                         out = stage.forward(m, x, y, scale, split=m == last_mb)
@@ -305,7 +300,7 @@ class Worker:
                 else:
                     grad = None
                     if not role.is_last:
-                        grad = self._hidden_buffer()
+                        grad = self._boundary_buffer(role.layers.stop)
                         gen.wait(gen.recv(grad, peer(role.next_rank), 2 * m + 1))
                     with clock.span():
                         grad_in = stage.backward(m, grad, reduce_layer if m == last_mb else None)

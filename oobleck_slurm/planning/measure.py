@@ -25,12 +25,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from oobleck_slurm.models.config import GPTConfig
+from oobleck_slurm.models import ModelDef
 from oobleck_slurm.planning.profile import LayerProfile, Link, Profile, profile_key
 
 # The parameters' dtype under each precision (engine/spec.py TrainSpec.param_dtype): bf16 trains fp32
@@ -274,7 +274,7 @@ def device_description(device: torch.device) -> tuple[str, int]:
 
 
 def profile_model(
-    cfg: GPTConfig,
+    cfg: ModelDef,
     *,
     microbatch_size: int,
     dtype: str = "fp32",
@@ -284,27 +284,25 @@ def profile_model(
     links: dict[str, Link] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Profile:
-    """Measure a GPT from `models.gpt` on this machine (first GPU, or the CPU with one thread), as the
-    engine trains it (see the module doc: parameter dtype, autocast, the loss on the last layer)."""
-    from oobleck_slurm.models.gpt import build_layers, layer_keys, lm_loss
-
+    """Measure the model `cfg` (any family) on this machine (first GPU, or the CPU with one thread), as
+    the engine trains it (see the module doc: parameter dtype, autocast, the loss on the last layer)."""
     if dtype not in PARAM_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, got {dtype!r}")
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)  # what each CPU worker runs with
-    layers = [layer.to(device=device, dtype=PARAM_DTYPES[dtype]) for layer in build_layers(cfg, seed=0)]
+    layers = [layer.to(dtype=PARAM_DTYPES[dtype]) for layer in cfg.build_layers(0, 0, cfg.num_layers, device=device)]
     sample = torch.randint(cfg.vocab_size, (microbatch_size, cfg.seq_len), device=device)
     targets = torch.randint(cfg.vocab_size, (microbatch_size, cfg.seq_len), device=device)
     measured = profile_layers(
-        layers, sample, optimizer=optimizer, repeats=repeats, names=layer_keys(cfg), progress=progress,
-        autocast=torch.bfloat16 if dtype == "bf16" else None, loss=lambda logits: lm_loss(logits, targets),
+        layers, sample, optimizer=optimizer, repeats=repeats, names=cfg.layer_keys(), progress=progress,
+        autocast=torch.bfloat16 if dtype == "bf16" else None, loss=lambda logits: cfg.loss(logits, targets),
         workspace=True,
     )
     name, memory = device_description(device)
     if links is None:
         links = measure_links()
-    model = {"family": "gpt", **asdict(cfg)}
+    model = cfg.to_dict()
     key = profile_key(
         model=model, microbatch_size=microbatch_size, dtype=dtype, device_name=name,
         torch_version=torch.__version__, optimizer=optimizer, source="measured", devices_per_node=devices_per_node,

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+from oobleck_slurm.models import FactoryModel, with_layers
 from oobleck_slurm.planning.cache import TemplateCache
 from oobleck_slurm.planning.estimate import estimate_profile
 from oobleck_slurm.planning.gpus import GPUS
@@ -90,12 +91,16 @@ def _source_profile(
     estimate_gpu: str | None = None,
     progress: Progress | None = None,
 ) -> tuple[Profile, str]:
-    cfg = recipe.model.resolve()
     training = recipe.training
     per_node = recipe.cluster.devices_per_node
     if profile_file is not None:
         return load_profile(profile_file), "file"
+    cfg = with_layers(recipe.model.resolve(), training.seed)
     if estimate_gpu is not None:
+        if isinstance(cfg, FactoryModel):
+            raise PlanningError(f"--estimate {estimate_gpu}: a model.factory model has no shape-based estimate; "
+                                f"profile it (on a compute node: `python -m oobleck_slurm profile RECIPE --json > "
+                                f"FILE`, then --profile FILE)")
         return estimate_profile(
             cfg, estimate_gpu, microbatch_size=training.microbatch_size, dtype=training.precision,
             optimizer=training.optimizer.name,
@@ -114,7 +119,7 @@ def _source_profile(
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     inputs = {
-        "model": {"family": "gpt", **asdict(cfg)}, "microbatch_size": training.microbatch_size,
+        "model": cfg.to_dict(), "microbatch_size": training.microbatch_size,
         "dtype": training.precision, "optimizer": training.optimizer.name, "devices_per_node": per_node,
         "device_name": device_description(device)[0], "torch_version": torch.__version__, "source": "measured",
         "measure_version": MEASURE_VERSION,

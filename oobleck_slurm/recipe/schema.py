@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from oobleck_slurm.models.config import GPT_PRESETS, GPTConfig, gpt_config
+from oobleck_slurm.models import PRESETS, FactoryModel, ModelDef, preset
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
@@ -111,10 +111,6 @@ def byte_size(value: str) -> str | None:
         return str(err)
 
 
-def known_size(value: str) -> str | None:
-    return None if value in GPT_PRESETS else f"unknown GPT size {value!r}; known: {', '.join(GPT_PRESETS)}"
-
-
 def optional(fn: Any) -> Any:
     """A check that lets None through (None means 'use the default')."""
     return lambda value: None if value is None else fn(value)
@@ -164,30 +160,66 @@ class ClusterConfig:
         return max(1, self.cpus_per_node // self.devices_per_node)
 
 
+# The shape keys each built-in family takes beside `size` (the preset's fields they override).
+SHAPE_KEYS: dict[str, tuple[str, ...]] = {
+    "gpt": ("n_layer", "d_model", "n_head", "seq_len", "vocab_size"),
+    "llama": ("n_layer", "d_model", "n_head", "n_kv_heads", "ffn_dim", "rope_theta", "seq_len", "vocab_size"),
+}
+ALL_SHAPE_KEYS = tuple(dict.fromkeys(k for keys in SHAPE_KEYS.values() for k in keys))
+HF_DEFAULT_SEQ_LEN = 2048  # a Hugging Face model's training sequence length unless model.seq_len is set
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A built-in family with its size and optional shape overrides; with a user `factory`
-    (called as f(seed, start, stop, **kwargs)), the size and overrides give the shapes of the
-    factory model's GPT interface (n_layer + 2 layers, d_model between them, vocab_size logits)."""
+    """The model: a built-in `family` at a `size` with optional shape overrides; or a Hugging Face
+    folder `hf` (config.json, and optionally safetensors weights to start from); or a user `factory`
+    called as f(seed, start, stop, **kwargs) (see `models.factory`), with `seq_len` and `vocab_size`
+    giving its data's shape."""
 
-    family: Literal["gpt"] = "gpt"
-    size: str = field(default="tiny", metadata=check(known_size))
+    family: Literal["gpt", "llama"] = "gpt"
+    size: str = "tiny"
     n_layer: int | None = field(default=None, metadata=check(optional(positive)))
     d_model: int | None = field(default=None, metadata=check(optional(positive)))
     n_head: int | None = field(default=None, metadata=check(optional(positive)))
+    n_kv_heads: int | None = field(default=None, metadata=check(optional(positive)))
+    ffn_dim: int | None = field(default=None, metadata=check(optional(positive)))
+    rope_theta: float | None = field(default=None, metadata=check(optional(positive)))
     seq_len: int | None = field(default=None, metadata=check(optional(positive)))
     vocab_size: int | None = field(default=None, metadata=check(optional(positive)))
+    hf: str | None = None
     factory: str | None = field(default=None, metadata=check(factory_string))
     kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), metadata=check(json_values))
 
-    def resolve(self) -> GPTConfig:
-        """The model's shape: the preset with this recipe's overrides applied."""
-        overrides = {
-            name: getattr(self, name)
-            for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size")
-            if getattr(self, name) is not None
-        }
-        return gpt_config(self.size, **overrides)
+    def overrides(self) -> dict[str, Any]:
+        """The shape keys this recipe sets."""
+        return {name: getattr(self, name) for name in ALL_SHAPE_KEYS if getattr(self, name) is not None}
+
+    def resolve(self) -> ModelDef:
+        """The model's definition (pure data: no torch, no user code run; a factory's layers are found
+        by `models.inspect_factory`). Raises ValueError (models.hf.HFError for a folder) when it
+        cannot be made; `validate.cross_checks` reports those as recipe issues first."""
+        if self.hf is not None:
+            from dataclasses import replace
+
+            from oobleck_slurm.models.hf import model_from_hf
+
+            cfg = model_from_hf(self.hf)
+            return replace(cfg, seq_len=self.seq_len or min(HF_DEFAULT_SEQ_LEN, cfg.seq_len),
+                           **{k: v for k, v in self.overrides().items() if k == "vocab_size"})
+        if self.factory is not None:
+            base = PRESETS["gpt"]["tiny"]
+            return FactoryModel(self.factory, seq_len=self.seq_len or base.seq_len,
+                                vocab_size=self.vocab_size or base.vocab_size, kwargs=_plain(self.kwargs))
+        return preset(self.family, self.size, **self.overrides())
+
+
+def _plain(value: Any) -> Any:
+    """A recipe value as plain JSON types (the recipe's mappings are read-only views)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)

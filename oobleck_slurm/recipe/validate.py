@@ -12,6 +12,7 @@ from pathlib import Path
 from types import MappingProxyType, UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
+from oobleck_slurm.models import PRESETS, GPTConfig
 from oobleck_slurm.recipe import schema
 from oobleck_slurm.recipe.errors import RecipeError, RecipeIssue
 from oobleck_slurm.recipe.source import KeyPath, Source
@@ -39,10 +40,11 @@ def build_recipe(source: Source) -> schema.Recipe:
     # Contradictions are judged on valid values only: a bad value was replaced by its default, and a
     # message about that default would mislead. Unknown keys change no value.
     if all(issue.message.startswith(UNKNOWN_KEY) for issue in issues):
+        recipe = _resolve_paths(recipe, source)  # files named by the recipe are checked where they are
         issues.extend(cross_checks(recipe, source))
     if issues:
         raise RecipeError(sorted(issues, key=lambda i: (i.file != source.root_file, i.file, i.line or 0)))
-    return _resolve_paths(recipe, source)
+    return recipe
 
 
 def _build(cls: type, raw: Any, path: KeyPath, source: Source, issues: list[RecipeIssue]) -> Any:
@@ -236,14 +238,7 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     if t.lr_schedule.min_lr > opt.lr:
         add(("training", "lr_schedule", "min_lr"), f"min_lr {t.lr_schedule.min_lr:g} exceeds optimizer.lr {opt.lr:g}")
 
-    # Beside a factory, size and the shape keys give the GPT-interface shapes the engine (activation
-    # buffers) and the planner use; the factory's layers are checked against them by
-    # `engine.spec.ModelSpec.check_factory` (it imports the user's code, so not here).
-    if m.kwargs and not m.factory:
-        add(("model", "kwargs"), "kwargs are passed to model.factory, which is not set")
-    cfg = m.resolve()
-    if cfg.d_model % cfg.n_head:
-        add(("model", "n_head"), f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}")
+    issues += _model_issues(m, source)
 
     d = recipe.data
     if d.path and d.text:
@@ -257,9 +252,52 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     return issues
 
 
+def _model_issues(m: schema.ModelConfig, source: Source) -> list[RecipeIssue]:
+    """The model section: one way of giving the model (family and size, `hf` or `factory`), the keys
+    that way takes, and a definition that can be made from them. A factory's layers are checked by
+    `models.inspect_factory` (it imports the user's code, so not here)."""
+    issues: list[RecipeIssue] = []
+    add = lambda key, msg: issues.append(source.issue(("model", key), msg))  # noqa: E731
+    given = {key for key in (f.name for f in fields(m)) if ("model", key) in source.origin}
+    if m.hf is not None and m.factory is not None:
+        add("factory", "give model.hf (a Hugging Face folder) or model.factory (your own layers), not both")
+        return issues
+    if m.kwargs and not m.factory:
+        add("kwargs", "kwargs are passed to model.factory, which is not set")
+    if m.hf is not None or m.factory is not None:
+        way = "hf" if m.hf is not None else "factory"
+        for key in sorted(given & ({"family", "size"} | set(schema.ALL_SHAPE_KEYS)) - {"seq_len", "vocab_size"}):
+            what = "its config.json" if way == "hf" else "the factory"
+            add(key, f"model.{way} takes the model's shape from {what}: remove model.{key} (beside model.{way}, "
+                     f"only seq_len and vocab_size apply)")
+    else:
+        presets = PRESETS[m.family]
+        if m.size not in presets:
+            add("size", f"unknown {m.family} size {m.size!r}; known: {', '.join(presets)}")
+            return issues
+        for key in sorted(set(m.overrides()) - set(schema.SHAPE_KEYS[m.family])):
+            add(key, f"the {m.family} family has no {key!r}; its shape keys: {', '.join(schema.SHAPE_KEYS[m.family])}")
+    if issues:
+        return issues
+    try:
+        cfg = m.resolve()
+    except ValueError as err:  # a Hugging Face folder that cannot be read, or a shape that contradicts itself
+        key = "hf" if m.hf is not None else next((k for k in ("n_head", "n_kv_heads", "d_model") if k in given), "size")
+        add(key, str(err))
+        return issues
+    d_model, n_head = getattr(cfg, "d_model", None), getattr(cfg, "n_head", None)
+    if isinstance(cfg, GPTConfig) and d_model is not None and n_head is not None and d_model % n_head:
+        add("n_head", f"d_model {d_model} is not divisible by n_head {n_head}")
+    return issues
+
+
 def _data_file(source: Source, key: str, value: str) -> Path:
+    return _recipe_path(source, ("data", key), value)
+
+
+def _recipe_path(source: Source, key: KeyPath, value: str) -> Path:
     # Relative paths are relative to the recipe file that named them, not to the caller's cwd.
-    file, _ = source.where(("data", key))
+    file, _ = source.where(key)
     path = Path(value).expanduser()
     return path if path.is_absolute() else (Path(file).parent / path).resolve()
 
@@ -267,9 +305,11 @@ def _data_file(source: Source, key: str, value: str) -> Path:
 def _resolve_paths(recipe: schema.Recipe, source: Source) -> schema.Recipe:
     from dataclasses import replace
 
-    data = recipe.data
+    data, model = recipe.data, recipe.model
     resolved = {key: str(_data_file(source, key, getattr(data, key))) for key in ("path", "text") if getattr(data, key)}
-    return replace(recipe, data=replace(data, **resolved), source=source.root_file)
+    if model.hf is not None:
+        model = replace(model, hf=str(_recipe_path(source, ("model", "hf"), model.hf)))
+    return replace(recipe, data=replace(data, **resolved), model=model, source=source.root_file)
 
 
 def recipe_to_dict(obj: Any) -> Any:

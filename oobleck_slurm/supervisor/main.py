@@ -114,6 +114,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     from oobleck_slurm.engine.faults import load_faults
     from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for
     from oobleck_slurm.engine.worker import check_supported
+    from oobleck_slurm.models import FactoryError
     from oobleck_slurm.planning import instantiate
     from oobleck_slurm.planning.pregenerate import pregenerate
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
@@ -136,11 +137,11 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
              device="cuda" if cluster.gpus_per_node else "cpu")
 
     token_file = token_file_for(recipe, job.data)
-    spec = job_from_recipe(recipe, token_file)
+    try:  # `submit` checked a factory; a job started otherwise is told here
+        spec = job_from_recipe(recipe, token_file)
+    except FactoryError as problem:
+        raise ValueError(f"{recipe.source}: {problem.key}: {problem}") from problem
     check_supported(spec)
-    problem = spec.model.check_factory(spec.train.seed)  # `submit` checked it; a job started otherwise
-    if problem is not None:
-        raise ValueError(f"{recipe.source}: {problem.key}: {problem}")
     if job.faults.is_file():  # drills: worker faults (engine/faults.py)
         spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.faults)})
     # The profile `submit` planned with: a file given to it (kept in the job folder), an estimate, or

@@ -12,7 +12,7 @@ from reference import train_reference
 
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import check_supported
-from oobleck_slurm.models.config import gpt_config
+from oobleck_slurm.models import gpt_config
 
 pytestmark = pytest.mark.slow
 

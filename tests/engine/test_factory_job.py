@@ -1,5 +1,5 @@
-"""A job trains a user's model through `model.factory` (tests/factory_model.py, with kwargs and the
-shape keys beside it), the way `submit` runs it: the workers import the factory from PYTHONPATH, and
+"""A job trains a user's model through `model.factory` (tests/factory_model.py, with kwargs; it
+declares its own layers), the way `submit` runs it: the workers import the factory from PYTHONPATH, and
 the per-step losses and final parameters equal the single-process reference built by the same factory
 (fp64). The final checkpoint keeps the persistent buffer. Recipe-level checks: tests/recipe/test_model_factory.py."""
 
@@ -19,10 +19,11 @@ def test_a_job_trains_a_factory_model_with_kwargs(tmp_path: Path, templates_cach
     recipe = tiny_recipe(nodes=2, workers=2, steps=3)
     recipe["model"] = {"factory": "factory_model:make_layers",
                        "kwargs": {"depth": 3, "width": 32, "vocab": 256, "seq": 32, "hidden": 48, "scale": 0.5},
-                       "n_layer": 3, "d_model": 32, "n_head": 4, "seq_len": 32, "vocab_size": 256}
+                       "seq_len": 32, "vocab_size": 256}
     run = run_job(tmp_path, recipe, templates_cache, timeout=180)
     spec = run.spec()
-    assert spec.model.factory == "factory_model:make_layers" and spec.model.kwargs["hidden"] == 48
+    assert spec.model.config.kwargs["hidden"] == 48  # type: ignore[attr-defined]
+    assert spec.model.keys() == ["embed", "block.0", "block.1", "block.2", "head"]
     assert_matches_reference(run)
     assert any(len(p["stages"]) > 1 for p in run.first("plan")["pipelines"])  # activations crossed stages
     final = run.job.checkpoints / f"step{spec.train.steps}"

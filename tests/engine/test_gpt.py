@@ -3,17 +3,18 @@
 import pytest
 import torch
 
-from oobleck_slurm.models.config import GPTConfig, gpt_config
-from oobleck_slurm.models.gpt import build_layers, layer_keys, lm_loss, num_layers
+from oobleck_slurm.models import GPTConfig, gpt_config
+from oobleck_slurm.models.gpt.model import build_layers
+from oobleck_slurm.models.loss import lm_loss
 
 CFG = gpt_config("tiny")
 
 
 def test_keys_are_stable_and_unique():
-    keys = layer_keys(CFG)
+    keys = CFG.layer_keys()
     assert keys == ["embed", "block.00", "block.01", "block.02", "block.03", "head"]
-    assert len(keys) == num_layers(CFG)
-    assert len(layer_keys(gpt_config("tiny", n_layer=120))) == 122
+    assert len(keys) == CFG.num_layers
+    assert len(gpt_config("tiny", n_layer=120).layer_keys()) == 122
 
 
 def test_partial_build_is_bit_identical_to_full_build():

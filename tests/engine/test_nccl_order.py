@@ -24,7 +24,7 @@ from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec
 from oobleck_slurm.engine.nccl_order import OrderedGroup, P2POp
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
-from oobleck_slurm.models.config import gpt_config
+from oobleck_slurm.models import gpt_config
 
 SHORT = dt.timedelta(seconds=3)
 

@@ -8,10 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from oobleck_slurm.models.config import gpt_config
-from oobleck_slurm.models.gpt import build_layers
+from oobleck_slurm.models import gpt_config
+from oobleck_slurm.models.gpt.model import build_layers
 from oobleck_slurm.planning import ProfileError, estimate_profile, load_profile, save_profile
-from oobleck_slurm.planning.estimate import gpt_layer_shapes
 from oobleck_slurm.planning.measure import profile_layers
 
 
@@ -49,7 +48,7 @@ def test_bad_profile_file_names_file_and_key(tmp_path, edit, message):
 def test_estimate_shapes_match_the_model_and_optimizers_differ():
     cfg = gpt_config("tiny")
     real = [[tuple(p.shape) for p in layer.parameters()] for layer in build_layers(cfg, seed=0)]
-    assert gpt_layer_shapes(cfg) == real
+    assert cfg.layer_shapes() == real
     big = gpt_config("175b")
     adamw = estimate_profile(big, "H100", microbatch_size=1, optimizer="adamw")
     came = estimate_profile(big, "H100", microbatch_size=1, optimizer="came", dtype="fp32")

@@ -26,7 +26,7 @@ from oobleck_slurm.engine.comm import Generation, Timeouts
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
-from oobleck_slurm.models.config import GPTConfig
+from oobleck_slurm.models import GPTConfig
 from oobleck_slurm.peak_memory import PeakMemory, malloc_configured, warm_up
 
 

@@ -18,7 +18,7 @@ from oobleck_slurm.engine.comm import Timeouts
 from oobleck_slurm.engine.recovery import StepMismatchError, can_complete, reach_step
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
-from oobleck_slurm.models.config import gpt_config
+from oobleck_slurm.models import gpt_config
 from oobleck_slurm.optim import optimizer_state_tensors
 from oobleck_slurm.protocol import keys
 

@@ -22,20 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oobleck_slurm.models.config import GPTConfig
+from oobleck_slurm.models.gpt.config import GPTConfig
 
 INIT_STD = 0.02  # GPT-2 / nanoGPT initialisation
-
-
-def num_layers(cfg: GPTConfig) -> int:
-    """Layers in the list: embedding + n_layer blocks + head."""
-    return cfg.n_layer + 2
-
-
-def layer_keys(cfg: GPTConfig) -> list[str]:
-    """Stable names of the layers, used to address parameters and optimizer state across plans."""
-    width = max(2, len(str(cfg.n_layer - 1)))
-    return ["embed"] + [f"block.{i:0{width}d}" for i in range(cfg.n_layer)] + ["head"]
 
 
 class Embedding(nn.Module):
@@ -129,20 +118,23 @@ def _init_layer(layer: nn.Module, gen: torch.Generator, n_layer: int) -> None:
             std = INIT_STD
             if name.endswith("proj.weight"):  # residual projections, GPT-2 scaling
                 std = INIT_STD / math.sqrt(2 * n_layer)
+            # Drawn on the CPU whatever the device: the same values on every device.
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
 def _new_layer(cfg: GPTConfig, index: int) -> nn.Module:
     if index == 0:
         return Embedding(cfg)
-    if index == num_layers(cfg) - 1:
+    if index == cfg.num_layers - 1:
         return Head(cfg)
     return Block(cfg)
 
 
-def build_layers(cfg: GPTConfig, seed: int, start: int = 0, stop: int | None = None) -> list[nn.Module]:
-    """Layers [start, stop) of the GPT, initialised exactly as in a full build with the same seed."""
-    n = num_layers(cfg)
+def build_layers(cfg: GPTConfig, seed: int, start: int = 0, stop: int | None = None,
+                 device: torch.device | str | None = None, initialise: bool = True) -> list[nn.Module]:
+    """Layers [start, stop) of the GPT, initialised exactly as in a full build with the same seed
+    (`ModelDef.build_layers`)."""
+    n = cfg.num_layers
     stop = n if stop is None else stop
     if not 0 <= start < stop <= n:
         raise ValueError(f"build_layers: range [{start}, {stop}) is not a non-empty range within [0, {n})")
@@ -152,12 +144,13 @@ def build_layers(cfg: GPTConfig, seed: int, start: int = 0, stop: int | None = N
             f"but layers [{start}, {stop}) of [0, {n}) were asked for; use tie_embeddings=False "
             f"for multi-stage plans"
         )
-    layers = []
-    for index in range(start, stop):
-        layer = _new_layer(cfg, index)
-        gen = torch.Generator().manual_seed(layer_seed(seed, index))
-        _init_layer(layer, gen, cfg.n_layer)
-        layers.append(layer)
+    with torch.device("meta"):
+        layers = [_new_layer(cfg, index) for index in range(start, stop)]
+    layers = [layer.to_empty(device=device or "cpu") for layer in layers]
+    for index, layer in zip(range(start, stop), layers):
+        _init_buffers(layer, cfg)  # not state: remade by every build, initialised or not
+        if initialise:
+            _init_layer(layer, torch.Generator().manual_seed(layer_seed(seed, index)), cfg.n_layer)
     if cfg.tie_embeddings:  # full build only (checked above)
         embedding, head = layers[0], layers[-1]
         assert isinstance(embedding, Embedding) and isinstance(head, Head)
@@ -165,8 +158,9 @@ def build_layers(cfg: GPTConfig, seed: int, start: int = 0, stop: int | None = N
     return layers
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all positions of a microbatch (in at least float32)."""
-    if logits.dtype not in (torch.float32, torch.float64):
-        logits = logits.float()  # bf16/fp16 logits under autocast
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+@torch.no_grad()
+def _init_buffers(layer: nn.Module, cfg: GPTConfig) -> None:
+    for module in layer.modules():
+        if isinstance(module, CausalSelfAttention):
+            module.qkv_bias_mask.fill_(1.0)
+            module.qkv_bias_mask[cfg.d_model : 2 * cfg.d_model] = 0.0
