@@ -118,7 +118,7 @@ def assert_matches_reference(run: JobRun, rtol: float = 1e-5) -> None:
     """Every step's loss and the final checkpoint's parameters equal the single-process reference
     (tests/reference.py) within `rtol` relative (max element-wise error over the tensor's max); fp64
     jobs: see tests/engine/test_exact.py for why 1e-5 separates errors from rounding."""
-    from reference import train_reference
+    from reference import reference_evals, train_reference
 
     spec = run.spec()
     ref_losses, ref_params = train_reference(spec)
@@ -126,6 +126,12 @@ def assert_matches_reference(run: JobRun, rtol: float = 1e-5) -> None:
     assert sorted(losses) == list(range(spec.train.steps))
     for step, ref in enumerate(ref_losses):
         assert abs(losses[step] - ref) <= rtol * abs(ref), (step, losses[step], ref)
+    if spec.train.eval_interval:  # every evaluation, repeated ones after a recovery included
+        ref_evals = reference_evals(spec)
+        evals = [(e["step"], e["loss"]) for e in run.kind("eval")]
+        assert {step for step, _ in evals} == set(ref_evals), (evals, ref_evals)
+        for step, loss in evals:
+            assert abs(loss - ref_evals[step]) <= rtol * abs(ref_evals[step]), (step, loss, ref_evals[step])
     params = run.final_params()
     assert sorted(params) == sorted(ref_params)  # every layer is in the final checkpoint
     for key, tensors in params.items():

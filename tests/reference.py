@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from oobleck_slurm.engine.batches import StepBatches, open_dataset
+from oobleck_slurm.engine.batches import StepBatches, open_dataset, open_validation
 from oobleck_slurm.engine.layer_optim import (
     clip_coefficient,
     layer_sq_norm,
@@ -22,9 +22,8 @@ from oobleck_slurm.engine.layer_optim import (
 )
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.spec import JobSpec
-from oobleck_slurm.models.loss import lm_loss
 
-_TRAINED: dict[str, tuple[list[float], dict[str, dict[str, torch.Tensor]]]] = {}
+_TRAINED: dict[str, tuple[list[float], dict[str, dict[str, torch.Tensor]], dict[int, float]]] = {}
 
 
 def _trajectory_key(job: JobSpec, steps: int) -> str:
@@ -46,16 +45,26 @@ def train_reference(job: JobSpec, steps: int | None = None
     key = _trajectory_key(job, steps)
     if key not in _TRAINED:
         _TRAINED[key] = _train(job, steps)
-    losses, params = _TRAINED[key]
+    losses, params, _ = _TRAINED[key]
     return list(losses), {k: {n: p.clone() for n, p in tensors.items()} for k, tensors in params.items()}
 
 
-def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, torch.Tensor]]]:
-    t, g = job.train, job.model.config
+def reference_evals(job: JobSpec) -> dict[int, float]:
+    """The validation loss after each evaluated step count (training.eval_interval), computed on the
+    whole validation set in one pass per step."""
+    train_reference(job)
+    return dict(_TRAINED[_trajectory_key(job, job.train.steps)][2])
+
+
+def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, torch.Tensor]], dict[int, float]]:
+    t = job.train
     layers = [layer.to(t.param_dtype) for layer in job.model.build(t.seed, 0, job.model.num_layers)]
     optimizers = [make_layer_optimizer(layer, job.optim) for layer in layers]
-    batches = StepBatches(open_dataset(job.data, g.seq_len, g.vocab_size), t.global_batch_size,
+    batches = StepBatches(open_dataset(job.data, job.model.seq_len, job.model.vocab_size), t.global_batch_size,
                           t.microbatch_size, t.seed)
+    validation = (open_validation(job.data, job.model.seq_len, job.model.vocab_size, t.eval_samples)
+                  if t.eval_interval else None)
+    evals: dict[int, float] = {}
     losses = []
     for step in range(steps):
         zero_grads(layers)
@@ -66,7 +75,7 @@ def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, t
         h = x
         for layer in layers:
             h = layer(h)
-        loss = lm_loss(h, y)
+        loss = job.model.config.loss(h, y)
         loss.backward()
         total_sq = sum(layer_sq_norm(layer) for layer in layers)
         scale_grads(layers, clip_coefficient(total_sq, t.grad_clip))
@@ -76,7 +85,14 @@ def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, t
             set_lr(opt, lr)
             opt.step()
         losses.append(float(loss.detach()))
+        done = step + 1
+        if validation is not None and (done % t.eval_interval == 0 or done == t.steps):
+            with torch.no_grad():
+                h, y = validation.batch(list(range(validation.num_samples)))
+                for layer in layers:
+                    h = layer(h)
+                evals[done] = float(job.model.config.loss(h, y))
     keys = job.model.keys()
     params = {keys[i]: {n: p.detach().clone() for n, p in layer.named_parameters()}
               for i, layer in enumerate(layers)}
-    return losses, params
+    return losses, params, evals

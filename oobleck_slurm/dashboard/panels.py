@@ -86,6 +86,8 @@ def header(state: DashboardState, view: View) -> Panel:
         filled = min(10, round(10 * done / total))
         bottom.append(" ").append("━" * filled, "green").append("━" * (10 - filled), "bright_black")
     bottom.append("  loss ", "dim").append(_num(state.loss, ".4f"), "bold")
+    if state.evals:
+        bottom.append("  eval ", "dim").append(_num(state.eval_loss, ".4f"), "bold")
     bottom.append("  samples/s ", "dim").append(_num(state.samples_per_s, ".1f"), "bold")
     bottom.append("  elapsed ", "dim").append(duration(state.elapsed))
     failures = [r for r in state.recoveries if r.trigger == "failure"]

@@ -85,13 +85,16 @@ def _broken_at_recoveries(state: DashboardState, points: list[tuple[float, float
 
 
 def plot_training(state: DashboardState, path: Path) -> Path:
-    """Loss and samples/s against time since the start, with recovery bands."""
+    """Loss (and the validation loss) and samples/s against time since the start, with recovery bands."""
     plt = load_pyplot()
     fig, (ax_loss, ax_tput) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     loss = _broken_at_recoveries(state, [(p.t, p.loss) for p in state.history if p.loss is not None])
     tput = _broken_at_recoveries(state, [(p.t, p.samples_per_s) for p in state.history if p.samples_per_s is not None])
     if loss:
         ax_loss.plot(*zip(*loss), color="tab:green", lw=1.5, label="loss")
+    if state.evals:
+        evals = _broken_at_recoveries(state, sorted(state.evals.values()))
+        ax_loss.plot(*zip(*evals), color="tab:orange", lw=1, marker="o", ms=4, label="eval loss")
     if tput:
         ax_tput.plot(*zip(*tput), color="tab:cyan", lw=1.5, marker=".", ms=3, label="samples/s")
     for ax in (ax_loss, ax_tput):

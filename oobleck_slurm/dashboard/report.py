@@ -51,6 +51,7 @@ def render_html(state: DashboardState, log: Path) -> str:
         ("status", state.status + (f" (exit {state.exit_code})" if state.exit_code is not None else "")),
         ("steps", f"{_s(state.steps_done)} / {_s(state.total_steps)}"),
         ("final loss", f"{state.loss:.4f}" if state.loss is not None else "-"),
+        ("final eval loss", f"{state.eval_loss:.4f} (after {max(state.evals)} steps)" if state.evals else "-"),
         ("mean samples/s", f"{sum(rates) / len(rates):.1f}" if rates else "-"),
         ("elapsed", duration(state.elapsed)),
         ("failures", str(len(failures))),

@@ -169,6 +169,8 @@ class DashboardState:
         self.samples_per_s: float | None = None
         self.step_time: float | None = None
         self.history: list[StepPoint] = []
+        # Validation loss by steps done: (time first measured, loss); a recovery may repeat one.
+        self.evals: dict[int, tuple[float, float]] = {}
 
         self.nodes: dict[str, NodeView] = {}
         self.generation: int | None = None
@@ -331,6 +333,16 @@ class DashboardState:
         templates = ", ".join(str(len(p.stages) or len(p.nodes)) for p in pipelines)
         self._log(e.t, e.kind, f"plan gen {_fmt(self.generation)} ({self.plan_reason or '?'}): "
                   f"{len(pipelines)} pipelines, stages [{templates}]")
+
+    def _eval(self, e: ev.Eval) -> None:
+        t = self.evals[e.step][0] if e.step in self.evals else e.t
+        self.evals[e.step] = (t, e.loss)
+        self._log(e.t, e.kind, f"eval after {e.step} steps: loss {e.loss:.4f}")
+
+    @property
+    def eval_loss(self) -> float | None:
+        """The latest validation loss."""
+        return self.evals[max(self.evals)][1] if self.evals else None
 
     def _step(self, e: ev.Step) -> None:
         self.step = e.step
@@ -533,6 +545,7 @@ _HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {
     "slurm_job": DashboardState._slurm_job,
     "plan": DashboardState._plan,
     "step": DashboardState._step,
+    "eval": DashboardState._eval,
     "node": DashboardState._node_event,
     "failure": DashboardState._failure,
     "collective_error": DashboardState._collective_error,

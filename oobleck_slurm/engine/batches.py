@@ -34,14 +34,49 @@ class RandomTokens:
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
+class SampleRange:
+    """Samples [start, stop) of another dataset, numbered from 0."""
+
+    def __init__(self, dataset: Dataset, start: int, stop: int) -> None:
+        self.dataset, self.start, self.num_samples = dataset, start, stop - start
+
+    def batch(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dataset.batch(np.asarray(sample_ids, dtype=np.int64) + self.start)
+
+
 def open_dataset(spec: DataSpec, seq_len: int, vocab_size: int) -> Dataset:
+    """The training samples (without the validation samples held out of them)."""
+    data = _open(spec, spec.path, seq_len, vocab_size)
+    if spec.holdout:
+        if data.num_samples <= spec.holdout:
+            raise ValueError(f"data: {spec.path or 'the random data'} has {data.num_samples} samples of seq_len "
+                             f"{seq_len}; holding {spec.holdout} out for validation (training.eval_samples) leaves none to train on")
+        return SampleRange(data, 0, data.num_samples - spec.holdout)
+    return data
+
+
+def open_validation(spec: DataSpec, seq_len: int, vocab_size: int, samples: int) -> Dataset:
+    """The first `samples` validation samples: of `spec.validation`, or those held out of training."""
+    if spec.validation is not None:
+        data = _open(spec, spec.validation, seq_len, vocab_size)
+        if data.num_samples < samples:
+            raise ValueError(f"data.validation: {spec.validation} has {data.num_samples} samples of seq_len {seq_len}, "
+                             f"fewer than training.eval_samples ({samples})")
+        return SampleRange(data, 0, samples)
+    data = _open(spec, spec.path, seq_len, vocab_size)
+    if spec.holdout < samples:
+        raise ValueError(f"data: {spec.holdout} samples held out for validation, {samples} asked for")
+    return SampleRange(data, data.num_samples - spec.holdout, data.num_samples - spec.holdout + samples)
+
+
+def _open(spec: DataSpec, path: str | None, seq_len: int, vocab_size: int) -> Dataset:
     if spec.kind == "random":
         return RandomTokens(spec.num_samples, seq_len, vocab_size, spec.seed)
-    assert spec.path is not None  # DataSpec requires a path for kind 'tokens'
-    tf = TokenFile(spec.path)
+    assert path is not None  # DataSpec requires a path for kind 'tokens'
+    tf = TokenFile(path)
     if tf.meta.vocab_size > vocab_size:
         raise ValueError(
-            f"data: {spec.path} was tokenized with a vocabulary of {tf.meta.vocab_size} ids, "
+            f"data: {path} was tokenized with a vocabulary of {tf.meta.vocab_size} ids, "
             f"but the model's vocab_size is {vocab_size}"
         )
     return TokenDataset(tf, seq_len)

@@ -155,6 +155,8 @@ class ElasticWorker:
         self.store.set(keys.rebuilt(g, self.name), json.dumps(
             {"groups_s": t1 - t0, "copy_s": t2 - t1, "bytes": received, "t": time.time()}))
         gen.align()
+        if g > 0 and self._eval_due(w.step):  # the failure may have cut it short (else it is repeated)
+            self._evaluate(g)
         first = True
         while w.step < self.job.train.steps:
             if first and g > 0:
@@ -173,11 +175,25 @@ class ElasticWorker:
                 if first:
                     self.store.set(keys.first_step(g), json.dumps({"step": result.step, "t": time.time()}))
             first = False
+            if self._eval_due(w.step):
+                self._evaluate(g)
             self._maybe_checkpoint()
             if gen.watch.failed():  # a join (or a failure seen between steps): leave at the boundary
                 raise GenerationAborted(f"{keys.failed(g)} after step {result.step}")
         self.save_checkpoint(self.checkpoint_root, w.step)  # the trained model
         gen.wait(gen.world.barrier())  # nobody leaves while a peer may still need a group
+
+    def _eval_due(self, step: int) -> bool:
+        """The validation loss is measured after every `eval_interval` steps and after the last."""
+        t = self.job.train
+        return t.eval_interval > 0 and step > 0 and (step % t.eval_interval == 0 or step == t.steps)
+
+    def _evaluate(self, g: int) -> None:
+        t0 = time.perf_counter()
+        loss, samples = self.worker.evaluate()
+        if self.worker.rank == 0:
+            self.log.emit("eval", step=self.worker.step, loss=loss, samples=samples,
+                          seconds=time.perf_counter() - t0, generation=g)
 
     def save_checkpoint(self, root: str, step: int) -> None:
         """Write this worker's share of the checkpoint of `step` (layers it holds first) and wait for it."""

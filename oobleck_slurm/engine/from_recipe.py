@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,15 @@ from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, T
 from oobleck_slurm.models import with_layers
 
 
+def tokenizer_for(recipe: Any) -> str:
+    """The recipe's tokenizer: data.tokenizer, except that with the default ('byte') a Hugging Face
+    model folder's own tokenizer.json is used when it has one."""
+    tok = recipe.data.tokenizer
+    if tok == "byte" and recipe.model.hf is not None and (Path(recipe.model.hf) / "tokenizer.json").is_file():
+        return str(Path(recipe.model.hf) / "tokenizer.json")
+    return str(tok)
+
+
 def token_file_for(recipe: Any, cache_dir: str | os.PathLike[str]) -> Path:
     """The recipe's training tokens: data.path as is, data.text prepared into `cache_dir` (once,
     redone if the text changed), or the shipped text."""
@@ -19,14 +29,29 @@ def token_file_for(recipe: Any, cache_dir: str | os.PathLike[str]) -> Path:
     if d.path:
         return Path(d.path)
     if not d.text:
-        return default_token_file(cache_dir, d.tokenizer).path
-    src = Path(d.text)
-    safe_tok = d.tokenizer.replace(":", "_").replace("/", "_")
-    out = Path(cache_dir) / f"{src.stem}.{safe_tok}.bin"
+        return default_token_file(cache_dir, tokenizer_for(recipe)).path
+    return _prepared(Path(d.text), tokenizer_for(recipe), cache_dir)
+
+
+def validation_file_for(recipe: Any, cache_dir: str | os.PathLike[str]) -> Path | None:
+    """data.validation as a token file: as is if it is one, else the text prepared into `cache_dir`."""
+    v = recipe.data.validation
+    if not v:
+        return None
+    try:
+        TokenFile(v)
+        return Path(v)
+    except TokenFileError:
+        return _prepared(Path(v), tokenizer_for(recipe), cache_dir)
+
+
+def _prepared(src: Path, tokenizer: str, cache_dir: str | os.PathLike[str]) -> Path:
+    tag = "byte" if tokenizer == "byte" else "tok-" + hashlib.sha256(tokenizer.encode()).hexdigest()[:12]
+    out = Path(cache_dir) / f"{src.stem}.{tag}.bin"
     try:
         TokenFile(out)
     except TokenFileError:
-        prepare(src, out, d.tokenizer)
+        prepare(src, out, tokenizer)
     return out
 
 
@@ -41,17 +66,23 @@ def model_spec(recipe: Any) -> ModelSpec:
     return ModelSpec(cfg, weights=recipe.model.hf if has_weights(recipe.model.hf) else None)
 
 
-def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str]) -> JobSpec:
+def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str],
+                    validation_file: str | os.PathLike[str] | None = None) -> JobSpec:
+    """What the workers run. Without `validation_file`, an evaluating job holds the last
+    training.eval_samples samples of `token_file` out of training and evaluates on them."""
     t, o, s = recipe.training, recipe.training.optimizer, recipe.training.lr_schedule
+    holdout = t.eval_samples if t.eval_interval and validation_file is None else 0
     eps: Any = o.eps
     if eps is not None and len(eps) == 1:
         eps = eps[0]
     return JobSpec(
         model=model_spec(recipe),
-        data=DataSpec("tokens", path=str(token_file)),
+        data=DataSpec("tokens", path=str(token_file), holdout=holdout,
+                      validation=None if validation_file is None else str(validation_file)),
         optim=OptimSpec(o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=eps),
         train=TrainSpec(steps=t.steps, microbatch_size=t.microbatch_size, num_microbatches=t.global_microbatches,
                         seed=t.seed, grad_clip=t.grad_clip, warmup_steps=s.warmup_steps, decay=s.decay,
-                        min_lr=s.min_lr, precision=t.precision),
+                        min_lr=s.min_lr, precision=t.precision, eval_interval=t.eval_interval,
+                        eval_samples=t.eval_samples if t.eval_interval else 0),
         backend="nccl" if recipe.cluster.gpus_per_node > 0 else "gloo",
     )

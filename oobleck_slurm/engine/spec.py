@@ -71,6 +71,10 @@ class DataSpec:
     path: str | None = None
     num_samples: int = 0
     seed: int = 0
+    # Validation: a token file of its own, else the last `holdout` samples of the training data (which
+    # then trains on the others).
+    validation: str | None = None
+    holdout: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("tokens", "random"):
@@ -101,6 +105,8 @@ class TrainSpec:
     decay: str = "cosine"
     min_lr: float = 0.0
     precision: str = "fp32"  # bf16: autocast on CUDA only (fp32 on CPU); fp64: parameters in float64
+    eval_interval: int = 0  # the validation loss every this many steps and at the end; 0: never
+    eval_samples: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "num_microbatches"):

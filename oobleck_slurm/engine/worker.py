@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from oobleck_slurm.engine.batches import StepBatches, open_dataset
+from oobleck_slurm.engine.batches import StepBatches, open_dataset, open_validation
 from oobleck_slurm.engine.checkpoint import load_layer
 from oobleck_slurm.engine.comm import Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
@@ -152,6 +152,8 @@ class Worker:
         t = job.train
         dataset = open_dataset(job.data, job.model.seq_len, job.model.vocab_size)
         self.batches = StepBatches(dataset, t.global_batch_size, t.microbatch_size, t.seed)
+        self.validation = (open_validation(job.data, job.model.seq_len, job.model.vocab_size, t.eval_samples)
+                           if t.eval_interval else None)
 
     # ---- plan changes -------------------------------------------------------------------------
 
@@ -356,6 +358,44 @@ class Worker:
             compute_seconds=[float(v) for v in metrics[1 + num_p : 1 + num_p + gen.world_size]],
             peak_memory=[float(v) for v in metrics[1 + num_p + gen.world_size :]] if self.device.type == "cuda" else [],
         )
+
+    def evaluate(self) -> tuple[float, int]:
+        """The mean loss over the job's validation samples with the current parameters, and their count:
+        forward only, every pipeline taking its share of the validation microbatches (in proportion to
+        its share of a training step's), each microbatch the same samples whatever the plan. Every rank
+        of the generation calls it (the loss is summed over the world)."""
+        plan, gen, role = self.plan, self.gen, self.role
+        if plan is None or gen is None:
+            raise RuntimeError("Worker.evaluate: no plan/generation; call adopt() first")
+        if self.validation is None:
+            raise RuntimeError("Worker.evaluate: the job has no validation samples (training.eval_interval 0)")
+        n, b = self.validation.num_samples, self.job.train.microbatch_size
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if role is not None:
+            count = -(-n // b)  # validation microbatches, the last one possibly smaller
+            lo = count * role.mb_start // plan.num_microbatches
+            hi = count * (role.mb_start + role.mb_count) // plan.num_microbatches
+            layers = [self.layers[i] for i in role.layers]
+            bf16 = self.job.train.precision == "bf16"
+            autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+            for m in range(lo, hi):
+                ids = list(range(m * b, min(n, (m + 1) * b)))
+                if role.is_first or role.is_last:
+                    tokens, y = (t.to(self.device) for t in self.validation.batch(ids))  # type: ignore[arg-type]
+                if role.is_first:
+                    h = tokens
+                else:
+                    h = self._boundary_buffer(role.layers.start)[: len(ids)].contiguous()
+                    gen.wait(gen.recv(h, peer(role.prev_rank), 2 * m))
+                with torch.no_grad(), autocast:
+                    for layer in layers:
+                        h = layer(h)
+                    if role.is_last:
+                        total += self.job.model.config.loss(h, y).double() * len(ids)
+                if not role.is_last:
+                    gen.wait(gen.send(h.to(self.job.train.param_dtype).contiguous(), peer(role.next_rank), 2 * m))
+        gen.wait(gen.world.allreduce([total]))
+        return float(total.cpu()) / n, n
 
     def lr(self) -> float:
         """The learning rate of step `self.step`."""

@@ -194,6 +194,19 @@ class Step(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Eval(Event):
+    """The validation loss after `step` steps (rank 0, every `training.eval_interval` steps and at the
+    end). Computed on the same samples whatever the plan; a recovery may repeat one (same value)."""
+
+    kind = "eval"
+    step: int = required("steps done when it was measured")
+    loss: float = required("mean loss over the validation samples")
+    samples: int | None = optional("validation samples")
+    seconds: float | None = optional("rank 0's wall time for it")
+    generation: int | None = optional("the generation that ran it")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Checkpoint(Event):
     """A checkpoint was written (periodic, or on demand before a preemption), or could not be (`ok` false)."""
 
@@ -483,7 +496,7 @@ class Straggler(Event):
 
 SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Job": (JobStarted, AgentsReady, Done, RunComplete, JobFinished, SlurmJob),
-    "Plan and training": (Plan, Step, Checkpoint, CheckpointRequested, CheckpointFallback),
+    "Plan and training": (Plan, Step, Eval, Checkpoint, CheckpointRequested, CheckpointFallback),
     "Nodes": (Node, NodeLost, ReplacementRequested, NodeJoined, HealthCheck, FaultInjected, Drill, PreemptNotice,
               SlurmUnreachable, Refused),
     "Failure and recovery": (CollectiveError, Failure, Detection, Reform, Replan, GroupRebuild, StateCopy, Replay,

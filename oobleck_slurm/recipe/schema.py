@@ -229,6 +229,10 @@ class DataConfig:
     path: str | None = None
     text: str | None = None
     tokenizer: str = "byte"
+    # What `training.eval_interval` evaluates on: a prepared token file (.bin) or a text file (prepared
+    # with `tokenizer` on first use). Unset: the last `training.eval_samples` samples of the training
+    # tokens, held out of training.
+    validation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,10 @@ class TrainingConfig:
     grad_clip: float = field(default=1.0, metadata=check(non_negative))  # 0 disables clipping
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    # The validation loss every `eval_interval` steps and at the end (0: never), over `eval_samples`
+    # samples of `data.validation`.
+    eval_interval: int = field(default=0, metadata=check(non_negative))
+    eval_samples: int = field(default=64, metadata=check(positive))
 
     @property
     def global_microbatches(self) -> int:

@@ -232,6 +232,8 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
             add(("training", "optimizer", "eps"), f"{opt.name} takes {want_eps} eps value(s), got {len(opt.eps)}")
         elif not all(e > 0 for e in opt.eps):
             add(("training", "optimizer", "eps"), f"each eps must be > 0, got {list(opt.eps)}")
+    if recipe.data.validation and not t.eval_interval:
+        add(("data", "validation"), "is evaluated every training.eval_interval steps, which is 0 (never)")
     if t.lr_schedule.warmup_steps > t.steps:
         add(("training", "lr_schedule", "warmup_steps"),
             f"{t.lr_schedule.warmup_steps} warmup steps exceed training.steps ({t.steps})")
@@ -243,7 +245,7 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     d = recipe.data
     if d.path and d.text:
         add(("data", "text"), "give data.path (a prepared token file) or data.text (a text file), not both")
-    for key in ("path", "text"):
+    for key in ("path", "text", "validation"):
         value = getattr(d, key)
         if value and not _data_file(source, key, value).is_file():
             add(("data", key), f"file not found: {_data_file(source, key, value)}")
@@ -306,7 +308,8 @@ def _resolve_paths(recipe: schema.Recipe, source: Source) -> schema.Recipe:
     from dataclasses import replace
 
     data, model = recipe.data, recipe.model
-    resolved = {key: str(_data_file(source, key, getattr(data, key))) for key in ("path", "text") if getattr(data, key)}
+    resolved = {key: str(_data_file(source, key, getattr(data, key)))
+                for key in ("path", "text", "validation") if getattr(data, key)}
     if model.hf is not None:
         model = replace(model, hf=str(_recipe_path(source, ("model", "hf"), model.hf)))
     return replace(recipe, data=replace(data, **resolved), model=model, source=source.root_file)

@@ -112,7 +112,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     from oobleck_slurm.cluster.jobdir import load_secret
     from oobleck_slurm.engine.comm import Timeouts
     from oobleck_slurm.engine.faults import load_faults
-    from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for
+    from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for, validation_file_for
     from oobleck_slurm.engine.worker import check_supported
     from oobleck_slurm.models import FactoryError
     from oobleck_slurm.planning import instantiate
@@ -138,7 +138,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
 
     token_file = token_file_for(recipe, job.data)
     try:  # `submit` checked a factory; a job started otherwise is told here
-        spec = job_from_recipe(recipe, token_file)
+        spec = job_from_recipe(recipe, token_file, validation_file_for(recipe, job.data))
     except FactoryError as problem:
         raise ValueError(f"{recipe.source}: {problem.key}: {problem}") from problem
     check_supported(spec)

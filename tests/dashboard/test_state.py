@@ -148,3 +148,14 @@ def test_reducer_and_rendering_never_raise(events):
         s.apply({**fields, "t": float(i), "kind": kind})
     assert s.events_seen == len(events)
     assert "╭─ events" in render(s, 100, 30)
+
+
+def test_eval_losses_are_kept_by_step_once_and_shown():
+    s = DashboardState().apply_all(recorded("healthy"))
+    t = s.t_last or 0.0
+    s.apply_all([{"t": t + 1, "kind": "eval", "step": 2, "loss": 5.25, "samples": 8, "generation": 0},
+                 {"t": t + 2, "kind": "eval", "step": 4, "loss": 5.0, "samples": 8, "generation": 0},
+                 # a recovery repeats the evaluation after 4 steps: one point, at its first time
+                 {"t": t + 3, "kind": "eval", "step": 4, "loss": 5.0, "samples": 8, "generation": 1}])
+    assert s.evals == {2: (t + 1, 5.25), 4: (t + 2, 5.0)} and s.eval_loss == 5.0
+    assert "eval 5.0000" in render(s, 140, 40)

@@ -1,0 +1,22 @@
+"""The validation loss (`training.eval_interval`) through the production path: measured on the same
+samples whatever the plan, so that a run with a kill -9 reports the failure-free reference's eval
+losses (fp64, within 1e-5), including the evaluation that a recovery repeats or completes."""
+
+from __future__ import annotations
+
+import pytest
+from jobrun import assert_matches_reference, run_job, tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def test_eval_losses_survive_a_kill_and_equal_the_reference(tmp_path, templates_cache):
+    recipe = tiny_recipe(steps=5)
+    # 5 validation samples held out of the shipped text: microbatches of 2, 2 and 1 over two pipelines
+    recipe["training"].update(eval_interval=2, eval_samples=5)
+    run = run_job(tmp_path, recipe, templates_cache, faults=[{"node": "node2", "step": 2, "at": "wait:last"}])
+    assert run.kind("failure")[0]["nodes"] == ["node2"]
+    assert_matches_reference(run)  # eval events included: after 2, 4 and 5 steps
+    assert {e["step"] for e in run.kind("eval")} == {2, 4, 5}
+    assert all(e["samples"] == 5 for e in run.kind("eval"))
+    assert len({e["generation"] for e in run.kind("eval")}) == 2  # before and after the recovery
