@@ -199,13 +199,10 @@ class ModelConfig:
         by `models.inspect_factory`). Raises ValueError (models.hf.HFError for a folder) when it
         cannot be made; `validate.cross_checks` reports those as recipe issues first."""
         if self.hf is not None:
-            from dataclasses import replace
-
             from oobleck_slurm.models.hf import model_from_hf
 
-            cfg = model_from_hf(self.hf)
-            return replace(cfg, seq_len=self.seq_len or min(HF_DEFAULT_SEQ_LEN, cfg.seq_len),
-                           **{k: v for k, v in self.overrides().items() if k == "vocab_size"})
+            longest = model_from_hf(self.hf).seq_len  # max_position_embeddings
+            return model_from_hf(self.hf, seq_len=self.seq_len or min(HF_DEFAULT_SEQ_LEN, longest))
         if self.factory is not None:
             base = PRESETS["gpt"]["tiny"]
             return FactoryModel(self.factory, seq_len=self.seq_len or base.seq_len,

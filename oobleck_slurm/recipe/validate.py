@@ -268,10 +268,11 @@ def _model_issues(m: schema.ModelConfig, source: Source) -> list[RecipeIssue]:
         add("kwargs", "kwargs are passed to model.factory, which is not set")
     if m.hf is not None or m.factory is not None:
         way = "hf" if m.hf is not None else "factory"
-        for key in sorted(given & ({"family", "size"} | set(schema.ALL_SHAPE_KEYS)) - {"seq_len", "vocab_size"}):
+        applies = {"seq_len"} if way == "hf" else {"seq_len", "vocab_size"}
+        for key in sorted(given & ({"family", "size"} | set(schema.ALL_SHAPE_KEYS)) - applies):
             what = "its config.json" if way == "hf" else "the factory"
             add(key, f"model.{way} takes the model's shape from {what}: remove model.{key} (beside model.{way}, "
-                     f"only seq_len and vocab_size apply)")
+                     f"only {' and '.join(sorted(applies))} apply)")
     else:
         presets = PRESETS[m.family]
         if m.size not in presets:

@@ -26,6 +26,7 @@ class LlamaConfig(ModelDef):
     ffn_dim: int  # the MLP's hidden width (Hugging Face: intermediate_size)
     seq_len: int
     vocab_size: int = 256
+    max_positions: int | None = None  # the longest sequence it was made for (export); default seq_len
     head_dim: int | None = None  # default d_model // n_head
     rope_theta: float = 10000.0
     # Llama 3.1 frequency scaling (Hugging Face rope_type "llama3"); None: plain RoPE.
@@ -61,7 +62,9 @@ class LlamaConfig(ModelDef):
         block += [(d, q)] + ([(d,)] if self.o_bias else []) + [(d,)]
         for out, inp in ((f, d), (f, d), (d, f)):  # gate, up, down
             block += [(out, inp)] + ([(out,)] if self.mlp_bias else [])
-        return [[(v, d)]] + [block] * self.n_layer + [[(d,), (v, d)]]
+        embed: list[tuple[int, ...]] = [(v, d)]
+        head: list[tuple[int, ...]] = [(d,), (v, d)]
+        return [embed] + [block] * self.n_layer + [head]
 
     @property
     def num_params(self) -> int:
