@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from oobleck_slurm.cluster.jobdir import SUPERVISOR_ERROR, JobDir
+from oobleck_slurm.engine.checkpoint import LAYER_SUFFIX, read_layer_file
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.protocol.events import events_path, read_events
 from oobleck_slurm.recipe import load_recipe
@@ -70,9 +71,10 @@ class JobRun:
         """The final checkpoint's parameters, by layer key then parameter name."""
         steps = self.spec().train.steps
         out = {}
-        for path in sorted((self.job.checkpoints / f"step{steps}").glob("*.pt")):
-            payload = torch.load(path, weights_only=True)  # tensors the job itself wrote
-            out[path.stem] = {k[len("param."):]: v for k, v in payload.items() if k.startswith("param.")}
+        for path in sorted((self.job.checkpoints / f"step{steps}").glob(f"*{LAYER_SUFFIX}")):
+            payload = read_layer_file(path, steps)  # tensors the job itself wrote
+            out[path.name[: -len(LAYER_SUFFIX)]] = {k[len("param."):]: v for k, v in payload.items()
+                                                    if k.startswith("param.")}
         return out
 
     def log_tails(self) -> str:

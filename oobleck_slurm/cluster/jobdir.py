@@ -17,7 +17,7 @@ ask `JobDir` for the paths):
         cancelled       marker written by `cancel` before it stops the job: losses that follow are no failure
         requeue         marker written on preemption / time limit: the requeued run resumes from a checkpoint
         data/           token files prepared for the job
-        checkpoints/    step<S>/<layer>.pt: periodic, on-demand and final checkpoints
+        checkpoints/    step<S>/<layer>.safetensors: periodic, on-demand and final checkpoints
         logs/           per-process logs: supervisor.log (local backend), supervisor.err (its traceback),
                         agent-<node>.log, worker-<node id>-<i>.log
         submitit/       submitit's files and Slurm's output of the allocation and of replacement jobs

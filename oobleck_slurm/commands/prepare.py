@@ -1,4 +1,4 @@
-"""`prepare TEXT OUT [--tokenizer byte|pkg.mod:fn]`: tokenize a text file into a token file."""
+"""`prepare TEXT OUT [--tokenizer byte|tokenizer.json|pkg.mod:fn]`: tokenize a text file into a token file."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--tokenizer",
         default="byte",
-        help="'byte' (default: vocabulary 256, nothing to download) or a factory "
+        help="'byte' (default: vocabulary 256, nothing to download), a Hugging Face tokenizer.json "
+        "or a folder holding one (needs the 'tokenizers' library), or a factory "
         "'package.module:function' returning an object with encode(str) and vocab_size",
     )
 

@@ -142,6 +142,9 @@ def _print_event(event: dict) -> None:
     if kind == "step":
         console.print(f"step {event.get('step')}: loss {event.get('loss', float('nan')):.4f}, "
                       f"{event.get('samples_per_s', 0):,.1f} samples/s", highlight=False)
+    elif kind == "eval":
+        console.print(f"eval after {event.get('step')} steps: loss {event.get('loss', float('nan')):.4f} "
+                      f"({event.get('samples')} samples)", highlight=False)
     elif kind in ("job_started", "job_finished", "failure", "resumed", "checkpoint_fallback"):
         fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("t", "kind"))
         console.print(f"[bold]{escape(kind)}[/] {escape(fields)}", highlight=False)  # event text: no markup

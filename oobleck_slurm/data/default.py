@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
-from oobleck_slurm.data.prepare import prepare, sha256_file
-from oobleck_slurm.data.tokenizers import BYTE
-from oobleck_slurm.data.tokens import TokenFile, TokenFileError
+from oobleck_slurm.data.prepare import prepared
+from oobleck_slurm.data.tokenizers import BYTE, is_hf_spec
+from oobleck_slurm.data.tokens import TokenFile
 
 # Jane Austen, "Persuasion" (1818), public domain; provenance in README.md next to it.
 DEFAULT_TEXT = Path(__file__).with_name("persuasion.txt")
@@ -19,13 +20,14 @@ def default_token_file(cache_dir: str | os.PathLike[str], tokenizer: str = BYTE)
     Safe to call from many processes at once: `prepare` writes atomically, so the worst case is
     that several of them prepare the same (identical) file.
     """
-    safe_tok = tokenizer.replace(":", "_").replace("/", "_")
-    out = Path(cache_dir) / f"{DEFAULT_TEXT.stem}.{safe_tok}.bin"
-    try:
-        tf = TokenFile(out)
-        if tf.meta.source_sha256 == sha256_file(DEFAULT_TEXT) and tf.meta.tokenizer == tokenizer:
-            return tf
-    except TokenFileError:
-        pass  # missing or broken: prepare it again
-    prepare(DEFAULT_TEXT, out, tokenizer)
-    return TokenFile(out)
+    return prepared(DEFAULT_TEXT, cache_file(cache_dir, DEFAULT_TEXT, tokenizer), tokenizer)
+
+
+def cache_file(cache_dir: str | os.PathLike[str], text: str | os.PathLike[str], tokenizer: str) -> Path:
+    """Where the token file of `text` with `tokenizer` is cached: `<cache_dir>/<text stem>.<tag>.bin`,
+    the tag being the tokenizer's name with ':' made '_', or for a tokenizer.json path a short hash of
+    it (a path would make a long, nested name)."""
+    tag = tokenizer.replace(":", "_")
+    if "/" in tokenizer or is_hf_spec(tokenizer):
+        tag = "tok-" + hashlib.sha256(tokenizer.encode()).hexdigest()[:12]
+    return Path(cache_dir) / f"{Path(text).stem}.{tag}.bin"

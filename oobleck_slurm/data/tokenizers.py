@@ -1,13 +1,20 @@
-"""Tokenizers for `prepare`: the built-in byte tokenizer, or a user's through a factory string.
+"""Tokenizers for `prepare`: the built-in byte tokenizer, a Hugging Face tokenizer.json, or a user's
+through a factory string.
 
-A user tokenizer is named `package.module:function`; calling `function()` must return an object
-with `encode(str) -> list[int]` and an integer `vocab_size`. That keeps any tokenizer library
-(tiktoken, sentencepiece, HF tokenizers) an optional, user-side dependency.
+A tokenizer string is one of
+    byte                      UTF-8 bytes, vocabulary 256
+    path/to/tokenizer.json    a Hugging Face tokenizer file, or a folder holding one (a string that
+    path/to/folder            ends in `.json` or names an existing file or folder): hf_tokenizer.py
+    package.module:function   a factory: calling `function()` returns an object with
+                              `encode(str) -> list[int]` and an integer `vocab_size`
+That keeps any tokenizer library (tiktoken, sentencepiece, HF tokenizers) an optional dependency:
+the `tokenizers` library is imported only to read a tokenizer.json.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Protocol, runtime_checkable
 
 BYTE = "byte"
@@ -37,14 +44,26 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+def is_hf_spec(spec: str) -> bool:
+    """Whether a tokenizer string names a Hugging Face tokenizer.json: it ends in `.json`, or names an
+    existing file or folder (a folder holding a tokenizer.json, as Hugging Face model folders do)."""
+    return spec != BYTE and (spec.endswith(".json") or os.path.exists(os.path.expanduser(spec)))
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer named by `spec`: "byte", or "package.module:function" (a factory)."""
+    """The tokenizer named by `spec`: "byte", a tokenizer.json (or its folder), or
+    "package.module:function" (a factory)."""
     if spec == BYTE:
         return ByteTokenizer()
+    if is_hf_spec(spec):
+        from oobleck_slurm.data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(spec)
     module_name, sep, func_name = spec.partition(":")
     if not sep or not module_name or not func_name or ":" in func_name:
         raise TokenizerError(
-            f"tokenizer {spec!r}: expected 'byte' or a factory 'package.module:function'"
+            f"tokenizer {spec!r}: expected 'byte', a tokenizer.json (or a folder holding one) "
+            "or a factory 'package.module:function'"
         )
     try:
         module = importlib.import_module(module_name)

@@ -2,8 +2,8 @@
 
 `<name>.bin` holds the token ids back to back, little-endian: uint16 when every id fits (vocabulary
 of at most 65536 ids, 0..65535), else uint32. `<name>.bin.json` records the dtype, vocabulary size,
-tokenizer, token count and the sha256 of the source text, so that a reader never guesses the dtype
-and a cache can tell whether it is stale. The tokens are read through `numpy.memmap`: opening a
+tokenizer, token count and the sha256 of the source text (and, for a Hugging Face tokenizer.json, the
+sha256 of that file), so that a reader never guesses the dtype and a cache can tell whether it is stale. The tokens are read through `numpy.memmap`: opening a
 many-GB file costs nothing and every worker process shares the page cache.
 """
 
@@ -18,6 +18,7 @@ import numpy as np
 
 FORMAT_VERSION = 1
 _DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_OPTIONAL = {"tokenizer_sha256": str}  # sidecar fields that may be absent (then None)
 
 
 class TokenFileError(ValueError):
@@ -45,6 +46,9 @@ class TokenFileMeta:
     num_tokens: int
     source_sha256: str
     format_version: int = FORMAT_VERSION
+    # sha256 of the tokenizer.json a Hugging Face tokenizer was read from; None (and absent from the
+    # sidecar, which older readers then still accept) for the byte tokenizer and factories.
+    tokenizer_sha256: str | None = None
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
@@ -54,7 +58,8 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
 
 
 def meta_to_json(meta: TokenFileMeta) -> str:
-    return json.dumps(asdict(meta), indent=2, sort_keys=True) + "\n"
+    raw = {k: v for k, v in asdict(meta).items() if not (k in _OPTIONAL and v is None)}
+    return json.dumps(raw, indent=2, sort_keys=True) + "\n"
 
 
 def meta_from_json(text: str, where: str) -> TokenFileMeta:
@@ -76,13 +81,18 @@ def meta_from_json(text: str, where: str) -> TokenFileMeta:
     missing = sorted(set(expected) - set(raw))
     if missing:
         raise TokenFileError(f"{where}: missing field(s) {', '.join(missing)}")
-    unknown = sorted(set(raw) - set(expected))
+    unknown = sorted(set(raw) - set(expected) - set(_OPTIONAL))
     if unknown:
         raise TokenFileError(f"{where}: unknown field(s) {', '.join(unknown)}")
     for key, typ in expected.items():
         if not isinstance(raw[key], typ) or isinstance(raw[key], bool):
             raise TokenFileError(
                 f"{where}: field {key!r} should be {typ.__name__}, got {raw[key]!r}"
+            )
+    for key, typ in _OPTIONAL.items():
+        if raw.get(key) is not None and not isinstance(raw[key], typ):
+            raise TokenFileError(
+                f"{where}: field {key!r} should be {typ.__name__} or null, got {raw[key]!r}"
             )
     if raw["format_version"] != FORMAT_VERSION:
         raise TokenFileError(

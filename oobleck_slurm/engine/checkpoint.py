@@ -1,12 +1,14 @@
 """Last-resort checkpoints: one file per layer per step, written off the training path.
 
-Layout: `<dir>/step<S>/<layer key>.pt`, each a dict of tensors {"param.<name>": ..., "buffer.<name>":
-... (persistent buffers; a non-persistent one is remade by the seed build the load starts from),
-"state.<name>": ..., "step": tensor(S)} saved with torch.save and read back with torch.load(weights_only=True): no
-pickled objects. A file appears only complete (temp file + os.replace), so a checkpoint is complete
-when every layer's file exists. Every `interval` steps, the holder of each layer in the first
-pipeline clones the layer's parameters and optimizer state (a memory copy, the only cost on the
-training path) and a background thread serialises them.
+Layout: `<dir>/step<S>/<layer key>.safetensors` (`layer_file`; the suffix is LAYER_SUFFIX), a
+safetensors file of contiguous CPU tensors {"param.<name>": ..., "buffer.<name>": ... (persistent
+buffers; a non-persistent one is remade by the seed build the load starts from), "state.<name>": ...
+(optimizer state, 0-dim step counters included)} whose string metadata is {"format":
+"oobleck-slurm-layer", "version": "1", "step": "<S>"}: no pickles, and readable by any safetensors
+reader. A file appears only complete (temp file + os.replace), so a checkpoint is complete when every
+layer's file exists. Every `interval` steps, the holder of each layer in the first pipeline clones the
+layer's parameters and optimizer state (a memory copy, the only cost on the training path) and a
+background thread serialises them.
 """
 
 from __future__ import annotations
@@ -18,21 +20,37 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from oobleck_slurm.optim import load_optimizer_state_tensors, optimizer_state_tensors
+
+LAYER_SUFFIX = ".safetensors"
+FORMAT = "oobleck-slurm-layer"
+VERSION = "1"
+
+
+class CheckpointError(ValueError):
+    """A layer file that is not a readable safetensors file of this format, or does not fit the layer."""
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step{step}"
 
 
-def layer_payload(layer: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, torch.Tensor]:
-    """Detached CPU copies of everything that defines a trained layer at `step`."""
+def layer_file(root: str | os.PathLike[str], step: int, key: str) -> Path:
+    """The file that holds layer `key` in the checkpoint of `step`: `<root>/step<S>/<key>.safetensors`."""
+    return step_dir(root, step) / f"{key}{LAYER_SUFFIX}"
+
+
+def layer_payload(layer: nn.Module, opt: torch.optim.Optimizer, step: int | None = None) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of everything that defines a trained layer. `step` is not part of it (the
+    step is the one `CheckpointWriter.submit` / `save_layer` are given, kept in the file's metadata);
+    it is accepted for the callers that still pass it."""
     out = {f"param.{n}": p.detach().to("cpu", copy=True) for n, p in layer.named_parameters()}
     out.update({f"buffer.{n}": b.detach().to("cpu", copy=True) for n, b in persistent_buffers(layer).items()})
     out.update({f"state.{n}": t.detach().to("cpu", copy=True) for n, t in optimizer_state_tensors(opt).items()})
-    out["step"] = torch.tensor(step)
     return out
 
 
@@ -42,20 +60,84 @@ def persistent_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b for n, b in layer.named_buffers() if n in saved}
 
 
+def save_layer(root: str | os.PathLike[str], step: int, key: str, payload: dict[str, torch.Tensor]) -> Path:
+    """Write `payload` (`layer_payload`) as layer `key` of the checkpoint of `step`; returns its path.
+
+    Atomic: the tensors go to a temporary file that is renamed into place. The seconds it took are
+    written first, to `<step dir>/.<key>.seconds` (also by rename): the supervisor reads it as soon as
+    the checkpoint is complete.
+    """
+    d = step_dir(root, step)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{key}.{os.getpid()}.tmp"
+    seconds = d / f".{key}.{os.getpid()}.seconds.tmp"
+    try:
+        t0 = time.perf_counter()
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in payload.items()}
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": VERSION, "step": str(step)})
+        # The timing lands (atomically) before the layer file: a half-written figure read as '' failed
+        # a requeued job.
+        seconds.write_text(f"{time.perf_counter() - t0:.6f}")
+        os.replace(seconds, d / f".{key}.seconds")
+        path = layer_file(root, step, key)
+        os.replace(tmp, path)
+    except BaseException:
+        for leftover in (tmp, seconds):
+            leftover.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_layer_file(path: str | os.PathLike[str], step: int | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a layer file, after checking that it is one (format, version) and, if `step` is
+    given, that its metadata holds that step. Raises CheckpointError naming the file otherwise."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: layer file does not exist") from None
+    except Exception as e:  # SafetensorError (a bare Exception subclass), OSError, a bad header
+        raise CheckpointError(f"{path}: not a valid safetensors file ({type(e).__name__}: {e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: metadata format {meta.get('format')!r} version {meta.get('version')!r}, "
+            f"expected {FORMAT!r} version {VERSION!r}"
+        )
+    saved = meta.get("step", "")
+    if not saved.isdigit():
+        raise CheckpointError(f"{path}: metadata step {saved!r} is not a step number")
+    if step is not None and int(saved) != step:
+        raise CheckpointError(f"{path}: holds step {int(saved)}, expected {step}")
+    return tensors
+
+
 def load_layer(root: str | os.PathLike[str], step: int, key: str, layer: nn.Module,
                opt: torch.optim.Optimizer) -> int:
-    """Overwrite `layer` and `opt` with the checkpointed state; returns the bytes read."""
-    path = step_dir(root, step) / f"{key}.pt"
-    data = torch.load(path, weights_only=True)
-    if int(data["step"]) != step:
-        raise ValueError(f"{path}: holds step {int(data['step'])}, expected {step}")
+    """Overwrite `layer` and `opt` with the checkpointed state; returns the bytes read. Raises
+    CheckpointError naming the file when it is missing, not a layer file of `step`, or lacks (or has
+    the wrong shape of) a tensor the layer or its optimizer needs."""
+    path = layer_file(root, step, key)
+    data = read_layer_file(path, step)
+
+    def tensor(name: str, like: torch.Tensor) -> torch.Tensor:
+        t = data.get(name)
+        if t is None:
+            raise CheckpointError(f"{path}: has no tensor {name!r}")
+        if t.shape != like.shape:
+            raise CheckpointError(f"{path}: tensor {name!r} is {tuple(t.shape)}, the layer's is {tuple(like.shape)}")
+        return t
+
     with torch.no_grad():
         for n, p in layer.named_parameters():
-            p.copy_(data[f"param.{n}"])
+            p.copy_(tensor(f"param.{n}", p))
         for n, b in persistent_buffers(layer).items():
             if f"buffer.{n}" in data:  # checkpoints written before buffers were saved have none
-                b.copy_(data[f"buffer.{n}"])
-    load_optimizer_state_tensors(opt, {k[6:]: v for k, v in data.items() if k.startswith("state.")})
+                b.copy_(tensor(f"buffer.{n}", b))
+    try:
+        load_optimizer_state_tensors(opt, {k[6:]: v for k, v in data.items() if k.startswith("state.")})
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     return sum(t.numel() * t.element_size() for t in data.values())
 
 
@@ -66,7 +148,7 @@ def latest_complete(root: str | os.PathLike[str], keys: list[str]) -> int | None
         return None
     steps = sorted((int(d.name[4:]) for d in root.glob("step*") if d.name[4:].isdigit()), reverse=True)
     for s in steps:
-        if all((step_dir(root, s) / f"{k}.pt").exists() for k in keys):
+        if all(layer_file(root, s, k).exists() for k in keys):
             return s
     return None
 
@@ -77,6 +159,7 @@ class CheckpointWriter:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._queue: queue.Queue = queue.Queue()
+        self._error: Exception | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-writer")
         self._thread.start()
 
@@ -86,19 +169,16 @@ class CheckpointWriter:
     def _run(self) -> None:
         while True:
             step, key, payload = self._queue.get()
-            d = step_dir(self.root, step)
-            d.mkdir(parents=True, exist_ok=True)
-            tmp = d / f".{key}.{os.getpid()}.tmp"
-            t0 = time.perf_counter()
-            torch.save(payload, tmp)
-            # The timing lands (atomically) before the layer file: the supervisor reads it as soon as
-            # the checkpoint is complete, and a half-written figure read as '' failed a requeued job.
-            seconds = d / f".{key}.{os.getpid()}.seconds.tmp"
-            seconds.write_text(f"{time.perf_counter() - t0:.6f}")
-            os.replace(seconds, d / f".{key}.seconds")
-            os.replace(tmp, d / f"{key}.pt")
-            self._queue.task_done()
+            try:
+                save_layer(self.root, step, key, payload)
+            except Exception as err:  # noqa: BLE001 - kept for flush() to raise in the training thread
+                self._error = err
+            finally:
+                self._queue.task_done()
 
     def flush(self) -> None:
-        """Wait until everything submitted is on disk."""
+        """Wait until everything submitted is on disk; raises the first write that failed (a full disk)."""
         self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"writing a checkpoint under {self.root} failed: {type(error).__name__}: {error}") from error

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
-from oobleck_slurm.data import default_token_file, prepare
+from oobleck_slurm.data import cache_file, default_token_file, prepared
 from oobleck_slurm.data.tokens import TokenFile, TokenFileError
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.models import with_layers
@@ -46,13 +45,7 @@ def validation_file_for(recipe: Any, cache_dir: str | os.PathLike[str]) -> Path 
 
 
 def _prepared(src: Path, tokenizer: str, cache_dir: str | os.PathLike[str]) -> Path:
-    tag = "byte" if tokenizer == "byte" else "tok-" + hashlib.sha256(tokenizer.encode()).hexdigest()[:12]
-    out = Path(cache_dir) / f"{src.stem}.{tag}.bin"
-    try:
-        TokenFile(out)
-    except TokenFileError:
-        prepare(src, out, tokenizer)
-    return out
+    return prepared(src, cache_file(cache_dir, src, tokenizer), tokenizer).path
 
 
 def model_spec(recipe: Any) -> ModelSpec:

@@ -249,8 +249,13 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
         value = getattr(d, key)
         if value and not _data_file(source, key, value).is_file():
             add(("data", key), f"file not found: {_data_file(source, key, value)}")
-    if d.tokenizer != "byte" and schema.factory_string(d.tokenizer):
-        add(("data", "tokenizer"), f"expected 'byte' or 'package.module:function', got {d.tokenizer!r}")
+    if _is_tokenizer_path(d.tokenizer):
+        found = Path(d.tokenizer)
+        if not (found.is_file() or (found / "tokenizer.json").is_file()):
+            add(("data", "tokenizer"), f"no Hugging Face tokenizer at {found} (a tokenizer.json, or a folder holding one)")
+    elif d.tokenizer != "byte" and schema.factory_string(d.tokenizer):
+        add(("data", "tokenizer"), f"expected 'byte', a tokenizer.json path or 'package.module:function', "
+                                   f"got {d.tokenizer!r}")
     return issues
 
 
@@ -260,7 +265,9 @@ def _model_issues(m: schema.ModelConfig, source: Source) -> list[RecipeIssue]:
     `models.inspect_factory` (it imports the user's code, so not here)."""
     issues: list[RecipeIssue] = []
     add = lambda key, msg: issues.append(source.issue(("model", key), msg))  # noqa: E731
-    given = {key for key in (f.name for f in fields(m)) if ("model", key) in source.origin}
+    defaults = schema.ModelConfig()
+    given = {f.name for f in fields(m)  # set, to something else than the default (a job's recipe copy has every key)
+             if ("model", f.name) in source.origin and getattr(m, f.name) != getattr(defaults, f.name)}
     if m.hf is not None and m.factory is not None:
         add("factory", "give model.hf (a Hugging Face folder) or model.factory (your own layers), not both")
         return issues
@@ -294,6 +301,11 @@ def _model_issues(m: schema.ModelConfig, source: Source) -> list[RecipeIssue]:
     return issues
 
 
+def _is_tokenizer_path(value: str) -> bool:
+    """A Hugging Face tokenizer.json, or a folder holding one written as a path ('./tok')."""
+    return value.endswith(".json") or "/" in value
+
+
 def _data_file(source: Source, key: str, value: str) -> Path:
     return _recipe_path(source, ("data", key), value)
 
@@ -311,6 +323,8 @@ def _resolve_paths(recipe: schema.Recipe, source: Source) -> schema.Recipe:
     data, model = recipe.data, recipe.model
     resolved = {key: str(_data_file(source, key, getattr(data, key)))
                 for key in ("path", "text", "validation") if getattr(data, key)}
+    if _is_tokenizer_path(data.tokenizer):
+        resolved["tokenizer"] = str(_recipe_path(source, ("data", "tokenizer"), data.tokenizer))
     if model.hf is not None:
         model = replace(model, hf=str(_recipe_path(source, ("model", "hf"), model.hf)))
     return replace(recipe, data=replace(data, **resolved), model=model, source=source.root_file)

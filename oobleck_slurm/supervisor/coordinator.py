@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from oobleck_slurm.detection.health import Rebalance
-from oobleck_slurm.engine.checkpoint import latest_complete, step_dir
+from oobleck_slurm.engine.checkpoint import latest_complete, layer_file, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.engine.worker import StepResult
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
@@ -538,7 +538,7 @@ class Coordinator:
             {"generation": self.gen, "stop": True, "save": {"root": root, "step": step}}))
         self.store.set(keys.CURRENT_GEN, str(self.gen))
         deadline = time.time() + self.cfg.checkpoint_timeout
-        while not all((step_dir(root, step) / f"{k}.pt").exists() for k in self.keys):
+        while not all(layer_file(root, step, k).exists() for k in self.keys):
             if time.time() > deadline:
                 self.log.emit("checkpoint", step=step, ok=False, on_demand=True,
                               detail=f"not complete within {self.cfg.checkpoint_timeout:g} s")

@@ -38,7 +38,7 @@ from typing import Any
 from oobleck_slurm.detection import DetectorConfig, MetricsWriter, MinderDetector, Straggler, StragglerWatch
 from oobleck_slurm.detection.health import Evict, HealthPolicy, Rebalance, Report
 from oobleck_slurm.detection.metrics import METRICS_FILE
-from oobleck_slurm.engine.checkpoint import step_dir
+from oobleck_slurm.engine.checkpoint import LAYER_SUFFIX, step_dir
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog
@@ -235,7 +235,7 @@ class HealthMonitor:
         step, since = self._checkpoint
         if now >= self._next_look:
             self._next_look = now + CHECKPOINT_LOOK_S
-            written = len(list(step_dir(self.checkpoint_dir, step).glob("*.pt")))
+            written = len(list(step_dir(self.checkpoint_dir, step).glob(f"*{LAYER_SUFFIX}")))
             if written >= self._num_layers or now - since > CHECKPOINT_HOLD_MAX_S:
                 self._checkpoint = None
         return True

@@ -28,7 +28,7 @@ import time
 import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from oobleck_slurm.cluster.jobdir import META_FILE, JobDir
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNRECOVERABLE
@@ -219,10 +219,7 @@ class SupervisorJob:
         self._thread.start()
         while self._thread.is_alive():
             self._thread.join(JOIN_POLL_S)
-        code = codes[0] if codes else EXIT_FAILED
-        if code != EXIT_OK:
-            raise SystemExit(code)  # submitit lets SystemExit through: Slurm records this exit code
-        return code
+        exit_now(codes[0] if codes else EXIT_FAILED)  # Slurm records this exit code
 
     def _signal_self(self) -> None:
         """An agent relayed Slurm's USR2: hand it to submitit's handler in this process, once."""
@@ -262,5 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_supervisor(args.job_dir, args.backend)
 
 
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` without finalising the interpreter. A daemon thread may still be
+    inside a C++ call on the job's store when the job ends (a joining node's health check building its
+    gloo group); finalisation tears the store down under it and the C++ runtime aborts the process
+    (exit -6 after a completed job). The event log is unbuffered; stdout and stderr are flushed here."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

@@ -30,7 +30,7 @@ def test_prepare_writes_tokens_and_reports_the_count(tmp_path: Path, capsys) -> 
     ("args", "message"),
     [
         (["missing.txt", "o.bin"], "text file missing.txt does not exist"),
-        ([str(DEFAULT_TEXT), "o.bin", "--tokenizer", "gpt2"], "expected 'byte' or a factory"),
+        ([str(DEFAULT_TEXT), "o.bin", "--tokenizer", "gpt2"], "expected 'byte', a tokenizer.json"),
         ([str(DEFAULT_TEXT), "o.bin", "--tokenizer", "user_tokenizers:failing_factory"],
          "failing_factory() raised FileNotFoundError: vocab.json not found"),
     ],

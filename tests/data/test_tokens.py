@@ -70,7 +70,7 @@ def test_user_tokenizer_uses_uint32_and_chunks_at_newlines(text_file: Path, tmp_
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("bpe", "expected 'byte' or a factory"),
+        ("bpe", "expected 'byte', a tokenizer.json"),
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
         ("user_tokenizers:missing", "has no callable 'missing'"),
         ("user_tokenizers:not_a_tokenizer", "needs an encode"),

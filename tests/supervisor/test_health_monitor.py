@@ -13,6 +13,7 @@ from exec_plans import make_plan
 
 from oobleck_slurm.detection import read_metrics
 from oobleck_slurm.detection.health import Evict, Rebalance
+from oobleck_slurm.engine.checkpoint import layer_file
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog, read_events
 from oobleck_slurm.protocol.wire import ProtocolError
@@ -150,10 +151,9 @@ def test_no_judgement_while_a_checkpoint_is_written(tmp_path: Path, store: dist.
     store.set(keys.progress(0), "49")  # step 49 done: the checkpoint of step 50 is being written
     mon = monitor(tmp_path, checkpoint_interval=50)
     assert run_metrics(mon, store, 60, faulty="node3", leak_from=0)[0] == []
-    folder = tmp_path / "checkpoints" / "step50"
-    folder.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step50").mkdir(parents=True)
     for layer in range(6):  # every layer's file is there: the checkpoint is complete
-        (folder / f"layer{layer}.pt").write_bytes(b"")
+        layer_file(tmp_path / "checkpoints", 50, f"layer{layer}").write_bytes(b"")
     evictions, first = run_metrics(mon, store, 30, faulty="node3", start=60, leak_from=0)
     assert [e.node for e in evictions] == ["node3"] and first is not None and first >= T0 + 60 + 5
 
