@@ -122,3 +122,19 @@ def test_kwargs_stay_plain_json(tmp_path: Path) -> None:
     spec = job_from_recipe(load_recipe(path), tmp_path / "t.bin")
     assert json.loads(spec.to_json())["model"]["config"]["kwargs"]["notes"] == {"a": [1, {"b": 2}]}
     assert JobSpec.from_json(spec.to_json()) == spec
+
+
+def test_the_shipped_example_validates_and_declares_nine_layers(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    example = Path(__file__).resolve().parents[2] / "recipes" / "examples"
+    monkeypatch.syspath_prepend(str(example))  # what PYTHONPATH=recipes/examples does for the job
+    path = example / "my-model.yaml"
+    assert validate_command.run(argparse.Namespace(recipe=path, json=False)) == 0
+    assert "my_model:build: 9 layers" in capsys.readouterr().out
+    model = job_from_recipe(load_recipe(path), path.parent / "unused.bin").model
+    assert model.keys() == ["embed", *(f"block{i}" for i in range(1, 8)), "head"]
+    x = torch.randint(0, 256, (2, 64))
+    for part in (model.build(3, 0, 4), model.build(3, 4, 9)):  # two stages give the full model's logits
+        for layer in part:
+            x = layer(x)
+    assert x.shape == (2, 64, 256) and torch.isfinite(x).all()
