@@ -106,6 +106,7 @@ class TrainSpec:
     min_lr: float = 0.0
     precision: str = "fp32"  # bf16: autocast on CUDA only (fp32 on CPU); fp64: parameters in float64
     eval_interval: int = 0  # the validation loss every this many steps and at the end; 0: never
+    recompute: bool = False  # activations recomputed in the backward (stage.py)
     eval_samples: int = 0
 
     def __post_init__(self) -> None:

@@ -14,13 +14,18 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Stage:
     def __init__(self, layers: list[nn.Module], first_layer: int, is_last: bool, device: torch.device,
-                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], bf16: bool = False) -> None:
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], bf16: bool = False,
+                 recompute: bool = False) -> None:
         self.layers = layers
         self.loss = loss
+        # Recompute: a layer's forward keeps only its input; its backward runs the forward again (under
+        # the same autocast) to rebuild what it needs.
+        self.recompute = recompute
         self.first_layer = first_layer
         self.is_last = is_last
         self.device = device
@@ -47,10 +52,10 @@ class Stage:
             for index, layer in enumerate(self.layers):
                 if split or index == 0:
                     inp = h.detach().requires_grad_(h.is_floating_point())
-                    h = layer(inp)
+                    h = self._run(layer, inp)
                     saved.append((inp, h))
                 else:
-                    h = layer(h)
+                    h = self._run(layer, h)
                     saved[-1] = (saved[-1][0], h)
             if self.is_last:
                 if targets is None:
@@ -61,6 +66,11 @@ class Stage:
         # What crosses a stage boundary has the parameters' dtype (the receiver's buffer): under
         # autocast a block may return bf16; its backward casts the incoming gradient back.
         return h.detach() if self.is_last else h.detach().to(self.boundary_dtype)
+
+    def _run(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(layer, x, use_reentrant=False)
+        return layer(x)
 
     def backward(self, mb: int, grad_out: torch.Tensor | None,
                  on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:

@@ -279,7 +279,7 @@ class Worker:
         if role is not None:
             held = [self.layers[i] for i in role.layers]
             stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
-                          bf16=self.job.train.precision == "bf16")
+                          bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute)
             scale = 1.0 / plan.num_microbatches
             last_mb = role.mb_count - 1
             for op, m in one_f_one_b(role.stage, role.num_stages, role.mb_count):

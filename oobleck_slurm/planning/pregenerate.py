@@ -20,7 +20,7 @@ from oobleck_slurm.planning.cache import TemplateCache
 from oobleck_slurm.planning.estimate import estimate_profile
 from oobleck_slurm.planning.gpus import GPUS
 from oobleck_slurm.planning.instantiate import Plan, instantiate
-from oobleck_slurm.planning.profile import Profile, load_profile, profile_from_dict
+from oobleck_slurm.planning.profile import Profile, load_profile, profile_from_dict, with_recompute
 from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, explain_infeasible, generate_templates
 
 # Bump when the template algorithm or the cost model changes: older cache entries become stale.
@@ -73,6 +73,8 @@ def recipe_profile(
     with the recipe's `cluster.memory_per_device` as the device memory when it is set."""
     profile, source = _source_profile(recipe, cache, profile_file=profile_file, estimate_gpu=estimate_gpu,
                                       progress=progress)
+    if recipe.training.recompute:
+        profile = with_recompute(profile)
     budget = recipe.cluster.memory_per_device
     if budget is not None:
         from dataclasses import replace

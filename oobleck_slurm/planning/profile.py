@@ -137,6 +137,21 @@ def canonical_hash(data: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def with_recompute(profile: Profile) -> Profile:
+    """The profile of the same model trained with activation recomputation (`training.recompute`): a
+    layer keeps only its input per microbatch in flight (the previous layer's output; the token ids for
+    the first), its backward runs its forward again first, and for that moment its activations exist
+    again on top of its workspace."""
+    from dataclasses import replace
+
+    layers = []
+    for index, layer in enumerate(profile.layers):
+        kept = profile.layers[index - 1].output_bytes if index else layer.activation_bytes  # the first: its ids
+        layers.append(replace(layer, activation_bytes=kept, backward_s=layer.backward_s + layer.forward_s,
+                              workspace_bytes=layer.workspace_bytes + layer.activation_bytes))
+    return replace(profile, layers=tuple(layers), source=f"{profile.source}+recompute")
+
+
 def profile_key(
     *, model: dict[str, Any], microbatch_size: int, dtype: str, device_name: str,
     torch_version: str, optimizer: str, source: str, devices_per_node: int,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +77,21 @@ def test_an_unknown_gpu_is_one_typed_error_that_every_planning_command_reports(t
         assert run(module, [JURECA, "--estimate", "B200", "--cache", str(tmp_path), *extra]) == 2, module.__name__
         err = capsys.readouterr().err
         assert "unknown GPU 'B200'; known: V100" in err and "Traceback" not in err, module.__name__
+
+
+@pytest.mark.parametrize(("recipe", "layers"), [("recipes/llama-3.1-8b-isambard.yaml", 34),
+                                                ("recipes/llama-3.1-70b-isambard.yaml", 82)])
+def test_llama_recipes_plan_on_h100s(tmp_path, capsys, recipe, layers):
+    assert run(plan, [recipe, "--estimate", "H100", "--json", "--cache", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pipelines = out["plan"]["pipelines"]
+    assert len(pipelines) >= 3  # f = 2
+    assert {p["template"]["stages"][-1]["stop"] for p in pipelines} == {layers}
+    assert sum(p["microbatches"] for p in pipelines) == (256 if "8b" in recipe else 1024)
+
+
+def test_a_70b_model_fits_only_with_recompute(tmp_path, capsys):
+    recipe = tmp_path / "no-recompute.yaml"
+    recipe.write_text(f"extends: {Path('recipes/llama-3.1-70b-isambard.yaml').resolve()}\ntraining: {{recompute: false}}\n")
+    assert run(plan, [str(recipe), "--estimate", "H100", "--cache", str(tmp_path)]) == 2
+    assert "fits on no node count" in capsys.readouterr().err

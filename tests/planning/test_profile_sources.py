@@ -72,3 +72,18 @@ def test_measured_layers_on_a_real_module_list():
     assert profiles[0].activation_bytes == 4 * 32 * 4  # a Linear keeps its input, not its weight
     assert profiles[1].activation_bytes == 4 * 64 * 4  # GELU keeps its input
     assert profiles[0].optimizer_bytes > 2 * profiles[0].param_bytes  # AdamW: two moments + step
+
+
+def test_recompute_keeps_only_layer_inputs_and_pays_a_forward():
+    from oobleck_slurm.models import llama_config
+    from oobleck_slurm.planning.profile import with_recompute
+
+    kept = estimate_profile(llama_config("3.1-70b", seq_len=4096), "H100", microbatch_size=1)
+    again = with_recompute(kept)
+    for i, (a, b) in enumerate(zip(kept.layers, again.layers)):
+        assert b.activation_bytes == (kept.layers[i - 1].output_bytes if i else a.activation_bytes)
+        assert b.backward_s == a.backward_s + a.forward_s and b.workspace_bytes == a.workspace_bytes + a.activation_bytes
+        assert b.state_bytes == a.state_bytes
+    block = kept.layers[1]
+    assert again.layers[1].activation_bytes < block.activation_bytes / 10  # 70B's block: 1 in 25 bytes kept
+    assert again.content_hash() != kept.content_hash()  # templates are cached apart

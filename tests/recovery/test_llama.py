@@ -10,11 +10,15 @@ from jobrun import assert_matches_reference, run_job, tiny_recipe
 pytestmark = pytest.mark.slow
 
 
-def test_a_llama_survives_a_kill_with_the_reference_trajectory(tmp_path, templates_cache):
-    recipe = tiny_recipe(nodes=5, steps=5, memory="12MB")  # pipelines of 2 or 3 nodes
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_a_llama_survives_a_kill_with_the_reference_trajectory(tmp_path, templates_cache, recompute):
+    # recompute: activations rebuilt in the backward change no number (the same kernels run again)
+    # pipelines of 2 or 3 nodes (recomputed activations: a smaller budget for the same shape)
+    recipe = tiny_recipe(nodes=5, steps=5, memory="8MB" if recompute else "12MB")
     recipe["model"] = {"family": "llama", "size": "tiny"}
+    recipe["training"]["recompute"] = recompute
     run = run_job(tmp_path, recipe, templates_cache, faults=[{"node": "node2", "step": 2, "at": "wait:last"}])
-    assert run.spec().model.config.family == "llama"
+    assert run.spec().model.config.family == "llama" and run.spec().train.recompute == recompute
     assert run.kind("failure")[0]["nodes"] == ["node2"] and run.kind("resumed")
     assert any(len(p["stages"]) > 1 for p in run.first("plan")["pipelines"])  # hidden states crossed stages
     assert_matches_reference(run)
