@@ -107,3 +107,18 @@ def test_the_job_folder_and_slurm_know_nothing_above_them() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_core_imports_no_hugging_face_library() -> None:
+    """transformers and tokenizers are the optional `hf` extra: a job that uses neither a Hugging Face
+    folder nor a tokenizer.json loads the CLI, the models, the worker and the supervisor without them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, oobleck_slurm.cli, oobleck_slurm.models, oobleck_slurm.models.hf, "
+            "oobleck_slurm.engine.worker, oobleck_slurm.engine.elastic_process, oobleck_slurm.supervisor.main, "
+            "oobleck_slurm.commands.export, oobleck_slurm.data; "
+            "print(sorted(m for m in ('transformers', 'tokenizers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

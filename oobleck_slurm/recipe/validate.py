@@ -240,7 +240,15 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     if t.lr_schedule.min_lr > opt.lr:
         add(("training", "lr_schedule", "min_lr"), f"min_lr {t.lr_schedule.min_lr:g} exceeds optimizer.lr {opt.lr:g}")
 
-    issues += _model_issues(m, source)
+    model_issues = _model_issues(m, source)
+    issues += model_issues
+    if not model_issues and m.factory is None and not recipe.data.path:
+        # The byte tokenizer's ids run to 255: the model's vocabulary must hold them.
+        uses_bytes = recipe.data.tokenizer == "byte" and not (m.hf and (Path(m.hf) / "tokenizer.json").is_file())
+        vocab = m.resolve().vocab_size
+        if uses_bytes and vocab < 256:
+            add(("data", "tokenizer"), f"the byte tokenizer's ids run to 255, but the model's vocab_size is {vocab}: "
+                                       f"give a tokenizer.json (data.tokenizer) or a larger vocabulary")
 
     d = recipe.data
     if d.path and d.text:

@@ -171,3 +171,11 @@ def test_empty_section_is_all_defaults(tmp_path: Path) -> None:
     """`model:` with nothing under it once crashed the cross-checks (TypeError on None); found by fuzzing."""
     recipe = load_recipe(write(tmp_path, "name: x\nmodel:\ntraining:\n"))
     assert recipe.model.size == "tiny"
+
+
+def test_the_byte_tokenizer_needs_a_vocabulary_of_256(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  size: tiny\n  vocab_size: 200\n")
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(path)
+    (issue,) = caught.value.issues
+    assert issue.key == "data.tokenizer" and "vocab_size is 200" in issue.message
