@@ -20,15 +20,12 @@ folder's faults.json) is engine/faults.py's `FaultHooks`, called at its hook poi
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
-import json
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -42,8 +39,19 @@ from oobleck_slurm.engine.recovery import can_complete, reach_step
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED
-from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol import keys, records
 from oobleck_slurm.protocol.events import EventLog, events_path
+from oobleck_slurm.protocol.records import (
+    FirstStep,
+    GenerationConfig,
+    LastStep,
+    Rebuilt,
+    StepCompute,
+    WorkerError,
+    WorkerReport,
+    read_launch_config,
+)
+from oobleck_slurm.protocol.wire import ProtocolError
 
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
 
@@ -53,21 +61,21 @@ class ElasticWorker:
         self.job_dir, self.node, self.local = job_dir, node, local
         self.name = keys.worker_id(node, local)
         self.job = JobSpec.from_json((job_dir / JOB_SPEC_FILE).read_text())
-        launch = json.loads((job_dir / ELASTIC_FILE).read_text())
-        self.per_node = int(launch.get("workers_per_node", 1))
+        launch = read_launch_config(job_dir / ELASTIC_FILE)
+        self.per_node = launch.workers_per_node
         if not 0 <= local < self.per_node:
             raise ValueError(f"worker index {local} out of range: the job runs {self.per_node} worker(s) per node")
-        self.timeouts = Timeouts(**launch["timeouts"])
-        self.reconfiguration_s = float(launch["reconfiguration_timeout"])
-        self.checkpoint_interval = int(launch.get("checkpoint_interval", 0))
-        self.checkpoint_root = launch.get("checkpoint_dir") or str(job_dir / CHECKPOINTS_DIR)
-        self.store = connect_store(launch["host"], int(launch["port"]), self.timeouts)
+        self.timeouts = Timeouts(**launch.timeouts)
+        self.reconfiguration_s = launch.reconfiguration_timeout
+        self.checkpoint_interval = launch.checkpoint_interval
+        self.checkpoint_root = launch.checkpoint_dir or str(job_dir / CHECKPOINTS_DIR)
+        self.store = connect_store(launch.host, launch.port, self.timeouts)
         device = torch.device("cuda", torch.cuda.current_device()) if self.job.backend == "nccl" else None
         self.worker = Worker(self.job, 0, device)
         self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local)
         self.worker.before_update = self.faults.before_update
         self.gen: AbortableGeneration | None = None  # the generation this worker last built
-        self.last_step: dict[str, Any] | None = None  # the last step it completed: StepResult and generation
+        self.last_step: LastStep | None = None  # the last step it completed
         self.log = EventLog(events_path(job_dir))
         self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
@@ -87,8 +95,7 @@ class ElasticWorker:
     def _report_error(self, g: int, error: BaseException) -> None:
         """Tell the coordinator that a collective of generation g failed here (see coordinator.py)."""
         message = f"{type(error).__name__}: {error}"[:ERROR_CHARS]
-        self.store.set(keys.error(g, self.name), json.dumps(
-            {"step": self.worker.step, "error": message, "t": time.time()}))
+        records.put(self.store, WorkerError(step=self.worker.step, error=message, t=time.time()), g, self.name)
         self.store.add(keys.errors(g), 1)
 
     # ---- the generation loop -----------------------------------------------------------------------
@@ -106,12 +113,12 @@ class ElasticWorker:
         while True:
             if not self._wait_key(keys.config(g), self.timeouts.run):
                 raise TimeoutError(f"no configuration for generation {g} within {self.timeouts.run} s")
-            cfg = json.loads(self.store.get(keys.config(g)))
-            if cfg.get("stop"):
-                if cfg.get("save"):
-                    self.save_checkpoint(cfg["save"]["root"], int(cfg["save"]["step"]))
+            cfg = records.get(self.store, GenerationConfig, g)
+            if cfg.stop:
+                if cfg.save is not None:
+                    self.save_checkpoint(cfg.save.root, cfg.save.step)
                 return
-            if self.node not in cfg["members"]:
+            if self.node not in cfg.members:
                 g += 1
                 continue
             try:
@@ -127,17 +134,19 @@ class ElasticWorker:
                     if not self._wait_key(keys.failed(g), self.reconfiguration_s):
                         raise
                 self.faults.before_report(self.worker.step)
-                self.store.set(keys.report(g, self.name), json.dumps(
-                    {"step": self.worker.step, "layers": sorted(self.worker.layers),
-                     "completable": can_complete(self.worker), "last_step": self.last_step}))
+                records.put(self.store, WorkerReport(step=self.worker.step, layers=tuple(sorted(self.worker.layers)),
+                                                     completable=can_complete(self.worker), last_step=self.last_step),
+                            g, self.name)
                 g += 1
 
-    def run_generation(self, g: int, cfg: dict[str, Any]) -> None:
+    def run_generation(self, g: int, cfg: GenerationConfig) -> None:
         w = self.worker
-        plan = ExecPlan.from_json(cfg["plan"])
-        w.rank = cfg["members"].index(self.node) * self.per_node + self.local
-        world_size = len(cfg["members"]) * self.per_node
-        reach_step(w, int(cfg["resume_step"]))
+        if cfg.plan is None:
+            raise ProtocolError(f"{keys.config(g)}: a generation to run needs a plan")
+        plan = ExecPlan.from_json(cfg.plan)
+        w.rank = cfg.members.index(self.node) * self.per_node + self.local
+        world_size = len(cfg.members) * self.per_node
+        reach_step(w, cfg.resume_step)
         self.faults.generation = g
         self.faults.before_groups(w.step)
         t0 = time.perf_counter()
@@ -148,12 +157,10 @@ class ElasticWorker:
         self.gen = gen
         t1 = time.perf_counter()
         self.faults.at_adopt(w.step)  # a failure during recovery: groups built, copies not done
-        ckpt = cfg.get("checkpoint")
-        received = w.adopt(plan, gen, cfg["source"], [tuple(t) for t in cfg.get("transfers", [])],
-                           (ckpt["root"], int(ckpt["step"])) if ckpt else None)
+        ckpt = cfg.checkpoint
+        received = w.adopt(plan, gen, cfg.source, list(cfg.transfers), (ckpt.root, ckpt.step) if ckpt else None)
         t2 = time.perf_counter()
-        self.store.set(keys.rebuilt(g, self.name), json.dumps(
-            {"groups_s": t1 - t0, "copy_s": t2 - t1, "bytes": received, "t": time.time()}))
+        records.put(self.store, Rebuilt(groups_s=t1 - t0, copy_s=t2 - t1, bytes=received, t=time.time()), g, self.name)
         gen.align()
         if g > 0 and self._eval_due(w.step):  # the failure may have cut it short (else it is repeated)
             self._evaluate(g)
@@ -165,15 +172,13 @@ class ElasticWorker:
             self.step_reported = False
             result = w.train_step()
             self.faults.at_step_end()
-            self.last_step = {"result": dataclasses.asdict(result), "generation": g,
-                              "global_batch_size": self.job.train.global_batch_size}
+            self.last_step = LastStep(result=result, generation=g, global_batch_size=self.job.train.global_batch_size)
             if w.rank == 0:
                 self.log.emit("step", **result.event(g, self.job.train.global_batch_size))
                 self.store.set(keys.progress(g), str(result.step))
-                self.store.set(keys.step_compute(g), json.dumps({"step": result.step,
-                                                                 "compute_seconds": result.compute_seconds}))
+                records.put(self.store, StepCompute(step=result.step, compute_seconds=result.compute_seconds), g)
                 if first:
-                    self.store.set(keys.first_step(g), json.dumps({"step": result.step, "t": time.time()}))
+                    records.put(self.store, FirstStep(step=result.step, t=time.time()), g)
             first = False
             if self._eval_due(w.step):
                 self._evaluate(g)

@@ -23,8 +23,7 @@ import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,6 +38,7 @@ from oobleck_slurm.engine.schedule import one_f_one_b
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
+from oobleck_slurm.protocol.records import StepResult
 
 
 def attach_grad_buffer(layer: nn.Module) -> torch.Tensor:
@@ -60,28 +60,6 @@ def peer(rank: int | None) -> int:
     if rank is None:
         raise RuntimeError("the schedule sends to or receives from a stage that does not exist")
     return rank
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float  # mean loss over the global batch
-    grad_norm: float  # global norm before clipping
-    lr: float
-    seconds: float  # this rank's wall time for the step
-    pipeline_seconds: list[float] = field(default_factory=list)  # per pipeline: its first stage's schedule time
-    compute_seconds: list[float] = field(default_factory=list)  # per rank: forward/backward only
-    peak_memory: list[float] = field(default_factory=list)  # per rank: peak bytes allocated on its GPU
-
-    def event(self, generation: int, global_batch_size: int) -> dict[str, Any]:
-        """The `step` event rank 0 writes to the job's log."""
-        return {
-            "step": self.step, "loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr,
-            "seconds": self.seconds,
-            "samples_per_s": global_batch_size / self.seconds if self.seconds > 0 else 0.0,
-            "pipeline_seconds": self.pipeline_seconds, "compute_seconds": self.compute_seconds,
-            "peak_memory": self.peak_memory, "generation": generation,
-        }
 
 
 @dataclass(frozen=True)
@@ -354,9 +332,9 @@ class Worker:
             grad_norm=total_sq**0.5,
             lr=lr,
             seconds=time.perf_counter() - t0,
-            pipeline_seconds=[float(v) for v in metrics[1 : 1 + num_p]],
-            compute_seconds=[float(v) for v in metrics[1 + num_p : 1 + num_p + gen.world_size]],
-            peak_memory=[float(v) for v in metrics[1 + num_p + gen.world_size :]] if self.device.type == "cuda" else [],
+            pipeline_seconds=tuple(float(v) for v in metrics[1 : 1 + num_p]),
+            compute_seconds=tuple(float(v) for v in metrics[1 + num_p : 1 + num_p + gen.world_size]),
+            peak_memory=tuple(float(v) for v in metrics[1 + num_p + gen.world_size :]) if self.device.type == "cuda" else (),
         )
 
     def evaluate(self) -> tuple[float, int]:

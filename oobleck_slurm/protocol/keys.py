@@ -1,4 +1,5 @@
-"""Every key of the job's TCPStore, built here and nowhere else.
+"""Every key of the job's TCPStore, built here and nowhere else; the JSON values' types are in
+records.py (each record class names its key), the rest are plain integers or timestamps.
 
 The store is hosted by the supervisor (it never trains, so no worker death takes it down). Workers
 are named `worker_id(node, local)`: a node runs `workers_per_node` workers, one per device, and the

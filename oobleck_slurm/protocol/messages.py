@@ -20,19 +20,15 @@ message is a broken peer: the receiver drops its connection (server.py), as for 
     drill          supervisor -> agent  a fault that the agent carries out (kill itself, kill or stop a worker)
     shutdown       supervisor -> agent  stop the workers and exit
 
-Field types are checked from the annotations: str, int (not bool), float (an int is taken),
-bool, `X | None`, `tuple[X, ...]` (a JSON list), fixed `tuple[A, B]` (a list of that length) and
-`dict[str, X]` (an object); nothing else is used.
+Fields are checked from their annotations (typed.py).
 """
 
 from __future__ import annotations
 
-import math
-import types
-import typing
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, ClassVar, TypeVar, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
+from oobleck_slurm.protocol.typed import decode, encode, json_name, short
 from oobleck_slurm.protocol.wire import ProtocolError
 
 
@@ -43,7 +39,7 @@ class Message:
     TYPE: ClassVar[str] = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, **{f.name: _plain(getattr(self, f.name)) for f in fields(self)}}
+        return {"type": self.TYPE, **encode(self)}
 
 
 # ---- agent -> supervisor ---------------------------------------------------------------------------
@@ -209,24 +205,14 @@ def parse(data: Any) -> Message:
     """The message `data` (a received JSON object) is; ProtocolError naming the type and field if it
     is none."""
     if not isinstance(data, dict):
-        raise ProtocolError(f"a message must be a JSON object, got {_json_name(data)}")
+        raise ProtocolError(f"a message must be a JSON object, got {json_name(data)}")
     kind = data.get("type")
     if not isinstance(kind, str):
         raise ProtocolError("a message needs a string 'type'")
     cls = MESSAGES.get(kind)
     if cls is None:
         raise ProtocolError(f"unknown message type {kind[:50]!r}")
-    hints = _hints(cls)
-    unknown = sorted(str(k) for k in data if k != "type" and k not in hints)
-    if unknown:
-        raise ProtocolError(f"{kind} message: unknown field {unknown[0][:50]!r}")
-    values = {}
-    for f in fields(cls):
-        if f.name in data:
-            values[f.name] = _check(data[f.name], hints[f.name], f"{kind} message: field {f.name!r}")
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise ProtocolError(f"{kind} message: missing field {f.name!r}")
-    return cls(**values)
+    return decode(cls, {k: v for k, v in data.items() if k != "type"}, f"{kind} message")
 
 
 def expect(data: Any, cls: type[M]) -> M:
@@ -240,89 +226,10 @@ def expect(data: Any, cls: type[M]) -> M:
 def _at_least(message: Message, name: str, low: float) -> None:
     if getattr(message, name) < low:
         raise ProtocolError(f"{message.TYPE} message: field {name!r} must be at least {low:g}, "
-                            f"got {_short(getattr(message, name))}")
+                            f"got {short(getattr(message, name))}")
 
 
 def _at_most(message: Message, name: str, high: float) -> None:
     if getattr(message, name) > high:
         raise ProtocolError(f"{message.TYPE} message: field {name!r} must be at most {high:g}, "
-                            f"got {_short(getattr(message, name))}")
-
-
-_HINTS: dict[type[Message], dict[str, Any]] = {}
-
-
-def _hints(cls: type[Message]) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = {f.name: typing.get_type_hints(cls)[f.name] for f in fields(cls)}
-    return _HINTS[cls]
-
-
-def _check(value: Any, annotation: Any, where: str) -> Any:
-    """`value` as `annotation` says (JSON lists become tuples), or ProtocolError saying `where`."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]  # only `X | None` is used
-        return _check(value, inner, where)
-    if annotation is str and isinstance(value, str):
-        return value
-    if annotation is bool and isinstance(value, bool):
-        return value
-    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except OverflowError:  # an integer beyond any float
-            number = math.inf
-        if not math.isfinite(number):
-            raise ProtocolError(f"{where} must be a finite number, got {_short(value)}")
-        return number
-    if origin is tuple and isinstance(value, list):
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-        if len(value) == len(args):
-            return tuple(_check(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin is dict and isinstance(value, dict):
-        checked = {}
-        for key, item in value.items():
-            if not isinstance(key, str):  # never from JSON; a caller's dict may hold anything
-                raise ProtocolError(f"{where} must have string keys, got {_json_name(key)}")
-            checked[key] = _check(item, args[1], f"{where}[{key[:50]!r}]")
-        return checked
-    raise ProtocolError(f"{where} must be {_type_name(annotation)}, got {_json_name(value)}")
-
-
-def _type_name(annotation: Any) -> str:
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
-    if origin is tuple:
-        return "a list" if len(args) == 2 and args[1] is Ellipsis else f"a list of {len(args)}"
-    if origin is dict:
-        return "an object"
-    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}[annotation]
-
-
-def _json_name(value: Any) -> str:
-    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-             dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _short(number: float) -> str:
-    try:
-        return str(number)[:50]
-    except ValueError:  # an integer of more digits than Python converts to text
-        return "a number too large to print"
-
-
-def _plain(value: Any) -> Any:
-    """A field's value as JSON has it (tuples as lists)."""
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+                            f"got {short(getattr(message, name))}")

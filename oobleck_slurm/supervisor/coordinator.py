@@ -31,7 +31,6 @@ checkpoint, checkpoint_fallback, checkpoint_requested, done.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -43,7 +42,6 @@ import torch.distributed as dist
 from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.engine.checkpoint import latest_complete, layer_file, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
-from oobleck_slurm.engine.worker import StepResult
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
 from oobleck_slurm.planning.instantiate import NodeId
 from oobleck_slurm.planning.reconfigure import (
@@ -54,8 +52,17 @@ from oobleck_slurm.planning.reconfigure import (
     stage_devices,
 )
 from oobleck_slurm.planning.templates import PipelineTemplate
-from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol import keys, records
 from oobleck_slurm.protocol.events import EventLog
+from oobleck_slurm.protocol.records import (
+    CheckpointRef,
+    Failed,
+    FirstStep,
+    GenerationConfig,
+    Rebuilt,
+    WorkerError,
+    WorkerReport,
+)
 from oobleck_slurm.supervisor.decisions import (
     Change,
     CheckpointAndStop,
@@ -200,7 +207,7 @@ class Coordinator:
         return [str(n) for p in plan.pipelines for n in p.nodes] + [str(n) for n in plan.spare_nodes]
 
     def _publish(self, plan: Plan, source: str, resume_step: int, reason: str,
-                 change: Reconfiguration | None = None, checkpoint: dict[str, Any] | None = None,
+                 change: Reconfiguration | None = None, checkpoint: CheckpointRef | None = None,
                  recovery: int | None = None) -> None:
         plan = str_nodes(plan)
         members = self._members_of(plan)
@@ -208,13 +215,11 @@ class Coordinator:
         index = {n: i for i, n in enumerate(members)}
         transfers = [[t.layer, index[str(t.src[0])] * d + t.src[1], index[str(t.dst[0])] * d + t.dst[1]]
                      for t in (change.transfers if change else ())]
-        cfg = {"generation": self.gen, "members": members,
-               "plan": exec_plan(plan, members, d).to_json(), "transfers": transfers,
-               "resume_step": resume_step, "source": source}
-        if checkpoint:
-            cfg["checkpoint"] = checkpoint
+        cfg = GenerationConfig(generation=self.gen, members=tuple(members), plan=exec_plan(plan, members, d).to_json(),
+                               transfers=tuple((int(a), int(b), int(c)) for a, b, c in transfers),
+                               resume_step=resume_step, source=source, checkpoint=checkpoint)
         self.plan, self.members, self.start_step = plan, members, resume_step
-        self.store.set(keys.config(self.gen), json.dumps(cfg))
+        records.put(self.store, cfg, self.gen)
         self.store.set(keys.CURRENT_GEN, str(self.gen))
         if recovery is None:  # generation 0: no change led to it
             self.log.emit("plan", **plan_event(plan, self.gen, reason, members, d))
@@ -231,7 +236,7 @@ class Coordinator:
         else:
             self.trained = True
             self._publish(self.plan, "checkpoint", step, "requeue",
-                          checkpoint={"root": str(self.cfg.checkpoint_dir), "step": step})
+                          checkpoint=CheckpointRef(root=str(self.cfg.checkpoint_dir), step=step))
         for node in self.members:
             self.backend.start(node)
 
@@ -306,17 +311,16 @@ class Coordinator:
         return [key(w) for w in keys.node_workers(node, self.cfg.devices_per_node)]
 
     def _log_step_completed_in_recovery(self, logged_next: int, resume: int,
-                                        reports: dict[str, dict[str, Any]]) -> None:
+                                        reports: dict[str, WorkerReport]) -> None:
         """Log the `step` event of a step that rank 0 did not log: its last collective completed on
         some ranks only, and rank 0 completes it in the recovery (engine/recovery.py). A survivor
         that finished the collective has the step's figures in its report."""
         if resume <= logged_next:
             return
         for report in reports.values():
-            last = report.get("last_step")
-            if last is not None and last["result"]["step"] == resume - 1:
-                result = StepResult(**last["result"])
-                self.log.emit("step", **result.event(last["generation"], last["global_batch_size"]))
+            last = report.last_step
+            if last is not None and last.result.step == resume - 1:
+                self.log.emit("step", **last.result.event(last.generation, last.global_batch_size))
                 return
 
     def _progress(self) -> int | None:
@@ -332,10 +336,10 @@ class Coordinator:
         now = time.time()
         if self.errors_seen is None or self.errors_seen[0] != g:
             self.errors_seen = (g, now)
-            errors = {w: json.loads(self.store.get(keys.error(g, w))) for n in self.members
-                      for w in keys.node_workers(n, self.cfg.devices_per_node) if self.store.check([keys.error(g, w)])}
+            errors = {w: e for n in self.members for w in keys.node_workers(n, self.cfg.devices_per_node)
+                      if (e := records.get_if(self.store, WorkerError, g, w)) is not None}
             self.log.emit("collective_error", generation=g, nodes=sorted(errors), step=self._progress(),
-                          errors={n: e["error"] for n, e in errors.items()}, grace=self.cfg.error_grace,
+                          errors={n: e.error for n, e in errors.items()}, grace=self.cfg.error_grace,
                           **self._recovery_fields())
         return now - self.errors_seen[1] >= self.cfg.error_grace
 
@@ -354,7 +358,7 @@ class Coordinator:
         self._to(Phase.COLLECTING)
         lost, joined = list(change.lost), list(change.joined)
         cause = self._cause(lost) if lost else change.trigger
-        self.store.set(keys.failed(g), json.dumps({"lost": lost, "joined": joined, "cause": cause}))
+        records.put(self.store, Failed(lost=tuple(lost), joined=tuple(joined), cause=cause), g)
         progress = self._progress()
         self.trained = self.trained or progress is not None
         # The step in progress: after the generation's last completed one, or the one it started at (a
@@ -370,11 +374,11 @@ class Coordinator:
         for n in joined:
             self.pending_joins.pop(n, None)
         t0 = time.perf_counter()
-        holders: dict[Device, frozenset[int]] = {(n, local): frozenset(reports[keys.worker_id(n, local)]["layers"])
+        holders: dict[Device, frozenset[int]] = {(n, local): frozenset(reports[keys.worker_id(n, local)].layers)
                    for n in self.members if n not in lost_set
                    for local in range(self.cfg.devices_per_node) if keys.worker_id(n, local) in reports}
-        steps = {w: int(r["step"]) for w, r in reports.items() if r["layers"]}
-        completable = frozenset(w for w, r in reports.items() if r["layers"] and r.get("completable"))
+        steps = {w: r.step for w, r in reports.items() if r.layers}
+        completable = frozenset(w for w, r in reports.items() if r.layers and r.completable)
         collected = Collected(self.plan, lost_set, tuple(joined), steps, holders, completable=completable,
                               finished=bool(self.finished),
                               checkpoint_mode=self.cfg.mode == "checkpoint",
@@ -384,7 +388,7 @@ class Coordinator:
         recovery_id = g + 1
         self.gen = g + 1
         if isinstance(action, Complete):
-            self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
+            records.put(self.store, GenerationConfig(generation=self.gen, stop=True), self.gen)
             self.store.set(keys.CURRENT_GEN, str(self.gen))
             self.log.emit("run_complete", generation=g, note=action.note, finished=sorted(self.finished),
                           **self._recovery_fields(recovery_id))
@@ -422,11 +426,11 @@ class Coordinator:
                       known_kill_time=t_kill is not None, **self._recovery_fields())
 
     def _collect_reports(self, g: int, lost: frozenset[str], leave_timeout: float | None = None
-                         ) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
+                         ) -> tuple[dict[str, WorkerReport], frozenset[str]]:
         """Every worker's {step, layers} after leaving generation g, by worker id, from each live member
         node (a node counts once all its workers reported), and the lost nodes: `lost` and the deaths
         meanwhile. With `leave_timeout` (a re-form), nodes that have not left by then are hung: lost."""
-        reports: dict[str, dict[str, Any]] = {}
+        reports: dict[str, WorkerReport] = {}
         lost_now = set(lost)
         t_abort = time.time()
         deadline = t_abort + self.cfg.reconfiguration_timeout
@@ -444,8 +448,8 @@ class Coordinator:
             pending = [n for n in self.members if n not in lost_now and n not in self.finished]
             for n in pending:
                 for w in keys.node_workers(n, self.cfg.devices_per_node):
-                    if w not in reports and self.store.check([keys.report(g, w)]):
-                        reports[w] = json.loads(self.store.get(keys.report(g, w)))
+                    if w not in reports and (report := records.get_if(self.store, WorkerReport, g, w)) is not None:
+                        reports[w] = report
             late = [n for n in pending if not all(w in reports for w in keys.node_workers(n, self.cfg.devices_per_node))]
             if not late:
                 return reports, frozenset(lost_now)
@@ -500,7 +504,7 @@ class Coordinator:
         self.gen += 1
         self._to(Phase.RESTARTING)
         restart_id = self.gen  # the restart is a recovery of its own (the fallback closed the in-memory one)
-        self._publish(plan, "checkpoint", step, "failure", checkpoint={"root": str(root), "step": step},
+        self._publish(plan, "checkpoint", step, "failure", checkpoint=CheckpointRef(root=str(root), step=step),
                       recovery=restart_id)
         self.recovery = _Recovery(restart_id, self.gen, t_kill, step)
         self.trained = True
@@ -519,23 +523,23 @@ class Coordinator:
         if not root:
             self.log.emit("checkpoint", step=None, ok=False, on_demand=True, detail="no checkpoint directory")
             return self._stopped(None)
-        self.store.set(keys.failed(g), json.dumps({"lost": [], "joined": [], "cause": "checkpoint"}))
+        records.put(self.store, Failed(cause="checkpoint"), g)
         reports, _ = self._collect_reports(g, frozenset())
-        steps = {w: int(r["step"]) for w, r in reports.items() if r["layers"]}
-        completable = [w for w, r in reports.items() if r["layers"] and r.get("completable")]
+        steps = {w: r.step for w, r in reports.items() if r.layers}
+        completable = [w for w, r in reports.items() if r.layers and r.completable]
         self.gen = g + 1
         if not steps:  # the notice came before any worker held layers: nothing to save
-            self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
+            records.put(self.store, GenerationConfig(generation=self.gen, stop=True), self.gen)
             self.log.emit("checkpoint", step=None, ok=False, on_demand=True, detail="no worker holds layers yet")
             return self._stopped(None)
         step = resume_step(steps.values())
         if behind := unreachable(steps, completable):
-            self.store.set(keys.config(self.gen), json.dumps({"generation": self.gen, "stop": True}))
+            records.put(self.store, GenerationConfig(generation=self.gen, stop=True), self.gen)
             self.log.emit("checkpoint", step=step, ok=False, on_demand=True,
                           detail=f"worker(s) {behind} cannot reach step {step}")
             return self._stopped(None)
-        self.store.set(keys.config(self.gen), json.dumps(
-            {"generation": self.gen, "stop": True, "save": {"root": root, "step": step}}))
+        records.put(self.store, GenerationConfig(generation=self.gen, stop=True, save=CheckpointRef(root=root, step=step)),
+                    self.gen)
         self.store.set(keys.CURRENT_GEN, str(self.gen))
         deadline = time.time() + self.cfg.checkpoint_timeout
         while not all(layer_file(root, step, k).exists() for k in self.keys):
@@ -560,23 +564,22 @@ class Coordinator:
         r = self.recovery
         g = self.gen
         if r is not None and self.phase in (Phase.REBUILDING, Phase.RESTARTING):
-            names = [keys.rebuilt(g, w) for n in self.members for w in keys.node_workers(n, self.cfg.devices_per_node)]
-            if self.store.check(names):
-                info = [json.loads(self.store.get(k)) for k in names]
-                self.log.emit("group_rebuild", generation=g, seconds=max(i["groups_s"] for i in info),
+            workers = [w for n in self.members for w in keys.node_workers(n, self.cfg.devices_per_node)]
+            if self.store.check([keys.rebuilt(g, w) for w in workers]):
+                info = [records.get(self.store, Rebuilt, g, w) for w in workers]
+                self.log.emit("group_rebuild", generation=g, seconds=max(i.groups_s for i in info),
                               **self._recovery_fields(r.id))
-                self.log.emit("state_copy", generation=g, seconds=max(i["copy_s"] for i in info),
-                              bytes=sum(i["bytes"] for i in info), **self._recovery_fields(r.id))
-                r.rebuilt_at = max(i["t"] for i in info)
+                self.log.emit("state_copy", generation=g, seconds=max(i.copy_s for i in info),
+                              bytes=sum(i.bytes for i in info), **self._recovery_fields(r.id))
+                r.rebuilt_at = max(i.t for i in info)
                 self._to(Phase.REPLAYING)
-        if r is not None and self.phase == Phase.REPLAYING and self.store.check([keys.first_step(g)]):
-            first = json.loads(self.store.get(keys.first_step(g)))
-            self.log.emit("replay", generation=g, step=first["step"], seconds=first["t"] - r.rebuilt_at,
+        if r is not None and self.phase == Phase.REPLAYING and (first := records.get_if(self.store, FirstStep, g)):
+            self.log.emit("replay", generation=g, step=first.step, seconds=first.t - r.rebuilt_at,
                           **self._recovery_fields(r.id))
-            self.log.emit("resumed", generation=g, step=first["step"], total_seconds=first["t"] - r.t_start,
+            self.log.emit("resumed", generation=g, step=first.step, total_seconds=first.t - r.t_start,
                           **self._recovery_fields(r.id))
             for n in r.joined:
-                self.log.emit("node_joined", node=n, generation=g, seconds=first["t"] - r.started,
+                self.log.emit("node_joined", node=n, generation=g, seconds=first.t - r.started,
                               **self._recovery_fields(r.id))
             self.recovery = None
             self._to(Phase.RUNNING)

@@ -27,7 +27,6 @@ action), `health` (every HEALTH_EVENT_S: each node's score, the metric behind it
 
 from __future__ import annotations
 
-import json
 import math
 import queue
 import threading
@@ -40,8 +39,9 @@ from oobleck_slurm.detection.health import Evict, HealthPolicy, Rebalance, Repor
 from oobleck_slurm.detection.metrics import METRICS_FILE
 from oobleck_slurm.engine.checkpoint import LAYER_SUFFIX, step_dir
 from oobleck_slurm.engine.layout import ExecPlan
-from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol import keys, records
 from oobleck_slurm.protocol.events import EventLog
+from oobleck_slurm.protocol.records import FirstStep, GenerationConfig, StepCompute
 from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.supervisor.agent_health import SEND_EVERY_S
 
@@ -104,7 +104,7 @@ class HealthMonitor:
         self._last_time: dict[str, float] = {}  # node -> its last sample's time, as stored (ms)
         self._rebalances: queue.Queue[Rebalance] = queue.Queue()
         self._gen = -1
-        self._ranks: dict[Hashable, tuple[str, Hashable, int]] = {}  # rank -> (node, work, microbatches) in _gen
+        self._ranks: dict[int, tuple[str, Hashable, int]] = {}  # rank -> (node, work, microbatches) in _gen
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._next_store = self._next_event = 0.0
@@ -185,41 +185,39 @@ class HealthMonitor:
             self.log.emit("faulty_node", node=str(d.node), action=action, detail=d.detail, metrics=ev.get("metrics"),
                           score=ev.get("score"), since=ev.get("since"))
 
-    def _read_keys(self, store: Any) -> tuple[int, Any, Any, bool, int | None, Any] | None:
+    def _read_keys(self, store: Any) -> tuple[int, GenerationConfig | None, FirstStep | None, bool, int | None,
+                                              StepCompute | None] | None:
         """What the job's store says now: (generation, its config if new, its first step if not known
         yet, whether it failed, the last step done, that step's compute seconds); None on a hiccup."""
         try:
-            gen = int(store.get(keys.CURRENT_GEN)) if store.check([keys.CURRENT_GEN]) else 0
+            gen = records.get_int(store, keys.CURRENT_GEN) or 0
             new = gen != self._gen
-            config = json.loads(store.get(keys.config(gen))) if new and store.check([keys.config(gen)]) else None
-            first = (json.loads(store.get(keys.first_step(gen)))
-                     if (new or self._first_step is None) and store.check([keys.first_step(gen)]) else None)
+            config = records.get_if(store, GenerationConfig, gen) if new else None
+            first = records.get_if(store, FirstStep, gen) if new or self._first_step is None else None
             failed = store.check([keys.failed(gen)])
-            progress = int(store.get(keys.progress(gen))) if store.check([keys.progress(gen)]) else None
-            key = keys.step_compute(gen)
-            data = json.loads(store.get(key)) if self.watch_stragglers and store.check([key]) else None
+            progress = records.get_int(store, keys.progress(gen))
+            data = records.get_if(store, StepCompute, gen) if self.watch_stragglers else None
         except Exception:  # noqa: BLE001 - the store belongs to this process; a hiccup is retried
             return None
         return gen, config, first, failed, progress, data
 
-    def _follow_job(self, gen: int, config: Any, first: Any, failed: bool, progress: int | None, data: Any,
-                    now: float) -> list[Evict | Report | Rebalance]:
+    def _follow_job(self, gen: int, config: GenerationConfig | None, first: FirstStep | None, failed: bool,
+                    progress: int | None, data: StepCompute | None, now: float) -> list[Evict | Report | Rebalance]:
         if config is not None:
             self._new_generation(gen, config)
         if gen != self._gen:
             return []  # its config is not there yet
         if self._first_step is None and first is not None:
-            self._first_step = int(first["step"])
+            self._first_step = first.step
         if self._first_step is None or failed or self._checkpointing(progress, now):
             self.detector.hold(now + self.config.window)  # starting, recovering, checkpointing: not judged
             return []
-        if not isinstance(data, dict):
+        if data is None:
             return []
-        step = data.get("step")
-        if not isinstance(step, int) or step == self._last_step or step <= self._first_step:
+        if data.step == self._last_step or data.step <= self._first_step:
             return []  # nothing new, or the generation's first step (cold after the copies)
-        self._last_step = step
-        return self._time_step(data.get("compute_seconds"))
+        self._last_step = data.step
+        return self._time_step(data.compute_seconds)
 
     def _checkpointing(self, progress: int | None, now: float) -> bool:
         """Whether a checkpoint is being written: after the step that starts one (the engine writes step
@@ -240,16 +238,16 @@ class HealthMonitor:
                 self._checkpoint = None
         return True
 
-    def _new_generation(self, gen: int, config: dict[str, Any]) -> None:
+    def _new_generation(self, gen: int, config: GenerationConfig) -> None:
         self._gen, self._first_step, self._last_step = gen, None, None
         self._checkpoint = None  # a recovery's own hold covers what is left of one
         self.watch = self._new_watch()  # ranks are numbered afresh: old timings describe other work
         self._ranks = {}
         # Each node's work (layers, microbatches, peers) may have changed: its metrics' normal with it.
-        self.detector.relearn(list(config.get("members", [])))
-        if config.get("stop") or "plan" not in config:
+        self.detector.relearn(list(config.members))
+        if config.stop or config.plan is None:
             return
-        plan, members = ExecPlan.from_json(config["plan"]), list(config["members"])
+        plan, members = ExecPlan.from_json(config.plan), list(config.members)
         self._num_layers = plan.num_layers
         for rank in plan.ranks:
             role = plan.role(rank)
@@ -257,16 +255,14 @@ class HealthMonitor:
                 node = members[rank // self.workers_per_node]
                 self._ranks[rank] = (node, (role.layers.start, role.layers.stop), role.mb_count)
 
-    def _time_step(self, compute: Any) -> list[Evict | Report | Rebalance]:
-        if not isinstance(compute, list):
-            return []
+    def _time_step(self, compute: tuple[float, ...]) -> list[Evict | Report | Rebalance]:
         for rank, (_, work, microbatches) in self._ranks.items():
-            seconds = compute[rank] if isinstance(rank, int) and rank < len(compute) else None
-            if isinstance(seconds, (int, float)) and seconds > 0:
-                self.watch.report(rank, float(seconds) / microbatches, work=work)
+            seconds = compute[rank] if rank < len(compute) else None
+            if seconds is not None and seconds > 0:
+                self.watch.report(rank, seconds / microbatches, work=work)
         by_node: dict[Hashable, Straggler] = {}
-        for rank, s in self.watch.slowdowns().items():
-            node = self._ranks[rank][0]
+        for watched, s in self.watch.slowdowns().items():
+            node = self._ranks[watched][0]  # type: ignore[index]  # the watch is keyed by the ranks reported above
             if node not in by_node or s.slowdown > by_node[node].slowdown:
                 by_node[node] = s
         return list(self.policy.stragglers(by_node, self._gen))
@@ -290,8 +286,8 @@ class HealthMonitor:
             if per_metric and score > 0:
                 worst[str(node)] = max(per_metric, key=per_metric.__getitem__)
         slow: dict[str, float] = {}
-        for rank, s in self.watch.slowdowns().items():
-            node = self._ranks[rank][0] if rank in self._ranks else None
+        for watched, s in self.watch.slowdowns().items():
+            node = self._ranks[watched][0]  # type: ignore[index]  # the watch is keyed by the ranks reported above if rank in self._ranks else None
             if node is not None:
                 slow[node] = round(max(slow.get(node, 0.0), s.slowdown), 3)
         self.log.emit("health", scores={str(n): round(v, 2) for n, v in scores.items()}, metrics=worst,

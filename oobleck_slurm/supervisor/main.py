@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import signal
 import socket
@@ -117,6 +116,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     from oobleck_slurm.models import FactoryError
     from oobleck_slurm.planning import instantiate
     from oobleck_slurm.planning.pregenerate import pregenerate
+    from oobleck_slurm.protocol.records import LaunchConfig, write_launch_config
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
     from oobleck_slurm.supervisor.health_monitor import HealthMonitor
@@ -159,10 +159,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store"))
     ckpt_dir = str(job.checkpoints)  # periodic if checkpoint_interval > 0; on-demand and final always
     job.job_spec.write_text(spec.to_json())
-    job.elastic.write_text(json.dumps({
-        "host": host, "port": store.port, "timeouts": asdict(timeouts),
-        "reconfiguration_timeout": ft.reconfiguration_timeout, "checkpoint_interval": ft.checkpoint_interval,
-        "checkpoint_dir": ckpt_dir, "workers_per_node": cluster.devices_per_node}))
+    write_launch_config(job.elastic, LaunchConfig(
+        host=host, port=store.port, timeouts=asdict(timeouts), reconfiguration_timeout=ft.reconfiguration_timeout,
+        checkpoint_interval=ft.checkpoint_interval, checkpoint_dir=ckpt_dir, workers_per_node=cluster.devices_per_node))
 
     launcher = (SrunLauncher(job.path, cluster, recipe.name) if backend == "slurm" else LocalLauncher(job.path))
     detection = recipe.detection

@@ -90,7 +90,7 @@ def test_the_plan_event_builder_writes_plan_fields():
 
 
 def test_the_step_event_builder_writes_step_fields():
-    from oobleck_slurm.engine.worker import StepResult
+    from oobleck_slurm.protocol.records import StepResult
 
     result = StepResult(step=4, loss=2.5, grad_norm=1.0, lr=1e-3, seconds=0.5, pipeline_seconds=[0.4, 0.45],
                         compute_seconds=[0.3, 0.3], peak_memory=[0.0, 0.0])

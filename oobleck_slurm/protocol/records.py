@@ -1,0 +1,211 @@
+"""The typed values of the job's TCPStore: each JSON-valued key of keys.py with its record type.
+
+A record class names its key (`KEY`, a builder from keys.py), so a value is written and read only as
+its type: `put(store, record, *key_args)` and `get(store, Record, *key_args)`, which checks the value
+field by field (typed.py) and raises ProtocolError naming the key and the field, as control messages
+are checked. Counters and bare integers (`current_gen`, `gen{g}/progress`, `worker/{w}/step`,
+`gen{g}/errors`) stay plain strings, read with `get_int`.
+
+    gen{g}/config           GenerationConfig   what every member of g runs, or that the job stops
+    gen{g}/failed           Failed             leave g now: who was lost or joined, and why
+    gen{g}/report/{worker}  WorkerReport       a worker's step and valid layers after leaving g
+    gen{g}/rebuilt/{worker} Rebuilt            its group-build and copy seconds and bytes
+    gen{g}/compute          StepCompute        the last step's compute seconds per rank (stragglers)
+    gen{g}/first_step       FirstStep          g's first completed step and its time
+    gen{g}/error/{worker}   WorkerError        a collective error a worker saw in g
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol.typed import decode, encode
+from oobleck_slurm.protocol.wire import ProtocolError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """Base of the store's record types: `KEY(*args)` is the key a record of this type lives under."""
+
+    KEY: ClassVar[Callable[..., str]]
+
+
+R = TypeVar("R", bound=Record)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointRef:
+    root: str
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig(Record):
+    """What every member of generation `generation` runs: its members (node ids in rank order), the
+    ExecPlan (JSON), the layer copies [(layer, src rank, dst rank)], the step to resume at and where
+    the layers come from ('seed', 'checkpoint' with `checkpoint`, 'memory'); or `stop` (after writing
+    the checkpoint `save`)."""
+
+    KEY = staticmethod(keys.config)
+    generation: int
+    members: tuple[str, ...] = ()
+    plan: dict[str, Any] | None = None  # checked by ExecPlan.from_json
+    transfers: tuple[tuple[int, int, int], ...] = ()
+    resume_step: int = 0
+    source: str = "seed"
+    checkpoint: CheckpointRef | None = None
+    stop: bool = False
+    save: CheckpointRef | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failed(Record):
+    KEY = staticmethod(keys.failed)
+    lost: tuple[str, ...] = ()
+    joined: tuple[str, ...] = ()
+    cause: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """One finished step, as rank 0 logs it (`event`) and as a survivor reports it."""
+
+    step: int
+    loss: float  # mean loss over the global batch
+    grad_norm: float  # global norm before clipping
+    lr: float
+    seconds: float  # this rank's wall time for the step
+    pipeline_seconds: tuple[float, ...] = ()  # per pipeline: its first stage's schedule time
+    compute_seconds: tuple[float, ...] = ()  # per rank: forward/backward only
+    peak_memory: tuple[float, ...] = ()  # per rank: peak bytes allocated on its GPU
+
+    def event(self, generation: int, global_batch_size: int) -> dict[str, Any]:
+        """The `step` event rank 0 writes to the job's log."""
+        return {
+            "step": self.step, "loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr,
+            "seconds": self.seconds,
+            "samples_per_s": global_batch_size / self.seconds if self.seconds > 0 else 0.0,
+            "pipeline_seconds": list(self.pipeline_seconds), "compute_seconds": list(self.compute_seconds),
+            "peak_memory": list(self.peak_memory), "generation": generation,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class LastStep:
+    """The last step a worker completed, with what its `step` event needs."""
+
+    result: StepResult
+    generation: int
+    global_batch_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerReport(Record):
+    """A worker after leaving a generation: its step, the layers it holds valid, whether it can complete
+    a step that some ranks applied (engine/recovery.py), and its last completed step."""
+
+    KEY = staticmethod(keys.report)
+    step: int
+    layers: tuple[int, ...] = ()
+    completable: bool = False
+    last_step: LastStep | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rebuilt(Record):
+    KEY = staticmethod(keys.rebuilt)
+    groups_s: float
+    copy_s: float
+    bytes: int
+    t: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCompute(Record):
+    KEY = staticmethod(keys.step_compute)
+    step: int
+    compute_seconds: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class FirstStep(Record):
+    KEY = staticmethod(keys.first_step)
+    step: int
+    t: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerError(Record):
+    KEY = staticmethod(keys.error)
+    step: int
+    error: str
+    t: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """`elastic.json` in the job folder: how a worker reaches the job's store, and the settings every
+    worker needs before the first generation (written by the supervisor before any agent starts)."""
+
+    host: str
+    port: int
+    timeouts: dict[str, float]
+    reconfiguration_timeout: float
+    checkpoint_interval: int = 0
+    checkpoint_dir: str | None = None
+    workers_per_node: int = 1
+
+
+def read_launch_config(path: Any) -> LaunchConfig:
+    """The job folder's elastic.json; ProtocolError naming the file when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except ValueError as err:
+        raise ProtocolError(f"{path}: not JSON ({err})") from err
+    return decode(LaunchConfig, data, str(path))
+
+
+def write_launch_config(path: Any, config: LaunchConfig) -> None:
+    Path(path).write_text(json.dumps(encode(config)))
+
+
+def put(store: Any, record: Record, *key_args: Any) -> None:
+    """Write `record` under its key (`type(record).KEY(*key_args)`)."""
+    store.set(type(record).KEY(*key_args), json.dumps(encode(record)))
+
+
+def get(store: Any, cls: type[R], *key_args: Any) -> R:
+    """The record under `cls.KEY(*key_args)` (it must exist), checked as a `cls`."""
+    key = cls.KEY(*key_args)
+    return parse(cls, store.get(key), key)
+
+
+def get_if(store: Any, cls: type[R], *key_args: Any) -> R | None:
+    """The record, or None when the key is not set."""
+    key = cls.KEY(*key_args)
+    return parse(cls, store.get(key), key) if store.check([key]) else None
+
+
+def parse(cls: type[R], raw: bytes | str, key: str) -> R:
+    """A stored value (`raw`, as the store returns it) as a `cls`; ProtocolError naming `key` otherwise."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ProtocolError(f"store key {key!r}: not JSON ({err})") from err
+    return decode(cls, data, f"store key {key!r}", finite=False)
+
+
+def get_int(store: Any, key: str) -> int | None:
+    """A plain integer key (`current_gen`, `gen{g}/progress`, a counter), or None when not set."""
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    try:
+        return int(raw)
+    except ValueError as err:
+        raise ProtocolError(f"store key {key!r}: expected an integer, got {raw[:50]!r}") from err
