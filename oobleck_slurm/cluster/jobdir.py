@@ -14,6 +14,9 @@ ask `JobDir` for the paths):
         job.json        the workers' JobSpec (model, data, training), written by the supervisor
         elastic.json    the store's address, timeouts, workers per node: written by the supervisor for workers
         supervisor.json the control server's address (host, port, heartbeat interval): for agents and commands
+        supervisor_state.json  what the supervisor cannot rebuild from the agents and workers (generation,
+                        members, plan, phase, a recovery in progress, replacements asked for), rewritten
+                        whole as it changes (protocol/records.py SupervisorState)
         cancelled       marker written by `cancel` before it stops the job: losses that follow are no failure
         requeue         marker written on preemption / time limit: the requeued run resumes from a checkpoint
         data/           token files prepared for the job
@@ -47,6 +50,7 @@ FAULTS_FILE = "faults.json"
 JOB_SPEC_FILE = "job.json"
 ELASTIC_FILE = "elastic.json"
 SUPERVISOR_FILE = "supervisor.json"
+SUPERVISOR_STATE_FILE = "supervisor_state.json"
 CANCEL_MARKER = "cancelled"
 REQUEUE_MARKER = "requeue"
 DATA_DIR = "data"
@@ -111,6 +115,10 @@ class JobDir:
     @property
     def supervisor_file(self) -> Path:
         return self.path / SUPERVISOR_FILE
+
+    @property
+    def supervisor_state(self) -> Path:
+        return self.path / SUPERVISOR_STATE_FILE
 
     @property
     def cancel_marker(self) -> Path:

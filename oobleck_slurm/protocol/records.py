@@ -18,6 +18,7 @@ are checked. Counters and bare integers (`current_gen`, `gen{g}/progress`, `work
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +173,61 @@ def read_launch_config(path: Any) -> LaunchConfig:
 
 def write_launch_config(path: Any, config: LaunchConfig) -> None:
     Path(path).write_text(json.dumps(encode(config)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryState:
+    """A published recovery that has not completed its first step yet."""
+
+    id: int
+    generation: int
+    t_start: float
+    step: int
+    started: float
+    joined: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorState:
+    """`supervisor_state.json` in the job folder: what the supervisor cannot rebuild from its agents and
+    workers, rewritten whole (atomically) whenever it changes: the current generation, its members
+    (node ids in rank order), the planner's plan of it, the step it resumed at, the coordinator's
+    phase, a recovery in progress, the replacement nodes asked for and not joined yet (id -> when),
+    the nodes whose workers finished, and whether any step trained. A supervisor that takes over
+    resumes from it and from the workers' reports; `epoch` is the writer's fencing token."""
+
+    epoch: int
+    generation: int
+    members: tuple[str, ...]
+    plan: dict[str, Any]  # planning.instantiate.Plan.to_dict()
+    start_step: int
+    phase: str
+    recovery: RecoveryState | None = None
+    pending_joins: dict[str, float] | None = None
+    finished: tuple[str, ...] = ()
+    trained: bool = False
+
+
+def read_state(path: Any) -> SupervisorState | None:
+    """The job folder's supervisor state, or None before a supervisor wrote one; ProtocolError naming
+    the file when it is not one."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise ProtocolError(f"{path}: not JSON ({err})") from err
+    return decode(SupervisorState, data, str(path))
+
+
+def write_state(path: Any, state: SupervisorState) -> None:
+    """Replace the state file whole: a reader (a supervisor taking over) sees the old state or the new."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(encode(state)))
+    os.replace(tmp, path)
 
 
 def put(store: Any, record: Record, *key_args: Any) -> None:

@@ -60,6 +60,8 @@ from oobleck_slurm.protocol.records import (
     FirstStep,
     GenerationConfig,
     Rebuilt,
+    RecoveryState,
+    SupervisorState,
     WorkerError,
     WorkerReport,
 )
@@ -163,8 +165,10 @@ class Coordinator:
 
     def __init__(self, store: dist.Store, backend: NodeBackend, templates: Sequence[PipelineTemplate],
                  plan: Plan, layer_keys: list[str], log: EventLog, config: CoordinatorConfig,
-                 layer_bytes: Sequence[int] | None = None, total_steps: int | None = None) -> None:
+                 layer_bytes: Sequence[int] | None = None, total_steps: int | None = None,
+                 state_file: Path | None = None, epoch: int = 1) -> None:
         self.store, self.backend = store, backend
+        self.state_file, self.epoch = state_file, epoch  # the durable state, and this supervisor's fencing token
         self.plan, self.keys, self.log, self.cfg = str_nodes(plan), layer_keys, log, config
         self.policy = Policy(tuple(templates), config.f, layer_bytes, config.replacement)
         self.total_steps = total_steps
@@ -190,6 +194,20 @@ class Coordinator:
 
     def _to(self, phase: Phase) -> None:
         self.phase = transition(self.phase, phase)
+        self._persist()
+
+    def _persist(self) -> None:
+        """Rewrite the job folder's supervisor state (records.SupervisorState): what a supervisor taking
+        over could not rebuild from the agents and workers."""
+        if self.state_file is None or not self.members:
+            return
+        r = self.recovery
+        records.write_state(self.state_file, SupervisorState(
+            epoch=self.epoch, generation=self.gen, members=tuple(self.members), plan=self.plan.to_dict(),
+            start_step=self.start_step, phase=str(self.phase), finished=tuple(sorted(self.finished)),
+            recovery=None if r is None else RecoveryState(id=r.id, generation=r.generation, t_start=r.t_start,
+                                                          step=r.step, started=r.started, joined=r.joined),
+            pending_joins=dict(self.pending_joins), trained=self.trained))
 
     def _recovery_fields(self, recovery: int | None = None) -> dict[str, Any]:
         """The fields of an event of a membership change: its recovery id (by default the next
@@ -220,6 +238,7 @@ class Coordinator:
                                resume_step=resume_step, source=source, checkpoint=checkpoint)
         self.plan, self.members, self.start_step = plan, members, resume_step
         records.put(self.store, cfg, self.gen)
+        self._persist()
         self.store.set(keys.CURRENT_GEN, str(self.gen))
         if recovery is None:  # generation 0: no change led to it
             self.log.emit("plan", **plan_event(plan, self.gen, reason, members, d))
@@ -418,6 +437,7 @@ class Coordinator:
                 break
             self.pending_joins[node] = time.time()
             self.backend.start(node)
+        self._persist()  # the replacements asked for
 
     def _failure_events(self, g: int, nodes: list[str], cause: str, step: int | None, t_detect: float) -> None:
         t_kill = self._killed_at(nodes)

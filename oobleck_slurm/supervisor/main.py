@@ -186,7 +186,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
                                devices_per_node=cluster.devices_per_node, error_grace=ft.heartbeat_lease,
                                leave_timeout=ft.step_timeout)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config,
-                              total_steps=recipe.training.steps)
+                              total_steps=recipe.training.steps, state_file=job.supervisor_state)
     coordinator.preemption = preemption
     try:
         t0 = time.time()

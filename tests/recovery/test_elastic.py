@@ -28,6 +28,13 @@ def test_kill_mid_step_keeps_the_trajectory(tmp_path, templates_cache, optimizer
     resumed = run.kind("resumed")[0]
     assert resumed["generation"] == 1 and resumed["step"] in (2, 3) and resumed["total_seconds"] < 30
     assert {e["generation"] for e in run.kind("step") if e["step"] < 2} == {0}
+    # the durable supervisor state (what a supervisor taking over resumes from) is the last generation's
+    from oobleck_slurm.protocol.records import read_state
+
+    state, last = read_state(run.job.supervisor_state), run.kind("plan")[-1]
+    assert state is not None and state.generation == last["generation"] and state.recovery is None
+    assert set(state.members) == {n for p in last["pipelines"] for n in p["nodes"]} | set(last["spares"])
+    assert "node2" not in state.members and state.trained
 
 
 def test_a_loss_before_the_first_step_starts_over_from_the_seed(tmp_path, templates_cache):
