@@ -17,6 +17,8 @@ ask `JobDir` for the paths):
         supervisor_state.json  what the supervisor cannot rebuild from the agents and workers (generation,
                         members, plan, phase, a recovery in progress, replacements asked for), rewritten
                         whole as it changes (protocol/records.py SupervisorState)
+        supervisor.lease the primary supervisor's epoch, pid, host, renewed every heartbeat interval
+        epoch.<e>       created exclusively by the supervisor that claimed epoch e (supervisor/lease.py)
         cancelled       marker written by `cancel` before it stops the job: losses that follow are no failure
         requeue         marker written on preemption / time limit: the requeued run resumes from a checkpoint
         data/           token files prepared for the job
@@ -51,6 +53,7 @@ JOB_SPEC_FILE = "job.json"
 ELASTIC_FILE = "elastic.json"
 SUPERVISOR_FILE = "supervisor.json"
 SUPERVISOR_STATE_FILE = "supervisor_state.json"
+SUPERVISOR_LEASE_FILE = "supervisor.lease"
 CANCEL_MARKER = "cancelled"
 REQUEUE_MARKER = "requeue"
 DATA_DIR = "data"
@@ -119,6 +122,10 @@ class JobDir:
     @property
     def supervisor_state(self) -> Path:
         return self.path / SUPERVISOR_STATE_FILE
+
+    @property
+    def supervisor_lease(self) -> Path:
+        return self.path / SUPERVISOR_LEASE_FILE
 
     @property
     def cancel_marker(self) -> Path:

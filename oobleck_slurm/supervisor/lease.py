@@ -1,0 +1,80 @@
+"""The supervisor's lease and epochs: which supervisor process is the job's primary, through the job folder.
+
+The primary holds epoch e (a fencing token: 1 for the first supervisor) and renews `supervisor.lease`
+(its epoch, pid, host and the time) every heartbeat interval. A standby watches the lease; when it is
+older than the heartbeat lease (or, on one machine, the primary's process is gone), the standby
+claims epoch e + 1 by creating `epoch.<e+1>` exclusively (two claimants cannot both win) and becomes
+the primary. A supervisor that finds a higher epoch than its own has been replaced and must exit:
+agents and workers follow the highest epoch only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from oobleck_slurm.cluster.jobdir import JobDir
+
+EPOCH_PREFIX = "epoch."
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    epoch: int
+    pid: int
+    host: str
+    t: float
+
+
+def current_epoch(job: JobDir) -> int:
+    """The highest epoch claimed so far (0 before any supervisor started)."""
+    found = [int(p.name[len(EPOCH_PREFIX):]) for p in job.path.glob(f"{EPOCH_PREFIX}*")
+             if p.name[len(EPOCH_PREFIX):].isdigit()]
+    return max(found, default=0)
+
+
+def claim_epoch(job: JobDir, epoch: int) -> bool:
+    """Claim `epoch` for this process; False when another process claimed it first."""
+    try:
+        fd = os.open(job.path / f"{EPOCH_PREFIX}{epoch}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}))
+    return True
+
+
+def renew(job: JobDir, epoch: int) -> None:
+    """Write this primary's lease (whole: a reader sees the old one or the new one)."""
+    path = job.supervisor_lease
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"epoch": epoch, "pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}))
+    os.replace(tmp, path)
+
+
+def read_lease(job: JobDir) -> LeaseRecord | None:
+    try:
+        data = json.loads(job.supervisor_lease.read_text())
+        return LeaseRecord(int(data["epoch"]), int(data["pid"]), str(data["host"]), float(data["t"]))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def primary_gone(lease: LeaseRecord | None, lease_s: float, now: float, same_machine: bool) -> bool:
+    """Whether the primary holding `lease` has lost it: the lease is older than `lease_s`, or (when it
+    runs on this machine) its process is gone, which a kill -9 shows at once."""
+    if lease is None:
+        return False  # no primary has started yet
+    if now - lease.t > lease_s:
+        return True
+    if same_machine and lease.host == socket.gethostname():
+        try:
+            os.kill(lease.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+    return False
