@@ -92,7 +92,7 @@ def test_a_plan_that_cannot_fit_is_refused_before_launch_with_the_figures(tmp_pa
     recipe.write_text("cluster: {nodes: 4, memory_per_device: 1MB}\nmodel: {size: tiny}\n")
     result = submit(tmp_path, str(recipe), "--estimate", "A100-40")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert re.search(r"fits on no node count up to 4: layer 1 \(block.0\) alone needs [\d.]+ MiB per device .* "
+    assert re.search(r"fits on no node count up to 4: layer 1 \(block.00\) alone needs [\d.]+ MiB per device .* "
                      r"more than the usable 0.86 MiB", " ".join(result.stderr.split())), result.stderr
     assert not (tmp_path / "jobs").exists()
 
