@@ -97,17 +97,17 @@ def measure_engine(c: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from oobleck_slurm.engine.abort import build_generation
-    from oobleck_slurm.engine.comm import Timeouts
     from oobleck_slurm.engine.faults import FaultHooks
     from oobleck_slurm.engine.layout import ExecPlan
     from oobleck_slurm.engine.worker import Worker
     from oobleck_slurm.peak_memory import PeakMemory, warm_up
+    from oobleck_slurm.protocol.timeouts import JobTimeouts
 
     job = job_spec(c)
     device = _device(c)
     plan = ExecPlan.from_json(c["plan"])
-    timeouts = Timeouts()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store"))
+    timeouts = JobTimeouts(collective_timeout=60.0, step_timeout=300.0)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store_timeout"))
     worker = Worker(job, 0, device)
     ft = FaultTolerance(worker, FaultHooks([], store, NODE, 0))
     ft.before_generation(0)

@@ -197,13 +197,15 @@ class Settings:
         )
 
     def timeouts(self) -> Any:
-        from oobleck_slurm.engine.comm import Timeouts
+        from oobleck_slurm.protocol.timeouts import JobTimeouts
 
         # A 1.3B-shape step and its group builds take seconds on a GPU; nothing here should wait long
         # (a hang is found by the child timeout, the engine's own timeouts only bound it).
         if self.cuda:
-            return Timeouts(store=60.0, connect=180.0, collective=120.0, step=600.0, run=3600.0)
-        return Timeouts(store=60.0, connect=60.0, collective=60.0, step=300.0, run=3600.0)
+            return JobTimeouts(store_timeout=60.0, connect_timeout=180.0, collective_timeout=120.0, step_timeout=600.0,
+                               run_timeout=3600.0)
+        return JobTimeouts(store_timeout=60.0, connect_timeout=60.0, collective_timeout=60.0, step_timeout=300.0,
+                           run_timeout=3600.0)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from oobleck_slurm import __version__
+from oobleck_slurm.errors import OobleckError
 from oobleck_slurm.exit_codes import EXIT_BAD_INPUT
 
 # Order shown in --help. Modules import heavy dependencies (torch) inside run(), so --help is fast.
@@ -40,3 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OobleckError as err:  # one a command did not turn into a message: its class says the exit code
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return err.exit_code

@@ -98,10 +98,13 @@ def test_no_subpackage_cycle() -> None:
 
 
 def test_the_job_folder_and_slurm_know_nothing_above_them() -> None:
-    """cluster/ (job folder, Slurm) and protocol/ are below the supervisor, engine and commands."""
+    """cluster/ (job folder, Slurm) and protocol/ are below the supervisor, engine and commands; only
+    the exception hierarchy and the exit codes (errors.py, exit_codes.py) are below them."""
     graph = import_graph()
-    assert graph["cluster"] <= {"recipe"}, graph["cluster"]
-    assert graph["protocol"] <= {"cluster"}, graph["protocol"]
+    bottom = {"errors", "exit_codes"}
+    assert graph["errors"] <= {"exit_codes"} and not graph["exit_codes"], (graph["errors"], graph["exit_codes"])
+    assert graph["cluster"] <= {"recipe"} | bottom, graph["cluster"]
+    assert graph["protocol"] <= {"cluster"} | bottom, graph["protocol"]
 
 
 def test_the_cycle_finder_finds_cycles() -> None:

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from oobleck_slurm.errors import BadInputError
+
 if TYPE_CHECKING:  # the recipe package is imported where a recipe is read: naming a path stays cheap
     from oobleck_slurm.recipe import Recipe
 
@@ -66,11 +68,11 @@ SUPERVISOR_ERROR = "supervisor.err"
 SECRET_BYTES = 32
 
 
-class JobNotFound(Exception):
+class JobNotFound(BadInputError):
     """No job folder matches what the user named; the message says what was looked for, and where."""
 
 
-class SecretError(Exception):
+class SecretError(BadInputError):
     """The job secret is missing, malformed or readable by others."""
 
 

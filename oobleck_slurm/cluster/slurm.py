@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.recipe import ClusterConfig
 
 SLURM_COMMAND_TIMEOUT_S = 10.0  # slurmctld answers in milliseconds; 10 s means it is unreachable
@@ -28,7 +29,7 @@ AGENT_STEP_NAME = "oobleck-agent"
 _KEY_VALUE = re.compile(r"(?:^| )([A-Za-z][\w/:]*)=(.*?)(?= [A-Za-z][\w/:]*=|$)")
 
 
-class SlurmError(Exception):
+class SlurmError(InfrastructureError):
     """A Slurm client command failed or could not be reached."""
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from oobleck_slurm.dashboard.costs import CATEGORIES, time_split
 from oobleck_slurm.dashboard.state import PHASES, DashboardState, Recovery
+from oobleck_slurm.errors import BadInputError
 
 if TYPE_CHECKING:  # matplotlib is loaded only when a report is drawn
     from matplotlib.axes import Axes
@@ -18,8 +19,8 @@ PHASE_COLOURS = dict(zip(PHASES, ("tab:red", "tab:orange", "tab:olive", "tab:blu
 OTHER_PHASE = "other"  # the part of a recovery's total no phase event accounts for
 
 
-class MissingMatplotlib(RuntimeError):
-    pass
+class MissingMatplotlib(BadInputError, RuntimeError):
+    """matplotlib is not installed (the `dashboard` extra): install it and run again."""
 
 
 def load_pyplot():

@@ -11,12 +11,13 @@ from oobleck_slurm.dashboard.costs import time_split, useful_fraction
 from oobleck_slurm.dashboard.live import load_state
 from oobleck_slurm.dashboard.panels import KIND_LABEL, _num, duration
 from oobleck_slurm.dashboard.state import DashboardState
+from oobleck_slurm.errors import BadInputError
 from oobleck_slurm.protocol.events import events_path
 
 PNGS = {"training": "training.png", "recoveries": "recoveries.png", "time_split": "time_split.png"}
 
 
-class NoEvents(Exception):
+class NoEvents(BadInputError):
     """The job folder has no readable events; the message says why."""
 
 

@@ -17,10 +17,12 @@ import importlib
 import os
 from typing import Protocol, runtime_checkable
 
+from oobleck_slurm.errors import BadInputError
+
 BYTE = "byte"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(BadInputError, ValueError):
     """A tokenizer string cannot be resolved, or what it names is not a usable tokenizer."""
 
 

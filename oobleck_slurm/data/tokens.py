@@ -16,12 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+from oobleck_slurm.errors import BadInputError
+
 FORMAT_VERSION = 1
 _DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _OPTIONAL = {"tokenizer_sha256": str}  # sidecar fields that may be absent (then None)
 
 
-class TokenFileError(ValueError):
+class TokenFileError(BadInputError, ValueError):
     """A token file or its sidecar is missing, malformed or inconsistent."""
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_slurm.cluster.jobdir import METRICS_FILE
+from oobleck_slurm.errors import BadInputError
 
 HEADER = "time,node,metric,value"
 DEFAULT_MAX_BYTES = 64 * 2**20  # all rotated files together
@@ -308,7 +309,7 @@ class MetricsWriter:
         self.close()
 
 
-class MetricsFileError(ValueError):
+class MetricsFileError(BadInputError, ValueError):
     """A metrics file that cannot be read; str() is `FILE:LINE: what is wrong`."""
 
     def __init__(self, path: str | os.PathLike[str], line: int | None, message: str) -> None:

@@ -27,15 +27,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oobleck_slurm.engine.comm import CollectiveError, Generation, Timeouts, abort_groups, step_timeout_waits
+from oobleck_slurm.engine.comm import CollectiveError, Generation, abort_groups, step_timeout_waits
 from oobleck_slurm.engine.layout import ExecPlan
+from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.protocol import keys
-
-POLL_S = 0.01  # how often a waiting worker looks at its FailureWatch (a flag, no store request): bounds the abort latency
-WATCH_RENEW_S = 300.0  # a FailureWatch thread re-issues its blocking wait this often, on a fresh connection
+from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 
-class GenerationAborted(RuntimeError):
+class GenerationAborted(InfrastructureError, RuntimeError):
     """The coordinator declared the generation failed (a node died, a node joins, or a timeout)."""
 
 
@@ -45,17 +44,20 @@ class FailureWatch:
     On a TCPStore one daemon thread per generation (shared by every FailureWatch of that generation on
     the worker's store or its clones, see clone_store) blocks in `wait([key])` on a connection of its
     own and sets a flag that `failed()` and `wait()` read: a worker's watch makes one store request per
-    generation (one more per WATCH_RENEW_S it lasts) instead of a look-up every POLL_S while it waits,
+    generation (one more per `watch_renew` it lasts) instead of a look-up every `abort_poll` while it waits,
     ~50,000 requests/s on one store at 512 workers (benchmarks/bench_store.py). The thread ends when the
     key appears (the coordinator sets it at every generation change, so at most one is left per worker),
     when the store fails (`failed()` then raises a DistNetworkError, as a look-up would), or at a renewal
     once no FailureWatch of it is left; a worker process ends with os._exit. Any other store (a HashStore
-    in tests) gets no second connection: `failed()` looks the key up itself, at most every POLL_S."""
+    in tests) gets no second connection: `failed()` looks the key up itself, at most every `abort_poll`.
+    Both periods come from the job's timeouts (protocol/timeouts.py)."""
 
-    def __init__(self, store: dist.Store, generation: int) -> None:
+    def __init__(self, store: dist.Store, generation: int, timeouts: JobTimeouts = DEFAULT_TIMEOUTS) -> None:
         self.store = store
         self.key = keys.failed(generation)
-        self._watcher = _Watcher.of(store, self.key) if isinstance(store, dist.TCPStore) else None
+        self.poll = timeouts.abort_poll
+        self._watcher = (_Watcher.of(store, self.key, timeouts.watch_renew) if isinstance(store, dist.TCPStore)
+                         else None)
         self._seen = False
         self._last = 0.0
 
@@ -67,7 +69,7 @@ class FailureWatch:
                 raise dist.DistNetworkError(f"watching {self.key}: {type(w.error).__name__}: {first}")
             return w.done.is_set()
         now = time.monotonic()
-        if not self._seen and now - self._last >= POLL_S:
+        if not self._seen and now - self._last >= self.poll:
             self._last = now
             self._seen = self.store.check([self.key])
         return self._seen
@@ -79,7 +81,7 @@ class FailureWatch:
             return self.failed()
         deadline = time.monotonic() + timeout
         while not self.failed() and time.monotonic() < deadline:
-            time.sleep(max(0.0, min(POLL_S, deadline - time.monotonic())))
+            time.sleep(max(0.0, min(self.poll, deadline - time.monotonic())))
         return self.failed()
 
 
@@ -91,25 +93,25 @@ class _Watcher:
     _live: weakref.WeakValueDictionary[tuple[int, str], _Watcher] = weakref.WeakValueDictionary()
 
     @classmethod
-    def of(cls, store: dist.Store, key: str) -> _Watcher:
+    def of(cls, store: dist.Store, key: str, renew: float) -> _Watcher:
         root = _clone_of.get(store, store)
         with cls._lock:
             w = cls._live.get((id(root), key))
             if w is None:
-                w = cls._live[(id(root), key)] = cls(root, key)
+                w = cls._live[(id(root), key)] = cls(root, key, renew)
             return w
 
-    def __init__(self, store: dist.Store, key: str) -> None:
+    def __init__(self, store: dist.Store, key: str, renew: float) -> None:
         self.store = store  # keeps id(store) from being reused while this watcher is registered
         self.done = threading.Event()  # the key exists, or the store failed (error)
         self.error: BaseException | None = None
-        threading.Thread(target=_watch, args=(weakref.ref(self), store, key, self.done),
+        threading.Thread(target=_watch, args=(weakref.ref(self), store, key, self.done, renew),
                          daemon=True, name=f"watch:{key}").start()
 
 
-def _watch(handle: weakref.ref[_Watcher], store: dist.Store, key: str, done: threading.Event) -> None:
+def _watch(handle: weakref.ref[_Watcher], store: dist.Store, key: str, done: threading.Event, renew: float) -> None:
     """The watcher thread: block until `key` exists or the store fails (then the handle's error is set),
-    and set `done`; or end at a renewal where no FailureWatch holds the handle any more."""
+    and set `done`; or end at a renewal (every `renew` s) where no FailureWatch holds the handle any more."""
     try:
         while True:
             # Its own connection: a blocking wait would hold up every other request on a shared client.
@@ -117,10 +119,10 @@ def _watch(handle: weakref.ref[_Watcher], store: dist.Store, key: str, done: thr
             conn = clone_store(store)
             t0 = time.monotonic()
             try:
-                conn.wait([key], dt.timedelta(seconds=WATCH_RENEW_S))
+                conn.wait([key], dt.timedelta(seconds=renew))
                 break
             except Exception:  # noqa: BLE001 - a timeout's error type varies between torch versions
-                if time.monotonic() - t0 < WATCH_RENEW_S / 2:
+                if time.monotonic() - t0 < renew / 2:
                     raise  # not a timeout: the store failed
             del conn
             if handle() is None:
@@ -148,7 +150,7 @@ def wait_abortable(fn: Callable[[], Any], watch: FailureWatch, what: str) -> Any
 
     thread = threading.Thread(target=target, daemon=True, name=f"wait:{what}")
     thread.start()
-    while not done.wait(POLL_S):
+    while not done.wait(watch.poll):
         if watch.failed():  # the helper thread ends with the operation's timeout
             raise GenerationAborted(f"{watch.key} while waiting for {what}")
     if "error" in box:
@@ -162,10 +164,10 @@ class AbortableGeneration(Generation):
     `on_wait()` runs before each wait (fault injection counts the waits of a step)."""
 
     def __init__(self, store: dist.Store, number: int, rank: int, world_size: int, plan: ExecPlan,
-                 timeouts: Timeouts, backend: str = "gloo", on_wait: Callable[[], None] | None = None,
+                 timeouts: JobTimeouts, backend: str = "gloo", on_wait: Callable[[], None] | None = None,
                  device: torch.device | None = None) -> None:
         super().__init__(store, number, rank, world_size, plan, timeouts, backend, device)
-        self.watch = FailureWatch(store, number)
+        self.watch = FailureWatch(store, number, timeouts)
         self.on_wait = on_wait
 
     def wait(self, work: dist.Work) -> None:
@@ -177,9 +179,9 @@ class AbortableGeneration(Generation):
             if self.backend == "nccl":
                 return self._poll(work)
             if work.is_completed():  # async collectives that already finished: no thread
-                work.wait(self.timeouts.td("collective"))
+                work.wait(self.timeouts.td("collective_timeout"))
                 return
-            wait_abortable(lambda: work.wait(self.timeouts.td("collective")), self.watch, "collective")
+            wait_abortable(lambda: work.wait(self.timeouts.td("collective_timeout")), self.watch, "collective")
         except GenerationAborted:
             raise
         except RuntimeError as err:  # whatever the backend raised: a failed collective (see comm.py)
@@ -201,15 +203,15 @@ class AbortableGeneration(Generation):
     def _poll(self, work: dist.Work) -> None:
         """NCCL: poll the work and the failed key from this thread; past the collective timeout the
         generation's groups are aborted and the error reported like gloo's (a collective error)."""
-        deadline = time.monotonic() + self.timeouts.collective
+        deadline = time.monotonic() + self.timeouts.collective_timeout
         while not work.is_completed():
             if self.watch.failed():
                 raise self._aborted(self.watch.key)
             if time.monotonic() > deadline:
                 abort_groups(list(self.groups.values()))
                 raise dist.DistBackendError(f"NCCL work of generation {self.number} timed out after "
-                                            f"{self.timeouts.collective:g} s")
-            time.sleep(NCCL_POLL_S)
+                                            f"{self.timeouts.collective_timeout:g} s")
+            time.sleep(self.timeouts.nccl_poll)
         work.wait()  # completed: surfaces the work's error, if any
 
     def _aborted(self, why: str) -> GenerationAborted:
@@ -218,18 +220,15 @@ class AbortableGeneration(Generation):
         return GenerationAborted(why)
 
 
-NCCL_POLL_S = 0.0005  # NCCL work is polled this often: a step's p2p waits are short
-
-
 def build_generation(store: dist.Store, number: int, rank: int, world_size: int, plan: ExecPlan,
-                     timeouts: Timeouts, backend: str = "gloo", on_wait: Callable[[], None] | None = None,
+                     timeouts: JobTimeouts, backend: str = "gloo", on_wait: Callable[[], None] | None = None,
                      device: torch.device | None = None) -> AbortableGeneration:
     """Build generation `number`'s groups in a helper thread: a member dying while the groups form
     (a failure during recovery) aborts the build instead of blocking until the connect timeout.
     The helper thread gets its own store connection: a group's setup blocks in store calls, and a
     shared client would keep the failed key from this thread's watch (a second failure during the
     rebuild would then stall the survivors)."""
-    watch = FailureWatch(store, number)
+    watch = FailureWatch(store, number, timeouts)
     group_store = clone_store(store)
     try:
         return wait_abortable(

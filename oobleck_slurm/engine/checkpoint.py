@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from oobleck_slurm.errors import BadInputError
 from oobleck_slurm.optim import load_optimizer_state_tensors, optimizer_state_tensors
 
 LAYER_SUFFIX = ".safetensors"
@@ -31,7 +32,7 @@ FORMAT = "oobleck-slurm-layer"
 VERSION = "1"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInputError, ValueError):
     """A layer file that is not a readable safetensors file of this format, or does not fit the layer."""
 
 

@@ -26,7 +26,6 @@ import datetime as dt
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
@@ -35,7 +34,9 @@ import torch.distributed as dist
 from oobleck_slurm.engine import nccl_order
 from oobleck_slurm.engine.layout import ExecPlan, layer_groups
 from oobleck_slurm.engine.nccl_order import OrderedGroup, P2POp
+from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol.timeouts import JobTimeouts
 
 # NCCL's own per-operation timeout: far above the job's collective timeout, which the generation's
 # abortable waits enforce; the watchdog acting first would kill the process instead of the generation.
@@ -48,7 +49,7 @@ COLLECTIVE_ERROR_MARKERS = ("gloo/", "Connection closed by peer", "Connection re
                             "ncclCommAbort", "aborted")
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(InfrastructureError, RuntimeError):
     """A group operation of a generation failed: a peer died or stalled, or the network failed. Raised
     by the generation's waits and group builds (abort.py) around whatever the backend raised."""
 
@@ -63,23 +64,9 @@ def is_collective_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(m in str(error) for m in COLLECTIVE_ERROR_MARKERS)
 
 
-@dataclass(frozen=True)
-class Timeouts:
-    """Every timeout of the engine, in seconds. Ordered: collective < step < reconfiguration."""
-
-    store: float = 60.0  # store connect / get
-    connect: float = 120.0  # building a group: waits until every member has started (imports, builds)
-    collective: float = 60.0  # any group operation afterwards: all-reduce, send/recv, barrier
-    step: float = 300.0  # one training step (the supervisor's watchdog, not enforced by workers)
-    run: float = 3600.0  # whole local run (the launcher)
-
-    def td(self, name: str) -> dt.timedelta:
-        return dt.timedelta(seconds=getattr(self, name))
-
-
-def connect_store(host: str, port: int, timeouts: Timeouts) -> dist.TCPStore:
+def connect_store(host: str, port: int, timeouts: JobTimeouts) -> dist.TCPStore:
     """A client connection to the job's store (hosted elsewhere)."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timeouts.td("store"))
+    return dist.TCPStore(host, port, is_master=False, timeout=timeouts.td("store_timeout"))
 
 
 def make_group(store: dist.Store, prefix: str, rank: int, size: int, timeout: dt.timedelta,
@@ -108,7 +95,6 @@ def make_group(store: dist.Store, prefix: str, rank: int, size: int, timeout: dt
     return cast(dist.ProcessGroup, pg)
 
 
-WARM_UP_POLL_S = 0.001  # a warm-up operation is polled this often (it completes in microseconds)
 ABORT_JOIN_S = 30.0  # how long aborting a generation's NCCL communicators may take before we go on
 
 
@@ -155,7 +141,7 @@ class Generation:
     """
 
     def __init__(self, store: dist.Store, number: int, rank: int, world_size: int, plan: ExecPlan,
-                 timeouts: Timeouts, backend: str = "gloo", device: torch.device | None = None) -> None:
+                 timeouts: JobTimeouts, backend: str = "gloo", device: torch.device | None = None) -> None:
         self.number = number
         self.rank = rank
         self.world_size = world_size
@@ -167,7 +153,7 @@ class Generation:
         # the collective timeout themselves (`wait`), and the waits that may take longer (a state copy
         # to a newcomer, `AbortableGeneration.align`) raise theirs. gloo bounds a collective by the
         # group's timeout whatever its waiter allows.
-        timeout = dt.timedelta(seconds=max(timeouts.collective, timeouts.step))
+        timeout = dt.timedelta(seconds=max(timeouts.collective_timeout, timeouts.step_timeout))
         wanted: dict[str, tuple[int, ...]] = {"world": tuple(range(world_size))}
         for p in plan.pipelines:
             if p.num_stages > 1:
@@ -185,7 +171,7 @@ class Generation:
             members = wanted[name]
             if rank in members:
                 pg = make_group(store, keys.group_prefix(number, name), members.index(rank), len(members),
-                                timeout, backend, timeouts.td("connect"), device)
+                                timeout, backend, timeouts.td("connect_timeout"), device)
                 self.groups[name] = OrderedGroup(pg, name) if ordered else cast(Group, pg)
                 self._members[name] = members
         self.world = self.groups["world"]
@@ -212,19 +198,19 @@ class Generation:
             else:
                 work = group.allreduce([torch.zeros(1, device=self.device)])
             if self.backend != "nccl":  # gloo's p2p work only completes through wait()
-                work.wait(self.timeouts.td("connect"))
+                work.wait(self.timeouts.td("connect_timeout"))
                 continue
-            deadline = time.monotonic() + self.timeouts.connect
+            deadline = time.monotonic() + self.timeouts.connect_timeout
             while not work.is_completed():  # NCCL's wait() would only order the streams
                 if time.monotonic() > deadline:
                     raise CollectiveError(f"generation {self.number}: warming up group {name} took more than "
-                                          f"{self.timeouts.connect:g} s")
-                time.sleep(WARM_UP_POLL_S)
+                                          f"{self.timeouts.connect_timeout:g} s")
+                time.sleep(self.timeouts.warm_up_poll)
             work.wait()
 
     def wait(self, work: dist.Work) -> None:
         """Wait for `work` at most the collective timeout (after which the group is dead)."""
-        work.wait(self.timeouts.td("collective"))
+        work.wait(self.timeouts.td("collective_timeout"))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         """Send to a pipeline neighbour: activations forward, gradients backward."""
@@ -291,7 +277,7 @@ def step_timeout_waits(gen: Generation) -> Iterator[None]:
     moves whole layers with their optimizer state to a newcomer that may still be warming up, and the
     collective timeout (seconds, sized for a step's all-reduce) made joins fail on a loaded machine."""
     saved = gen.timeouts
-    gen.timeouts = dataclasses.replace(saved, collective=max(saved.collective, saved.step))
+    gen.timeouts = dataclasses.replace(saved, collective_timeout=max(saved.collective_timeout, saved.step_timeout))
     try:
         yield
     finally:

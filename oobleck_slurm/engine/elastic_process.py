@@ -32,7 +32,7 @@ import torch
 from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE
 from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
-from oobleck_slurm.engine.comm import Timeouts, connect_store, is_collective_error
+from oobleck_slurm.engine.comm import connect_store, is_collective_error
 from oobleck_slurm.engine.faults import FaultHooks
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.recovery import can_complete, reach_step
@@ -51,6 +51,7 @@ from oobleck_slurm.protocol.records import (
     WorkerReport,
     read_launch_config,
 )
+from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.protocol.wire import ProtocolError
 
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
@@ -65,8 +66,7 @@ class ElasticWorker:
         self.per_node = launch.workers_per_node
         if not 0 <= local < self.per_node:
             raise ValueError(f"worker index {local} out of range: the job runs {self.per_node} worker(s) per node")
-        self.timeouts = Timeouts(**launch.timeouts)
-        self.reconfiguration_s = launch.reconfiguration_timeout
+        self.timeouts = JobTimeouts(**launch.timeouts)
         self.checkpoint_interval = launch.checkpoint_interval
         self.checkpoint_root = launch.checkpoint_dir or str(job_dir / CHECKPOINTS_DIR)
         self.store = connect_store(launch.host, launch.port, self.timeouts)
@@ -111,8 +111,8 @@ class ElasticWorker:
         self.store.set(keys.worker_ready(self.name), repr(time.time()))
         g = int(self.store.get(keys.CURRENT_GEN))
         while True:
-            if not self._wait_key(keys.config(g), self.timeouts.run):
-                raise TimeoutError(f"no configuration for generation {g} within {self.timeouts.run} s")
+            if not self._wait_key(keys.config(g), self.timeouts.run_timeout):
+                raise TimeoutError(f"no configuration for generation {g} within {self.timeouts.run_timeout} s")
             cfg = records.get(self.store, GenerationConfig, g)
             if cfg.stop:
                 if cfg.save is not None:
@@ -131,7 +131,7 @@ class ElasticWorker:
                     # A peer's death shows up as a gloo error before the coordinator's key: report the
                     # error (with no loss to explain it the coordinator re-forms the members) and wait.
                     self._report_error(g, e)
-                    if not self._wait_key(keys.failed(g), self.reconfiguration_s):
+                    if not self._wait_key(keys.failed(g), self.timeouts.reconfiguration_timeout):
                         raise
                 self.faults.before_report(self.worker.step)
                 records.put(self.store, WorkerReport(step=self.worker.step, layers=tuple(sorted(self.worker.layers)),

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from oobleck_slurm.errors import InternalError
 
-class PlanError(ValueError):
+
+class PlanError(InternalError, ValueError):
     """An execution plan is inconsistent (overlapping ranks, gaps in layers or microbatches, ...)."""
 
 

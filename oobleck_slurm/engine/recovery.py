@@ -25,9 +25,10 @@ interrupted copy drops the half-received layers, so only valid layers are report
 from __future__ import annotations
 
 from oobleck_slurm.engine.worker import Worker
+from oobleck_slurm.errors import InternalError
 
 
-class StepMismatchError(RuntimeError):
+class StepMismatchError(InternalError, RuntimeError):
     """A rank cannot reach the agreed step: it is ahead of it, or more than one step behind, or one
     step behind without the step pending (a coordinator bug, or state that is not what it reported)."""
 

@@ -19,6 +19,7 @@ import importlib
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from oobleck_slurm.errors import BadInputError
 from oobleck_slurm.models.base import ModelDef
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-class FactoryError(ValueError):
+class FactoryError(BadInputError, ValueError):
     """A user's model factory does not fit the job: `key` is the recipe key to fix."""
 
     def __init__(self, key: str, message: str) -> None:

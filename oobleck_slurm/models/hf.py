@@ -22,6 +22,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from oobleck_slurm.errors import BadInputError
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -42,7 +44,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 }
 
 
-class HFError(ValueError):
+class HFError(BadInputError, ValueError):
     """A Hugging Face folder this package cannot read or write; the message names the file and key."""
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from oobleck_slurm.errors import BadInputError
 
-class UnknownGPU(LookupError):
+
+class UnknownGPU(BadInputError, LookupError):
     """A GPU name that is not in GPUS (`--estimate NAME`); the message lists the known names."""
 
 

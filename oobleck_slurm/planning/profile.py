@@ -38,6 +38,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from oobleck_slurm.errors import BadInputError
+
 PROFILE_FORMAT = "oobleck-slurm-profile"
 PROFILE_VERSION = 1
 LINK_NAMES = ("intra_node", "inter_node", "allreduce_intra", "allreduce_inter")
@@ -51,7 +53,7 @@ MAX_PROFILE_SECONDS = 1e6  # per layer and microbatch, or per message: 11 days i
 MAX_PROFILE_BYTES_VALUE = 2**60  # bytes of one layer or one device: an exbibyte
 
 
-class ProfileError(ValueError):
+class ProfileError(BadInputError, ValueError):
     """A profile file or dict that cannot be used: says which file and which key."""
 
 

@@ -39,13 +39,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from oobleck_slurm.errors import UnrecoverableError
 from oobleck_slurm.planning.instantiate import NodeId, PipelinePlan, Plan, distribute_batch, instantiate
 from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError
 
 Device = tuple[NodeId, int]  # (node, device index within the node): one worker, one stage
 
 
-class RecoveryImpossible(PlanningError):
+class RecoveryImpossible(UnrecoverableError, PlanningError):
     """No plan can continue from the survivors' in-memory state; `kind` says which rule failed:
     "no_replica" (`layers` lost every copy) or "too_few_pipelines"."""
 

@@ -36,13 +36,14 @@ from typing import Any
 
 import numpy as np
 
+from oobleck_slurm.errors import BadInputError
 from oobleck_slurm.planning import cost
 from oobleck_slurm.planning.profile import Profile
 
 INF = math.inf
 
 
-class PlanningError(ValueError):
+class PlanningError(BadInputError, ValueError):
     """A request the planner cannot satisfy; the message says what would fit."""
 
 

@@ -5,4 +5,5 @@
     messages      the control plane's messages, one type each, validated where they are received
     events        the event log (`events.jsonl`): writer, readers
     event_schema  one typed event per kind: what `emit` accepts and `read_event` returns
+    timeouts      every timeout and poll period of the job's processes (`JobTimeouts.from_recipe`)
 """

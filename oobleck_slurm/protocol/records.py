@@ -155,8 +155,7 @@ class LaunchConfig:
 
     host: str
     port: int
-    timeouts: dict[str, float]
-    reconfiguration_timeout: float
+    timeouts: dict[str, float]  # the job's JobTimeouts (protocol/timeouts.py), `asdict`: rebuilt with JobTimeouts(**...)
     checkpoint_interval: int = 0
     checkpoint_dir: str | None = None
     workers_per_node: int = 1

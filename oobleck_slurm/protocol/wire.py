@@ -21,13 +21,15 @@ import socket
 import struct
 from typing import Any
 
+from oobleck_slurm.errors import InfrastructureError
+
 NONCE_BYTES = 16
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20  # plans and metrics are kilobytes; a megabyte is already a wrong peer
 HANDSHAKE_MAGIC = b"OOBLECK1"
 
 
-class ProtocolError(Exception):
+class ProtocolError(InfrastructureError):
     """The peer sent something that is not a valid, authenticated message; drop the connection."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from oobleck_slurm.errors import BadInputError
+
 
 @dataclass(frozen=True)
 class RecipeIssue:
@@ -19,7 +21,7 @@ class RecipeIssue:
         return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
 
 
-class RecipeError(Exception):
+class RecipeError(BadInputError):
     """A recipe could not be loaded; holds every issue found, not just the first."""
 
     def __init__(self, issues: list[RecipeIssue]):

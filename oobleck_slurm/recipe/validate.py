@@ -12,6 +12,7 @@ from pathlib import Path
 from types import MappingProxyType, UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
+from oobleck_slurm.errors import BadInputError
 from oobleck_slurm.models import PRESETS, GPTConfig
 from oobleck_slurm.recipe import schema
 from oobleck_slurm.recipe.errors import RecipeError, RecipeIssue
@@ -26,7 +27,7 @@ MAX_RECIPE_INT = 2**63 - 1
 _UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
-class _Invalid(Exception):
+class _Invalid(BadInputError):
     """A value does not fit its field; carries the message for the issue list."""
 
 

@@ -23,10 +23,12 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from oobleck_slurm.errors import BadInputError
+
 EVENT_KINDS = ("fail", "join")
 
 
-class TraceError(ValueError):
+class TraceError(BadInputError, ValueError):
     """A bad trace or trace option; the message names the file and line when there is one."""
 
 

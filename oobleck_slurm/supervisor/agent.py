@@ -1,8 +1,8 @@
 """The node agent: `python -m oobleck_slurm.supervisor.agent JOB_DIR [--node NAME] [--replacement ID]`.
 
 One per node (Slurm: one srun task per node; local backend: a process per virtual node). It connects
-to the supervisor over the authenticated control plane, beats every `heartbeat_interval` seconds
-(with its workers' process states, so that a SIGSTOPped worker can be named), and obeys (messages:
+to the supervisor over the authenticated control plane, beats every `heartbeat_interval` seconds (the
+job's timeouts, in supervisor.json; protocol/timeouts.py) (with its workers' process states, so that a SIGSTOPped worker can be named), and obeys (messages:
 protocol/messages.py):
 
     start {node_id, workers, threads, device}
@@ -41,6 +41,7 @@ from typing import Any
 import psutil
 
 from oobleck_slurm.cluster.jobdir import JobDir, load_secret
+from oobleck_slurm.errors import JobTimeoutError
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 from oobleck_slurm.protocol.messages import (
     Drill,
@@ -57,12 +58,11 @@ from oobleck_slurm.protocol.messages import (
     WorkerExit,
     parse,
 )
+from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.agent_health import DRILLS, MetricsReporter, NodeDrills
 from oobleck_slurm.supervisor.server import connect
 
-ADDRESS_WAIT_S = 120.0  # a replacement job may start before the supervisor wrote its address
-CONNECT_TIMEOUT_S = 10.0
 # Set in every NCCL worker's environment, before torch starts (docs/nccl.md, "Aborting"): torch's watchdog must never act on its own (it sleeps 60 s, then tears the process down);
 # the generation design aborts groups itself (engine/abort.py), and a timeout dump key left in the root
 # store by one generation must not kill a later process.
@@ -73,7 +73,6 @@ NCCL_WORKER_ENV = {
     "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
     "NCCL_NVLS_ENABLE": "0",
 }
-WATCH_S = 0.02  # how often the worker's exit is polled: bounds process-exit detection
 
 
 def _die_with_parent() -> None:
@@ -99,12 +98,13 @@ def node_name(explicit: str | None = None) -> str:
     return explicit or os.environ.get("SLURMD_NODENAME") or os.uname().nodename
 
 
-def read_address(job: JobDir, wait_s: float = ADDRESS_WAIT_S) -> dict[str, Any]:
+def read_address(job: JobDir, wait_s: float = DEFAULT_TIMEOUTS.address_timeout) -> dict[str, Any]:
+    """The supervisor's address (supervisor.json); before it, the agent knows only the default timeouts."""
     deadline = time.time() + wait_s
     while (address := job.supervisor_address()) is None:
         if time.time() > deadline:
-            raise RuntimeError(f"{job.supervisor_file}: no supervisor address after {wait_s:g} s")
-        time.sleep(0.2)
+            raise JobTimeoutError(f"{job.supervisor_file}: no supervisor address after {wait_s:g} s")
+        time.sleep(DEFAULT_TIMEOUTS.address_poll)
     return address
 
 
@@ -112,7 +112,8 @@ class Agent:
     def __init__(self, job_dir: Path, node: str, replacement: str | None = None) -> None:
         self.job, self.node, self.replacement = JobDir.at(job_dir), node, replacement
         self.address = read_address(self.job)
-        self.interval = float(self.address["heartbeat_interval"])
+        self.timeouts = JobTimeouts(**self.address.get("timeouts", {}))  # the job's, written by the supervisor
+        self.interval = self.timeouts.heartbeat_interval
         self.workers: list[subprocess.Popen] = []  # index = the worker's local index (device)
         self.worker_id: str | None = None  # the node id the supervisor gave this node's workers
         self._lock = threading.Lock()  # the channel is written by the beat loop and the command reader
@@ -120,7 +121,8 @@ class Agent:
         self._preempt = threading.Event()  # Slurm's SIGUSR2 arrived: relay it once
         self.drills = NodeDrills(lambda: [w.pid for w in self.workers if w.poll() is None])
         self.channel: Channel = connect(self.address["host"], int(self.address["port"]), load_secret(job_dir),
-                                        Hello(role="agent", node=node).to_dict(), timeout=CONNECT_TIMEOUT_S)
+                                        Hello(role="agent", node=node).to_dict(),
+                                        timeout=self.timeouts.agent_connect_timeout)
         self.send(Register(node=node, replacement=replacement, pid=os.getpid(),
                            slurm_job_id=os.environ.get("SLURM_JOB_ID")))
 
@@ -242,7 +244,7 @@ class Agent:
                     self.send(Heartbeat(node=self.node, workers=tuple(self.worker_states()),
                                         cpu=psutil.cpu_percent(interval=None), t=now))
                     next_beat = now + self.interval
-                self._done.wait(WATCH_S)
+                self._done.wait(self.timeouts.agent_poll)
         except (OSError, ProtocolError):
             pass
         finally:

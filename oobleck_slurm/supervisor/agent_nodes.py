@@ -60,6 +60,7 @@ from typing import Any
 import torch.distributed as dist
 
 from oobleck_slurm.detection.health import Rebalance
+from oobleck_slurm.errors import InfrastructureError, InternalError, JobTimeoutError
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog
 from oobleck_slurm.protocol.messages import (
@@ -81,6 +82,7 @@ from oobleck_slurm.protocol.messages import (
     WorkerExit,
     parse,
 )
+from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.health import health_peer
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
@@ -88,11 +90,9 @@ from oobleck_slurm.supervisor.launchers import AgentLauncher
 from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, LossCause, Membership
 from oobleck_slurm.supervisor.server import ControlServer
 
-WATCH_S = 0.02  # the watcher's period: bounds the detection latency of srun exits and leases
-SLURM_POLL_S = 1.0  # scontrol is asked at most this often (slurmctld is shared with other users)
-RANK_STEP_POLL_S = 0.25  # per-worker steps (`worker/{node}:{i}/step`) are read this often: a hang takes step_timeout anyway
+# Its timeouts and polls (the watcher's period, scontrol's, the per-worker steps', a joining node's health
+# check) are the job's: BackendConfig.timeouts (protocol/timeouts.py).
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
-HEALTH_TIMEOUT_S = 60.0  # a joining node's collective with the supervisor (includes its torch import)
 RELAYED_DRILLS = ("agent", "worker", "hang", "slow", "leak")  # faults that the node's agent injects (see agent.py)
 
 
@@ -152,7 +152,7 @@ TRANSITIONS: dict[tuple[NodeState, NodeEvent], NodeState] = {
 }
 
 
-class IllegalTransition(Exception):
+class IllegalTransition(InternalError):
     """An event that a node's state does not allow (see the module's table)."""
 
 
@@ -221,15 +221,14 @@ class NodeRecord:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    heartbeat_interval: float
-    heartbeat_lease: float
-    step_timeout: float
     replacement: str  # spare | request | none
     store_host: str
     store_port: int
     workers_per_node: int = 1  # one per device
     threads_per_worker: int = 1  # CPU threads of each worker
     device: str = "cpu"  # cpu | cuda
+    # heartbeat_lease, step_timeout, health_check_timeout, the watcher's polls (protocol/timeouts.py)
+    timeouts: JobTimeouts = DEFAULT_TIMEOUTS
 
 
 class AgentNodes:
@@ -240,7 +239,7 @@ class AgentNodes:
         self.health = health  # metrics and stragglers (None: detection.enabled is false)
         self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
         self.drills = sorted(drills, key=lambda d: d.step)  # recipe DrillConfigs not yet run
-        self.membership = Membership(config.heartbeat_lease, config.step_timeout)
+        self.membership = Membership(config.timeouts.heartbeat_lease, config.timeouts.step_timeout)
         self.nodes: dict[str, NodeRecord] = {  # node id -> record; members first, then spares, then replacements
             **{n: NodeRecord(n, NodeState.LAUNCHING, n, trusted=True) for n in members},
             **{n: NodeRecord(n, NodeState.SPARE, n) for n in spares}}
@@ -250,7 +249,8 @@ class AgentNodes:
         self._tokens = itertools.count(1)
         self._stop = threading.Event()
         self._registered = threading.Condition(self._lock)
-        self.server = ControlServer(secret, self._on_message, self._on_refused, on_disconnect=self._on_disconnect)
+        self.server = ControlServer(secret, self._on_message, self._on_refused, on_disconnect=self._on_disconnect,
+                                    handshake_timeout=config.timeouts.handshake_timeout)
         self._store: dist.TCPStore | None = None  # the watcher's own client (a store object per thread)
         self._watcher = threading.Thread(target=self._watch, name="agent-nodes-watch", daemon=True)
 
@@ -278,10 +278,10 @@ class AgentNodes:
             while missing := [r for r in launched if r.agent is None]:
                 ended = {r.slurm_node: code for r in missing if r.step is not None and (code := r.step.poll()) is not None}
                 if ended:
-                    raise RuntimeError(f"agent step(s) ended before registering: {ended}; see logs/agent-*.log")
+                    raise InfrastructureError(f"agent step(s) ended before registering: {ended}; see logs/agent-*.log")
                 if time.time() > deadline:
-                    raise RuntimeError(f"agents of {[r.slurm_node for r in missing]} did not register within "
-                                       f"{timeout:g} s; see logs/agent-*.log")
+                    raise JobTimeoutError(f"agents of {[r.slurm_node for r in missing]} did not register within "
+                                          f"{timeout:g} s; see logs/agent-*.log")
                 self._registered.wait(0.2)
         self._watcher.start()
 
@@ -557,13 +557,13 @@ class AgentNodes:
         results: queue.Queue[HealthResult] = queue.Queue()
         with self._lock:
             agent.checks[prefix] = results
-        agent.send(Health(host=self.cfg.store_host, port=self.cfg.store_port, prefix=prefix,
-                          timeout=HEALTH_TIMEOUT_S))
+        timeout = self.cfg.timeouts.health_check_timeout
+        agent.send(Health(host=self.cfg.store_host, port=self.cfg.store_port, prefix=prefix, timeout=timeout))
         try:
             store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
-                                  timeout=dt.timedelta(seconds=HEALTH_TIMEOUT_S))
-            ok_here = health_peer(store, prefix, HEALTH_TIMEOUT_S)
-            result = results.get(timeout=HEALTH_TIMEOUT_S)
+                                  timeout=dt.timedelta(seconds=timeout))
+            ok_here = health_peer(store, prefix, timeout)
+            result = results.get(timeout=timeout)
             ok, detail = ok_here and result.ok, result.detail
         except Exception as err:  # noqa: BLE001 - any failure means "not healthy"
             ok, detail = False, f"{type(err).__name__}: {err}"
@@ -605,14 +605,15 @@ class AgentNodes:
 
     def _watch(self) -> None:
         self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
-                                    timeout=dt.timedelta(seconds=30))
+                                    timeout=self.cfg.timeouts.td("store_timeout"))
         with self._lock:
             faults = {i: r.fault_at for i, r in self.nodes.items() if r.fault_at is not None}
         for ident, t in faults.items():
             self._store.set(keys.fault_time(ident), repr(t))
         next_slurm = next_nodes = next_ranks = 0.0
         gen = -1
-        while not self._stop.wait(WATCH_S):
+        timeouts = self.cfg.timeouts
+        while not self._stop.wait(timeouts.backend_poll):
             now = time.time()
             with self._lock:
                 for record in self.nodes.values():
@@ -632,10 +633,10 @@ class AgentNodes:
                         if loss:
                             self._lost(loss)
             if now >= next_ranks:
-                next_ranks = now + RANK_STEP_POLL_S
+                next_ranks = now + timeouts.rank_step_poll
                 self._read_rank_steps(now)
             if now >= next_slurm:
-                next_slurm = now + SLURM_POLL_S
+                next_slurm = now + timeouts.slurm_poll
                 self._poll_slurm(now)
             if now >= next_nodes:
                 next_nodes = now + NODE_EVENT_S

@@ -7,6 +7,7 @@ import os
 import time
 
 from oobleck_slurm.cluster.jobdir import JobDir, SecretError, load_secret
+from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.protocol.messages import Fault, FaultResult, Hello, M, Message, Status, StatusResult, expect
 from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.supervisor.server import connect
@@ -14,7 +15,7 @@ from oobleck_slurm.supervisor.server import connect
 CLIENT_TIMEOUT_S = 5.0
 
 
-class SupervisorUnreachable(Exception):
+class SupervisorUnreachable(InfrastructureError):
     """The job has no running supervisor (not started yet, finished, or its node is gone), or it did
     not answer as a supervisor does."""
 

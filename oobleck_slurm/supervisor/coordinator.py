@@ -18,9 +18,13 @@ If recovery is impossible (a layer lost every replica, too few pipelines) or the
 
 A collective can also fail with no node lost (a collective timeout on a loaded machine, a transient
 network error, or a rank hung inside a step after its first collective). Workers report such errors
-(`gen{g}/errors`, `gen{g}/error/{node}`); if no loss explains them within `error_grace`, the same
-members re-form under generation g+1 (a `reform`). A member that does not leave the aborted
-generation within `leave_timeout` is hung (its peers left in milliseconds): it is lost like a dead one.
+(`gen{g}/errors`, `gen{g}/error/{node}`); if no loss explains them within the heartbeat lease (a dead
+or frozen node is named within it), the same members re-form under generation g+1 (a `reform`). A
+member that does not leave the aborted generation within the step timeout is hung (its peers left in
+milliseconds): it is lost like a dead one. Every timeout and poll period is the job's
+(`CoordinatorConfig.timeouts`, protocol/timeouts.py). When it gives up it raises a CoordinatorError:
+`CannotContinue` (no recovery and no checkpoint: unrecoverable, no requeue) or `CoordinatorTimeout`
+(the run timed out: a requeue may help); see errors.py.
 On a preemption notice (see preemption.py) the same abort collects every worker's step; the next
 generation's config says `stop` with `save`: each worker reaches the largest reported step, writes its
 layers as an on-demand checkpoint of that step, and exits 0; a requeued job resumes from it.
@@ -42,6 +46,7 @@ import torch.distributed as dist
 from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.engine.checkpoint import latest_complete, layer_file, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
+from oobleck_slurm.errors import JobTimeoutError, OobleckError, UnrecoverableError
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
 from oobleck_slurm.planning.instantiate import NodeId
 from oobleck_slurm.planning.reconfigure import (
@@ -65,6 +70,7 @@ from oobleck_slurm.protocol.records import (
     WorkerError,
     WorkerReport,
 )
+from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.supervisor.decisions import (
     Change,
     CheckpointAndStop,
@@ -82,10 +88,7 @@ from oobleck_slurm.supervisor.decisions import (
     unreachable,
 )
 from oobleck_slurm.supervisor.membership import Loss
-from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S, Preemption
-
-POLL_S = 0.005  # the coordinator's loop: bounds detection latency on the local backend
-CHECKPOINT_LOOK_S = 0.5  # how often the checkpoint directory is scanned for completed checkpoints
+from oobleck_slurm.supervisor.preemption import Preemption
 
 
 class NodeBackend(Protocol):
@@ -98,26 +101,32 @@ class NodeBackend(Protocol):
     def rebalances(self) -> list[Rebalance]: ...  # straggler decisions since the last call (detection/health.py)
 
 
-class CoordinatorError(RuntimeError):
-    """Training cannot go on (no recovery and no checkpoint, or a timeout); the message says why."""
+class CoordinatorError(OobleckError, RuntimeError):
+    """The coordinator gave up; the subclass says whether a requeue may help, the message why."""
+
+
+class CannotContinue(CoordinatorError, UnrecoverableError):
+    """Training cannot go on: no recovery from the survivors and no complete checkpoint, or too few
+    live nodes to hold the model. Exit EXIT_UNRECOVERABLE, never requeued."""
+
+
+class CoordinatorTimeout(CoordinatorError, JobTimeoutError):
+    """The run exceeded `run_timeout`: a requeue resumes from the last complete checkpoint."""
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
     f: int
-    reconfiguration_timeout: float = 60.0  # collecting reports after a failure
-    run_timeout: float = 3600.0
     replacement: bool = False  # ask the backend for a new node after each loss
     mode: str = "memory"  # "memory": checkpoint-free recovery; "checkpoint": always restart from one
     checkpoint_dir: str = ""
     devices_per_node: int = 1
-    checkpoint_timeout: float = CHECKPOINT_TIMEOUT_S  # an on-demand checkpoint, from request to complete
-    # A worker's collective error that no node loss explains within this long re-forms the generation
-    # (the heartbeat lease: a dead or frozen node is named first, and recovered as a loss).
-    error_grace: float = 3.0
-    # After a re-form, a member still in the aborted generation this long later is hung (the step
-    # timeout: no healthy rank computes longer than a step before its next collective).
-    leave_timeout: float = 60.0
+    # Used here: reconfiguration_timeout (collecting reports after an abort), run_timeout,
+    # checkpoint_timeout (an on-demand checkpoint, from request to complete), heartbeat_lease (a worker's
+    # collective error that no node loss explains within it re-forms the generation), step_timeout (after
+    # a re-form, a member still in the aborted generation this long later is hung), coordinator_poll,
+    # checkpoint_poll.
+    timeouts: JobTimeouts = DEFAULT_TIMEOUTS
 
 
 @dataclass
@@ -262,8 +271,9 @@ class Coordinator:
     # ---- the loop ----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Drive the job until every member finished; raises CoordinatorError if it cannot go on."""
-        t_end = time.time() + self.cfg.run_timeout
+        """Drive the job until every member finished; raises CannotContinue if it cannot go on, and
+        CoordinatorTimeout past the run timeout."""
+        t_end = time.time() + self.cfg.timeouts.run_timeout
         while True:
             action = on_tick(self._observe())
             if isinstance(action, Finish):
@@ -276,8 +286,8 @@ class Coordinator:
                 self._change(action)
             self._watch_progress()
             if time.time() > t_end:
-                raise CoordinatorError(f"run exceeded its timeout of {self.cfg.run_timeout} s")
-            time.sleep(POLL_S)
+                raise CoordinatorTimeout(f"run exceeded its timeout of {self.cfg.timeouts.run_timeout:g} s")
+            time.sleep(self.cfg.timeouts.coordinator_poll)
 
     def _observe(self) -> Observation:
         lost = tuple(self._exits())
@@ -347,8 +357,8 @@ class Coordinator:
         return int(self.store.get(key)) if self.store.check([key]) else None
 
     def _unexplained_errors(self) -> bool:
-        """True once workers' collective errors in the current generation are `error_grace` old and no
-        loss has explained them (a loss starts a new generation first)."""
+        """True once workers' collective errors in the current generation are a heartbeat lease old and
+        no loss has explained them (a loss starts a new generation first)."""
         g = self.gen
         if not self.store.check([keys.errors(g)]):
             return False
@@ -358,9 +368,9 @@ class Coordinator:
             errors = {w: e for n in self.members for w in keys.node_workers(n, self.cfg.devices_per_node)
                       if (e := records.get_if(self.store, WorkerError, g, w)) is not None}
             self.log.emit("collective_error", generation=g, nodes=sorted(errors), step=self._progress(),
-                          errors={n: e.error for n, e in errors.items()}, grace=self.cfg.error_grace,
+                          errors={n: e.error for n, e in errors.items()}, grace=self.cfg.timeouts.heartbeat_lease,
                           **self._recovery_fields())
-        return now - self.errors_seen[1] >= self.cfg.error_grace
+        return now - self.errors_seen[1] >= self.cfg.timeouts.heartbeat_lease
 
     def _killed_at(self, nodes: Collection[str]) -> float | None:
         times = [float(self.store.get(keys.fault_time(n))) for n in nodes if self.store.check([keys.fault_time(n)])]
@@ -389,7 +399,8 @@ class Coordinator:
         reform = change.trigger == "collective_error"
         if reform:
             self.log.emit("reform", generation=g, cause=cause, step=next_step, **self._recovery_fields())
-        reports, lost_set = self._collect_reports(g, frozenset(lost), self.cfg.leave_timeout if reform else None)
+        reports, lost_set = self._collect_reports(g, frozenset(lost),
+                                                  self.cfg.timeouts.step_timeout if reform else None)
         for n in joined:
             self.pending_joins.pop(n, None)
         t0 = time.perf_counter()
@@ -445,21 +456,22 @@ class Coordinator:
         self.log.emit("detection", generation=g, seconds=(t_detect - t_kill) if t_kill else 0.0,
                       known_kill_time=t_kill is not None, **self._recovery_fields())
 
-    def _collect_reports(self, g: int, lost: frozenset[str], leave_timeout: float | None = None
+    def _collect_reports(self, g: int, lost: frozenset[str], hung_after: float | None = None
                          ) -> tuple[dict[str, WorkerReport], frozenset[str]]:
         """Every worker's {step, layers} after leaving generation g, by worker id, from each live member
         node (a node counts once all its workers reported), and the lost nodes: `lost` and the deaths
-        meanwhile. With `leave_timeout` (a re-form), nodes that have not left by then are hung: lost."""
+        meanwhile. With `hung_after` (a re-form: the step timeout), nodes that have not left by then are
+        hung: lost."""
         reports: dict[str, WorkerReport] = {}
         lost_now = set(lost)
         t_abort = time.time()
-        deadline = t_abort + self.cfg.reconfiguration_timeout
-        hung_at = t_abort + leave_timeout if leave_timeout is not None else None
+        deadline = t_abort + self.cfg.timeouts.reconfiguration_timeout
+        hung_at = t_abort + hung_after if hung_after is not None else None
         while True:
             for n in self._exits():
                 if n in lost_now:
                     continue
-                if leave_timeout is not None and not lost_now:  # the loss a re-form was waiting for
+                if hung_after is not None and not lost_now:  # the loss a re-form was waiting for
                     self._failure_events(g, [n], self._cause([n]), None, time.time())
                 else:
                     self.log.emit("failure", generation=g, nodes=[n], cause="process exit during recovery", step=None,
@@ -481,16 +493,17 @@ class Coordinator:
                 self.backend.stop(late)
                 lost_now.update(late)
                 self.log.emit("failure", generation=g, nodes=late, cause="no report within the reconfiguration "
-                              f"timeout ({self.cfg.reconfiguration_timeout} s)", step=None, **self._recovery_fields())
-            time.sleep(POLL_S)
+                              f"timeout ({self.cfg.timeouts.reconfiguration_timeout} s)", step=None,
+                              **self._recovery_fields())
+            time.sleep(self.cfg.timeouts.coordinator_poll)
 
     def _lose_hung(self, g: int, late: list[str], waited: float) -> None:
         """Members that did not leave generation g while every peer did: hung inside the step."""
         self.backend.stop(late)
         t_fault = self._killed_at(late)
         now = time.time()
-        detail = (f"did not leave generation {g} within {waited:.1f} s of its abort (leave timeout "
-                  f"{self.cfg.leave_timeout:g} s) while its peers did: hung inside a step")
+        detail = (f"did not leave generation {g} within {waited:.1f} s of its abort (step timeout "
+                  f"{self.cfg.timeouts.step_timeout:g} s) while its peers did: hung inside a step")
         for n in late:
             self.log.emit("node_lost", node=n, cause="hung", detail=detail, t=now,
                           detection_seconds=(now - t_fault) if t_fault else None, **self._recovery_fields())
@@ -507,8 +520,8 @@ class Coordinator:
         root = self.cfg.checkpoint_dir
         step = latest_complete(root, self.keys) if root else None
         if step is None:
-            raise CoordinatorError(f"cannot continue: {reason}; and no complete checkpoint exists in "
-                                   f"{root or '(no checkpoint directory)'}")
+            raise CannotContinue(f"cannot continue: {reason}; and no complete checkpoint exists in "
+                                 f"{root or '(no checkpoint directory)'}")
         plan = None
         for f in range(self.cfg.f, -1, -1):
             try:
@@ -518,7 +531,7 @@ class Coordinator:
             except PlanningError:
                 continue
         if plan is None:
-            raise CoordinatorError(f"cannot continue: {reason}; {len(live)} live node(s) cannot hold the model")
+            raise CannotContinue(f"cannot continue: {reason}; {len(live)} live node(s) cannot hold the model")
         # Stopping the old workers is asynchronous (their agents kill them): skip a generation, so that
         # none of them, waiting for the next config, joins the restarted workers' group rendezvous.
         self.gen += 1
@@ -561,13 +574,13 @@ class Coordinator:
         records.put(self.store, GenerationConfig(generation=self.gen, stop=True, save=CheckpointRef(root=root, step=step)),
                     self.gen)
         self.store.set(keys.CURRENT_GEN, str(self.gen))
-        deadline = time.time() + self.cfg.checkpoint_timeout
+        deadline = time.time() + self.cfg.timeouts.checkpoint_timeout
         while not all(layer_file(root, step, k).exists() for k in self.keys):
             if time.time() > deadline:
                 self.log.emit("checkpoint", step=step, ok=False, on_demand=True,
-                              detail=f"not complete within {self.cfg.checkpoint_timeout:g} s")
+                              detail=f"not complete within {self.cfg.timeouts.checkpoint_timeout:g} s")
                 return self._stopped(None)
-            time.sleep(POLL_S)
+            time.sleep(self.cfg.timeouts.coordinator_poll)
         self.checkpoints_seen.add(step)
         self.log.emit("checkpoint", step=step, ok=True, on_demand=True, seconds=time.time() - t0,
                       path=str(step_dir(root, step)))
@@ -604,7 +617,7 @@ class Coordinator:
             self.recovery = None
             self._to(Phase.RUNNING)
         if self.cfg.checkpoint_dir and time.time() >= self._next_checkpoint_look:
-            self._next_checkpoint_look = time.time() + CHECKPOINT_LOOK_S
+            self._next_checkpoint_look = time.time() + self.cfg.timeouts.checkpoint_poll
             step = latest_complete(self.cfg.checkpoint_dir, self.keys)
             if step is not None and step not in self.checkpoints_seen:
                 self.checkpoints_seen.add(step)

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from oobleck_slurm.errors import InternalError
 from oobleck_slurm.planning import Plan
 from oobleck_slurm.planning.reconfigure import (
     Device,
@@ -64,7 +65,7 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(InternalError, RuntimeError):
     """A phase change that the state machine does not allow: a bug in the coordinator, never input."""
 
 

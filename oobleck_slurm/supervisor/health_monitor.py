@@ -42,12 +42,12 @@ from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.protocol import keys, records
 from oobleck_slurm.protocol.events import EventLog
 from oobleck_slurm.protocol.records import FirstStep, GenerationConfig, StepCompute
+from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.supervisor.agent_health import SEND_EVERY_S
 
-STORE_POLL_S = 0.05  # the generation and the last step's compute times are read this often
-CHECKPOINT_LOOK_S = 0.5  # how often a checkpoint being written is looked for on disk
-CHECKPOINT_HOLD_MAX_S = 300.0  # judgement resumes after this long even if the checkpoint never completes
+# Its polls (the store's, the checkpoint folder's) and how long a checkpoint may hold its judgement are the
+# job's timeouts (monitor_poll, checkpoint_poll, checkpoint_hold_max: protocol/timeouts.py).
 HEALTH_EVENT_S = 5.0  # a `health` event (scores, slowdowns) this often
 MAX_METRIC_NAME = 100
 MAX_SAMPLES = 100_000  # values in one batch (an agent sends ~20 a second)
@@ -74,11 +74,13 @@ def parse_metrics(samples: Any) -> list[tuple[float, str, float]]:
 
 class HealthMonitor:
     def __init__(self, detection: Any, job_dir: Path, log: EventLog, workers_per_node: int = 1,
-                 checkpoint_dir: str | None = None, checkpoint_interval: int = 0, total_steps: int | None = None) -> None:
+                 checkpoint_dir: str | None = None, checkpoint_interval: int = 0, total_steps: int | None = None,
+                 timeouts: JobTimeouts = DEFAULT_TIMEOUTS) -> None:
         """`detection`: the recipe's `detection:` section (recipe.schema.DetectionConfig); checkpoints
         are written into `checkpoint_dir` every `checkpoint_interval` steps (0: none) and after the
         last of `total_steps` (the trained model)."""
         self.config = DetectorConfig.from_recipe(detection)
+        self.timeouts = timeouts
         self.checkpoint_dir, self.checkpoint_interval, self.total_steps = checkpoint_dir, checkpoint_interval, total_steps
         self._checkpoint: tuple[int, float] | None = None  # (step, since) of a checkpoint being written
         self._checkpoint_armed = -1  # the last checkpoint step seen starting
@@ -152,7 +154,7 @@ class HealthMonitor:
         decisions: list[Evict | Report | Rebalance] = []
         keys_read = None
         if now >= self._next_store:
-            self._next_store = now + STORE_POLL_S
+            self._next_store = now + self.timeouts.monitor_poll
             keys_read = self._read_keys(store)  # store I/O outside the lock: receive() (an agent's
             # connection, which also carries its heartbeats) never waits for the store
         with self._lock:
@@ -222,7 +224,7 @@ class HealthMonitor:
     def _checkpointing(self, progress: int | None, now: float) -> bool:
         """Whether a checkpoint is being written: after the step that starts one (the engine writes step
         s+1's after step s when s+1 is a multiple of the interval, or the last step) until its layers
-        are all on disk (the checkpoint folder is looked at every CHECKPOINT_LOOK_S)."""
+        are all on disk (the checkpoint folder is looked at every `checkpoint_poll`)."""
         if not self.checkpoint_dir or progress is None:
             return False
         periodic = self.checkpoint_interval > 0 and (progress + 1) % self.checkpoint_interval == 0
@@ -232,9 +234,9 @@ class HealthMonitor:
             return False
         step, since = self._checkpoint
         if now >= self._next_look:
-            self._next_look = now + CHECKPOINT_LOOK_S
+            self._next_look = now + self.timeouts.checkpoint_poll
             written = len(list(step_dir(self.checkpoint_dir, step).glob(f"*{LAYER_SUFFIX}")))
-            if written >= self._num_layers or now - since > CHECKPOINT_HOLD_MAX_S:
+            if written >= self._num_layers or now - since > self.timeouts.checkpoint_hold_max:
                 self._checkpoint = None
         return True
 

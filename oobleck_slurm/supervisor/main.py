@@ -10,8 +10,15 @@ Preemption / time limit (see preemption.py): the notice reaches the agents, whic
 supervisor signals itself, submitit's handler calls `SupervisorJob.checkpoint`, which waits for an
 on-demand checkpoint of the current step, marks the folder (`requeue`) and lets submitit requeue.
 
-Exit codes (exit_codes.py): 0 done; EXIT_UNRECOVERABLE (3) training cannot go on (do not requeue); 1
-anything else.
+Exit codes (exit_codes.py): 0 done; otherwise the error's class says it (errors.py): EXIT_UNRECOVERABLE
+(3) training cannot go on, EXIT_BAD_INPUT (2) the recipe, profile, factory or data cannot be used, 1
+anything else (a timeout, Slurm or the store failed, a bug). The job's meta records `requeue`: whether
+a requeue may help (not after bad input, an unrecoverable loss, a bug, a completed or cancelled job);
+`SupervisorJob.checkpoint` requeues only when it may.
+
+Every timeout and poll period is the job's `JobTimeouts` (protocol/timeouts.py), built here once from
+the recipe and handed to the coordinator, the node backend, the health monitor, the workers
+(elastic.json) and the agents (supervisor.json).
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from oobleck_slurm.cluster.jobdir import META_FILE, JobDir
-from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNRECOVERABLE
+from oobleck_slurm.errors import BadInputError, InfrastructureError, exit_code_for, requeue_for, status_for
+from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
+from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
-JOIN_POLL_S = 0.2  # the main thread's wait on the supervisor thread: signals are handled between waits
-TEARDOWN_S = 30.0  # after the on-demand checkpoint: agents stopped, events closed, before the requeue
+# Statuses after which a requeue cannot help (a job's meta from before `requeue` was recorded).
+OVER = ("unrecoverable", "completed", "cancelled")
 
 
 def advertised_host() -> str:
@@ -49,7 +58,7 @@ def allocation_nodes(backend: str, recipe: Any) -> list[str]:
 
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
-        raise RuntimeError("SLURM_JOB_NODELIST is not set: the slurm backend runs inside an allocation")
+        raise BadInputError("SLURM_JOB_NODELIST is not set: the slurm backend runs inside an allocation")
     nodes = expand_hostnames(nodelist)
     batch = os.environ.get("SLURMD_NODENAME")
     if batch in nodes:  # the batch node first: it is a member (never a spare) and rank 0's home
@@ -86,22 +95,22 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
         _run(job, backend, log, preemption, on_preempt or preemption.requested.set)
         checkpointed = preemption.finished.is_set() and preemption.step is not None
         code, status, error = EXIT_OK, "preempted" if checkpointed else "completed", None
+        requeue = checkpointed  # a preempted run goes on from its checkpoint; a completed one is over
     except Exception as err:  # noqa: BLE001 - recorded for `status` and the user, then an exit code
         from oobleck_slurm.cluster.jobdir import SUPERVISOR_ERROR
-        from oobleck_slurm.supervisor.coordinator import CoordinatorError
 
         (job.logs / SUPERVISOR_ERROR).write_text(traceback.format_exc())
         # `cancel` leaves a marker first: the losses that scancel causes are not a failure of training.
-        cancelled = job.cancel_marker.exists()
-        unrecoverable = isinstance(err, CoordinatorError) and not cancelled
-        code = EXIT_UNRECOVERABLE if unrecoverable else EXIT_FAILED
-        status = "unrecoverable" if unrecoverable else "cancelled" if cancelled else "failed"
+        if job.cancel_marker.exists():
+            code, status, requeue = EXIT_FAILED, "cancelled", False
+        else:  # the error's class says the exit code and whether a requeue may help (errors.py)
+            code, status, requeue = exit_code_for(err), status_for(err), requeue_for(err)
         error = f"{type(err).__name__}: {err}"
         print(f"supervisor: {error}", file=sys.stderr)
     log.emit("job_finished", status=status, exit_code=code, error=error, seconds=time.time() - started,
              checkpoint_step=preemption.step)
     log.close()
-    job.update_meta(exit_code=code, status=status)
+    job.update_meta(exit_code=code, status=status, requeue=requeue)
     return code
 
 
@@ -109,7 +118,6 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     import torch.distributed as dist
 
     from oobleck_slurm.cluster.jobdir import load_secret
-    from oobleck_slurm.engine.comm import Timeouts
     from oobleck_slurm.engine.faults import load_faults
     from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for, validation_file_for
     from oobleck_slurm.engine.worker import check_supported
@@ -127,7 +135,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     ft, cluster = recipe.fault_tolerance, recipe.cluster
     nodes = allocation_nodes(backend, recipe)
     if len(nodes) < cluster.nodes:
-        raise RuntimeError(f"the allocation has {len(nodes)} node(s) ({nodes}); the recipe needs {cluster.nodes}")
+        raise InfrastructureError(f"the allocation has {len(nodes)} node(s) ({nodes}); the recipe needs {cluster.nodes}")
     members, spares = nodes[:cluster.nodes], nodes[cluster.nodes:]
     requeued = job.requeue_marker.exists()
     log.emit("job_started", job_id=job.job_id, backend=backend, recipe=recipe.name, recipe_path=str(job.recipe_path),
@@ -139,8 +147,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     token_file = token_file_for(recipe, job.data)
     try:  # `submit` checked a factory; a job started otherwise is told here
         spec = job_from_recipe(recipe, token_file, validation_file_for(recipe, job.data))
-    except FactoryError as problem:
-        raise ValueError(f"{recipe.source}: {problem.key}: {problem}") from problem
+    except FactoryError as problem:  # still a FactoryError (bad input: exit 2), naming the recipe file
+        raise FactoryError(problem.key, f"{recipe.source}: {problem.key}: {problem}") from problem
     check_supported(spec)
     if job.faults.is_file():  # drills: worker faults (engine/faults.py)
         spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.faults)})
@@ -153,44 +161,40 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
                        microbatch_size=recipe.training.microbatch_size, profile=profile,
                        use_all_nodes=recipe.cluster.use_all_nodes)
     host = advertised_host()
-    # Workers keep to the recipe's collective timeout; `run` only bounds waits between generations.
-    run_s = 60.0 * 60 * 24 * 30
-    timeouts = Timeouts(collective=ft.collective_timeout, step=ft.step_timeout, run=run_s)
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store"))
+    # Every timeout and poll period of the job, from the recipe in this one place (protocol/timeouts.py).
+    timeouts = JobTimeouts.from_recipe(ft)
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store_timeout"))
     ckpt_dir = str(job.checkpoints)  # periodic if checkpoint_interval > 0; on-demand and final always
     job.job_spec.write_text(spec.to_json())
     write_launch_config(job.elastic, LaunchConfig(
-        host=host, port=store.port, timeouts=asdict(timeouts), reconfiguration_timeout=ft.reconfiguration_timeout,
-        checkpoint_interval=ft.checkpoint_interval, checkpoint_dir=ckpt_dir, workers_per_node=cluster.devices_per_node))
+        host=host, port=store.port, timeouts=asdict(timeouts), checkpoint_interval=ft.checkpoint_interval,
+        checkpoint_dir=ckpt_dir, workers_per_node=cluster.devices_per_node))
 
     launcher = (SrunLauncher(job.path, cluster, recipe.name) if backend == "slurm" else LocalLauncher(job.path))
     detection = recipe.detection
     health = (HealthMonitor(detection, job.path, log, cluster.devices_per_node, ckpt_dir, ft.checkpoint_interval,
-                            recipe.training.steps) if detection.enabled else None)
+                            recipe.training.steps, timeouts=timeouts) if detection.enabled else None)
     nodes_backend = AgentNodes(load_secret(job.path), launcher, log, BackendConfig(
-        heartbeat_interval=ft.heartbeat_interval, heartbeat_lease=ft.heartbeat_lease, step_timeout=ft.step_timeout,
         replacement=ft.replacement, store_host=host, store_port=store.port,
         workers_per_node=cluster.devices_per_node, threads_per_worker=cluster.threads_per_worker,
-        device="cuda" if cluster.gpus_per_node else "cpu"), members, spares, on_preempt=on_preempt,
+        device="cuda" if cluster.gpus_per_node else "cpu", timeouts=timeouts), members, spares, on_preempt=on_preempt,
         drills=recipe.drills if meta.get("drills", True) and not requeued else (), health=health)
     nodes_backend.server.start()
     metrics = {"interval": detection.interval, "machine": not nodes_share_a_machine(backend, nodes),
                "gpus": bool(cluster.gpus_per_node)}  # what agents sample (agent_health.py)
-    job.write_supervisor_address(host=host, port=nodes_backend.port, heartbeat_interval=ft.heartbeat_interval,
+    job.write_supervisor_address(host=host, port=nodes_backend.port, timeouts=asdict(timeouts),
                                  pid=os.getpid(), store_port=store.port,
                                  **({"metrics": metrics} if detection.enabled else {}))
     job.update_meta(supervisor={"host": host, "port": nodes_backend.port, "pid": os.getpid()},
                     slurm_job_id=os.environ.get("SLURM_JOB_ID") or meta.get("slurm_job_id"))
-    config = CoordinatorConfig(f=ft.f, reconfiguration_timeout=ft.reconfiguration_timeout, run_timeout=run_s,
-                               replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
-                               devices_per_node=cluster.devices_per_node, error_grace=ft.heartbeat_lease,
-                               leave_timeout=ft.step_timeout)
+    config = CoordinatorConfig(f=ft.f, replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
+                               devices_per_node=cluster.devices_per_node, timeouts=timeouts)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config,
                               total_steps=recipe.training.steps, state_file=job.supervisor_state)
     coordinator.preemption = preemption
     try:
         t0 = time.time()
-        nodes_backend.launch_agents(timeout=ft.reconfiguration_timeout)
+        nodes_backend.launch_agents(timeout=timeouts.reconfiguration_timeout)
         log.emit("agents_ready", nodes=members + spares, seconds=time.time() - t0)
         coordinator.start(from_checkpoint=requeued)
         coordinator.run()
@@ -217,7 +221,7 @@ class SupervisorJob:
             Path(self.job_dir), "slurm", self._preemption, self._signal_self)), name="supervisor")
         self._thread.start()
         while self._thread.is_alive():
-            self._thread.join(JOIN_POLL_S)
+            self._thread.join(DEFAULT_TIMEOUTS.join_poll)
         exit_now(codes[0] if codes else EXIT_FAILED)  # Slurm records this exit code
 
     def _signal_self(self) -> None:
@@ -229,17 +233,18 @@ class SupervisorJob:
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         import submitit
 
-        from oobleck_slurm.supervisor.preemption import CHECKPOINT_TIMEOUT_S
-
         job = JobDir.at(self.job_dir)
         thread = getattr(self, "_thread", None)
+        # Not from the recipe: the job's values are the defaults (protocol/timeouts.py).
+        t = DEFAULT_TIMEOUTS
         if thread is not None:
             self._relayed.set()  # the notice came straight to this process: no relay needed
             self._preemption.requested.set()
-            self._preemption.finished.wait(CHECKPOINT_TIMEOUT_S + TEARDOWN_S)
-            thread.join(TEARDOWN_S)
-        if job.meta().get("status") in ("unrecoverable", "completed", "cancelled") or job.cancel_marker.exists():
-            return None  # do not requeue what cannot go on, nor what is over
+            self._preemption.finished.wait(t.checkpoint_timeout + t.teardown_timeout)
+            thread.join(t.teardown_timeout)
+        meta = job.meta()
+        if meta.get("requeue") is False or meta.get("status") in OVER or job.cancel_marker.exists():
+            return None  # do not requeue what a requeue cannot help (errors.py), nor what is over
         job.requeue_marker.write_text(dt.datetime.now().isoformat())
         return submitit.helpers.DelayedSubmission(SupervisorJob(self.job_dir))
 

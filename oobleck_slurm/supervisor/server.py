@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS
 from oobleck_slurm.protocol.wire import (
     DEFAULT_MAX_BYTES,
     Channel,
@@ -22,14 +23,13 @@ from oobleck_slurm.protocol.wire import (
 Handler = Callable[[Channel, dict[str, Any]], "dict[str, Any] | None"]
 RefusedCallback = Callable[[str, str], None]
 
-HANDSHAKE_TIMEOUT_S = 2.0  # a peer that does not authenticate within this is dropped
-
 
 class ControlServer:
     """Accepts authenticated connections; `handler(channel, message)` may return a reply."""
 
     def __init__(self, secret: bytes, handler: Handler, on_refused: RefusedCallback | None = None,
-                 host: str = "0.0.0.0", port: int = 0, handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+                 host: str = "0.0.0.0", port: int = 0,
+                 handshake_timeout: float = DEFAULT_TIMEOUTS.handshake_timeout,
                  max_bytes: int = DEFAULT_MAX_BYTES, on_disconnect: Callable[[Channel], None] | None = None) -> None:
         self._secret = secret
         self._handler = handler
@@ -93,7 +93,8 @@ class ControlServer:
             sock.close()
 
 
-def connect(host: str, port: int, secret: bytes, hello: dict[str, Any], timeout: float = HANDSHAKE_TIMEOUT_S,
+def connect(host: str, port: int, secret: bytes, hello: dict[str, Any],
+            timeout: float = DEFAULT_TIMEOUTS.handshake_timeout,
             max_bytes: int = DEFAULT_MAX_BYTES) -> Channel:
     """Open an authenticated channel to a ControlServer."""
     sock = socket.create_connection((host, port), timeout=timeout)

@@ -19,14 +19,16 @@ import torch.distributed as dist
 from exec_plans import make_plan
 
 from oobleck_slurm.engine import nccl_order
-from oobleck_slurm.engine.comm import Generation, Timeouts, make_group
+from oobleck_slurm.engine.comm import Generation, make_group
 from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec
 from oobleck_slurm.engine.nccl_order import OrderedGroup, P2POp
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.models import gpt_config
+from oobleck_slurm.protocol.timeouts import JobTimeouts
 
 SHORT = dt.timedelta(seconds=3)
+TIMEOUTS = JobTimeouts(collective_timeout=60.0, step_timeout=300.0)  # generous: nothing here should time out
 
 
 def run_ranks(n: int, fn: Callable[[int], Any], timeout: float = 120.0) -> list[Any]:
@@ -128,14 +130,14 @@ def test_1f1b_and_state_copies_run_under_nccl_order_and_match_one_rank(monkeypat
     s = store()
     one = Worker(job, 0)
     plan1 = make_plan(6, [[0, 6]], [6])
-    one.adopt(plan1, Generation(s, 100, 0, 1, plan1, Timeouts()))
+    one.adopt(plan1, Generation(s, 100, 0, 1, plan1, TIMEOUTS))
     expected = [one.train_step().loss for _ in range(3)]
 
     pipeline = make_plan(6, [bounds], [6])
     # The second plan runs the same pipeline with its stages on the ranks in reverse order: every
     # layer moves, each rank both sends and receives (copies that cross).
     reverse = ExecPlan(6, 6, (PipelineSpec(tuple(reversed(range(stages))), tuple(bounds), 0, 6),))
-    timeouts = Timeouts(collective=20.0)
+    timeouts = JobTimeouts(collective_timeout=20.0, step_timeout=300.0)
 
     def rank_fn(rank: int) -> list[float]:
         w = Worker(job, rank)
@@ -172,7 +174,7 @@ def test_released_generations_free_their_groups(monkeypatch) -> None:
         c = client(s)
         previous = None
         for g in range(first, first + 10):
-            gen = Generation(c, g, rank, 2, plan, Timeouts())
+            gen = Generation(c, g, rank, 2, plan, TIMEOUTS)
             if previous is not None:
                 previous.release()
             previous = gen

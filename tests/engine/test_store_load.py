@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from oobleck_slurm.engine import abort
 from oobleck_slurm.engine.abort import FailureWatch, clone_store
 from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol.timeouts import JobTimeouts
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT_S = 1.0  # a watch notices its key within this (milliseconds on an idle machine)
@@ -126,12 +126,12 @@ def test_a_key_set_before_the_watch_exists_is_seen(server: dist.TCPStore) -> Non
     eventually(lambda: not watch_threads(8), "the thread ends")
 
 
-def test_an_abandoned_watch_ends_at_its_renewal(server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_abandoned_watch_ends_at_its_renewal(server: dist.TCPStore) -> None:
     """A watch nobody holds any more (its key never set) closes its thread and connection at the next
     renewal; one that is held renews its wait (one request per renewal) and stays."""
-    monkeypatch.setattr(abort, "WATCH_RENEW_S", 0.3)
     store = client(server)
-    kept, dropped = FailureWatch(store, 9), FailureWatch(store, 10)
+    renew = JobTimeouts(watch_renew=0.3)
+    kept, dropped = FailureWatch(store, 9, renew), FailureWatch(store, 10, renew)
     eventually(lambda: Counting.counts["wait"] == 2, "both threads wait")
     del dropped
     gc.collect()

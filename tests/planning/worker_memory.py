@@ -22,12 +22,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from oobleck_slurm.engine.comm import Generation, Timeouts
+from oobleck_slurm.engine.comm import Generation
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.models import GPTConfig
 from oobleck_slurm.peak_memory import PeakMemory, malloc_configured, warm_up
+from oobleck_slurm.protocol.timeouts import JobTimeouts
 
 
 def job_spec(c: dict) -> JobSpec:
@@ -54,7 +55,7 @@ def main(c: dict) -> dict:
     torch.set_num_threads(1)
     job = job_spec(c)
     plan = ExecPlan.from_json(c["plan"])
-    timeouts = Timeouts(collective=120.0)
+    timeouts = JobTimeouts(collective_timeout=120.0, step_timeout=300.0)
     store = dist.TCPStore("127.0.0.1", c["port"], is_master=False, timeout=dt.timedelta(seconds=60))
     worker = Worker(job, c["rank"])
     gen = Generation(store, 0, c["rank"], c["world"], plan, timeouts)

@@ -14,15 +14,16 @@ import torch.distributed as dist
 from exec_plans import make_plan
 
 from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted
-from oobleck_slurm.engine.comm import Timeouts
 from oobleck_slurm.engine.recovery import StepMismatchError, can_complete, reach_step
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.models import gpt_config
 from oobleck_slurm.optim import optimizer_state_tensors
 from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol.timeouts import JobTimeouts
 
 PLAN = make_plan(6, [[0, 6]], [8])
+TIMEOUTS = JobTimeouts(collective_timeout=60.0, step_timeout=300.0)  # generous: nothing here should time out
 
 
 def tiny_job(optimizer: str) -> JobSpec:
@@ -63,7 +64,7 @@ class FailAtWait:
 def worker_on_generation(optimizer: str, store: dist.TCPStore, g: int) -> tuple[Worker, FailAtWait]:
     worker = Worker(tiny_job(optimizer), 0)
     hook = FailAtWait(store, g)
-    hook.gen = AbortableGeneration(store, g, 0, 1, PLAN, Timeouts(), on_wait=hook)
+    hook.gen = AbortableGeneration(store, g, 0, 1, PLAN, TIMEOUTS, on_wait=hook)
     worker.adopt(PLAN, hook.gen)
     return worker, hook
 
@@ -91,7 +92,7 @@ def test_a_step_aborted_at_its_commit_point_is_completed_or_replayed_bit_for_bit
             assert all(torch.equal(after[0][k], v) for k, v in state_of(worker).items())
         else:  # no survivor applied it: dropped, and the replay trains it again to the same bits
             assert not reach_step(worker, 2) and worker.step == 2 and not can_complete(worker)
-            worker.adopt(PLAN, AbortableGeneration(store, 10 + g, 0, 1, PLAN, Timeouts()), "memory")
+            worker.adopt(PLAN, AbortableGeneration(store, 10 + g, 0, 1, PLAN, TIMEOUTS), "memory")
             assert worker.train_step().loss == losses[2]
             assert all(torch.equal(after[0][k], v) for k, v in state_of(worker).items())
         with pytest.raises(StepMismatchError, match="cannot reach step 1"):
@@ -110,7 +111,7 @@ def test_ranks_aborted_before_the_commit_point_hold_no_pending_step():
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=dt.timedelta(seconds=30))
         worker = Worker(tiny_job("adamw"), r)
         hook = FailAtWait(client, 0)
-        hook.gen = AbortableGeneration(client, 0, r, 2, plan, Timeouts(), on_wait=hook)
+        hook.gen = AbortableGeneration(client, 0, r, 2, plan, TIMEOUTS, on_wait=hook)
         worker.adopt(plan, hook.gen)
         hook.at = 1
         try:

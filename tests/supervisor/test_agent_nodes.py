@@ -27,6 +27,7 @@ from oobleck_slurm.protocol.messages import (
     WorkerExit,
     parse,
 )
+from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor import health
 from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig, NodeState
@@ -54,8 +55,8 @@ class Backend:
         self.log = EventLog(self.events)
         (tmp_path / "logs").mkdir()
         self.nodes = AgentNodes(self.secret, LocalLauncher(tmp_path), self.log, BackendConfig(
-            heartbeat_interval=1.0, heartbeat_lease=30.0, step_timeout=30.0, replacement="spare",
-            store_host="127.0.0.1", store_port=self.store.port, workers_per_node=2, threads_per_worker=3),
+            replacement="spare", store_host="127.0.0.1", store_port=self.store.port, workers_per_node=2,
+            threads_per_worker=3, timeouts=JobTimeouts(heartbeat_interval=1.0, heartbeat_lease=30.0, step_timeout=30.0)),
             members=["node1", "node2"], spares=["node3"])
         self.nodes.server.start()
 

@@ -1,0 +1,140 @@
+"""Every timeout and poll period of a job's processes, named once (modelled on torchft's named timeouts).
+
+`JobTimeouts.from_recipe(recipe.fault_tolerance)` is the one place where the recipe's values become
+timeouts, and each keeps the recipe's name: `heartbeat_lease` is the heartbeat lease wherever it is
+used (the node backend's lease, and the coordinator's grace for collective errors), `step_timeout` is
+the step timeout (a rank's step that does not advance, and a member that does not leave an aborted
+generation). The supervisor builds the record once (supervisor/main.py) and hands it on: to the
+coordinator (`CoordinatorConfig.timeouts`), the node backend (`BackendConfig.timeouts`), the health
+monitor, the workers (elastic.json's `timeouts`: `asdict` of this record, rebuilt with
+`JobTimeouts(**timeouts)`) and the agents (supervisor.json's `timeouts`).
+
+A process that needs a value before it can read the job's record (an agent waiting for the
+supervisor's address, the batch step's signal handling) uses the record's default: every field the
+recipe does not set has its default in every job. The recipe's fields default to the recipe's own
+defaults (recipe/schema.py `FaultToleranceConfig`; a test keeps the two equal).
+
+The recipe validates the nesting (recipe/validate.py): collective_timeout < heartbeat_lease <
+step_timeout < reconfiguration_timeout, and heartbeat_interval < heartbeat_lease: a stuck collective
+fails before its node is declared lost, and a recovery is never cut short by a step timeout.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+DAY_S = 24 * 60 * 60.0
+
+# The fields that `from_recipe` takes from `fault_tolerance`, under the same names.
+RECIPE_FIELDS = ("heartbeat_interval", "heartbeat_lease", "collective_timeout", "step_timeout",
+                 "reconfiguration_timeout")
+
+
+class FaultTolerance(Protocol):
+    """What `from_recipe` reads: the recipe's `fault_tolerance` (recipe/schema.py FaultToleranceConfig;
+    protocol/ is below recipe/, so it is named by its shape)."""
+
+    @property
+    def heartbeat_interval(self) -> float: ...
+    @property
+    def heartbeat_lease(self) -> float: ...
+    @property
+    def collective_timeout(self) -> float: ...
+    @property
+    def step_timeout(self) -> float: ...
+    @property
+    def reconfiguration_timeout(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class JobTimeouts:
+    """Every timeout and poll period of the job, in seconds, each with the reason for its value."""
+
+    # ---- from the recipe (`fault_tolerance`), under its names and with its defaults -------------------
+    # An agent's heartbeat period: several beats fit in one lease.
+    heartbeat_interval: float = 0.5
+    # A node silent this long is lost; workers' collective errors that no loss explains within it
+    # re-form the generation (a dead or frozen node is named within a lease). Well under the ~10 s
+    # Slurm takes to mark a node DOWN.
+    heartbeat_lease: float = 3.0
+    # Any group operation once the group is built (all-reduce, send/recv): a dead peer fails it this fast.
+    collective_timeout: float = 2.0
+    # No healthy rank computes longer than a step between collectives: a rank whose step does not advance
+    # this long is hung, and so is a member that has not left an aborted generation this long after it.
+    step_timeout: float = 60.0
+    # Collecting every survivor's report after an abort (a late one is lost), and the agents' registration.
+    reconfiguration_timeout: float = 120.0
+
+    # ---- the job's own timeouts ---------------------------------------------------------------------
+    # A connect or get on the job's TCPStore: the supervisor hosts it, only its node's loss reaches this.
+    store_timeout: float = 60.0
+    # Building a group: every member must have started (torch's import, building its layers).
+    connect_timeout: float = 120.0
+    # The whole run, and a worker's wait for its next generation: only catches a supervisor that stopped
+    # publishing; Slurm's --time bounds the job.
+    run_timeout: float = 30 * DAY_S
+    # An on-demand checkpoint, from the preemption notice to complete: submitit signals 90 s ahead.
+    checkpoint_timeout: float = 60.0
+    # After the on-demand checkpoint: agents stopped, events closed; with the checkpoint, within the 90 s.
+    teardown_timeout: float = 30.0
+    # A joining node's collective with the supervisor, which includes its process's torch import.
+    health_check_timeout: float = 60.0
+    # A control-plane peer that does not authenticate within this is dropped (a round trip is milliseconds).
+    handshake_timeout: float = 2.0
+    # An agent's connection to the control server: the supervisor is up once its address is written.
+    agent_connect_timeout: float = 10.0
+    # An agent's wait for the supervisor's address: a replacement job may start before it is written.
+    address_timeout: float = 120.0
+    # The health monitor holds its judgement while a checkpoint is written, at most this long.
+    checkpoint_hold_max: float = 300.0
+
+    # ---- poll periods: each bounds a latency against the load it costs ------------------------------
+    # The coordinator's loop: bounds the detection latency on the local backend (store look-ups only).
+    coordinator_poll: float = 0.005
+    # The checkpoint folder is scanned for completed checkpoints this often (a directory listing).
+    checkpoint_poll: float = 0.5
+    # The node backend's watcher: bounds the detection latency of srun exits and expired leases.
+    backend_poll: float = 0.02
+    # scontrol is asked at most this often: slurmctld is shared with other users.
+    slurm_poll: float = 1.0
+    # Per-worker steps are read this often: a hang takes step_timeout to name anyway.
+    rank_step_poll: float = 0.25
+    # The health monitor reads the generation and the last step's compute times this often.
+    monitor_poll: float = 0.05
+    # An agent polls its workers' exits this often: bounds process-exit detection.
+    agent_poll: float = 0.02
+    # An agent looks for the supervisor's address file this often while it waits.
+    address_poll: float = 0.2
+    # A waiting worker reads its FailureWatch's flag (no store request) this often: bounds abort latency.
+    abort_poll: float = 0.01
+    # A FailureWatch thread re-issues its blocking store wait this often, on a fresh connection.
+    watch_renew: float = 300.0
+    # NCCL work is polled this often: a step's p2p waits are short.
+    nccl_poll: float = 0.0005
+    # A group's warm-up operation is polled this often: it completes in microseconds.
+    warm_up_poll: float = 0.001
+    # The batch step's main thread waits on the supervisor thread in slices: signals arrive between them.
+    join_poll: float = 0.2
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"timeout {f.name} must be a positive number of seconds, got {value!r}")
+
+    @classmethod
+    def from_recipe(cls, fault_tolerance: FaultTolerance) -> JobTimeouts:
+        """The job's timeouts: the recipe's `fault_tolerance` values under their own names, the rest
+        at their defaults. The one place where recipe values become timeouts."""
+        return cls(**{name: float(getattr(fault_tolerance, name)) for name in RECIPE_FIELDS})
+
+    def td(self, name: str) -> dt.timedelta:
+        """Timeout `name` as a timedelta (what torch's stores and groups take)."""
+        return dt.timedelta(seconds=getattr(self, name))
+
+
+# Every field at its default: what a process uses before (or without) the job's record, and the default
+# argument of the functions and classes that take one.
+DEFAULT_TIMEOUTS = JobTimeouts()
