@@ -1,0 +1,35 @@
+"""The supervisor's loss survived (docs/failover.md), local backend: a kill -9 of the supervisor (a
+recipe drill) is taken over by its standby, which resumes from the durable state and the workers'
+reports in memory; the job completes with no checkpoint loaded and the reference's per-step losses."""
+
+from __future__ import annotations
+
+import pytest
+from jobrun import assert_matches_reference, run_job, tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_killed_supervisor_is_taken_over_in_steady_training(tmp_path, templates_cache):
+    recipe = tiny_recipe(steps=8)
+    recipe["drills"] = [{"step": 3, "how": "supervisor"}]
+    run = run_job(tmp_path, recipe, templates_cache)
+    (takeover,) = run.kind("takeover")
+    assert takeover["epoch"] == 2 and takeover["lost"] == []
+    assert not run.kind("checkpoint_fallback") and not run.kind("failure")
+    assert [e["reason"] for e in run.kind("plan")][-1] == "takeover"
+    assert run.kind("resumed")
+    assert_matches_reference(run)
+
+
+def test_a_supervisor_killed_during_a_recovery_is_taken_over(tmp_path, templates_cache):
+    # node2's worker is killed at step 3 and the supervisor right after it: the standby takes over a
+    # job whose node2 failed while no supervisor listened, and recovers both at once
+    recipe = tiny_recipe(steps=8)
+    recipe["drills"] = [{"step": 3, "node": "node2", "how": "worker"}, {"step": 3, "how": "supervisor"}]
+    run = run_job(tmp_path, recipe, templates_cache)
+    assert [e["epoch"] for e in run.kind("takeover")] == [2]
+    final = run.kind("plan")[-1]
+    assert "node2" not in {n for p in final["pipelines"] for n in p["nodes"]}
+    assert not run.kind("checkpoint_fallback")
+    assert_matches_reference(run)
