@@ -242,7 +242,7 @@ class BackendConfig:
 class AgentNodes:
     def __init__(self, secret: bytes, launcher: AgentLauncher, log: EventLog, config: BackendConfig,
                  members: Sequence[str], spares: Sequence[str] = (), on_preempt: Any = None,
-                 drills: Sequence[Any] = (), health: HealthMonitor | None = None) -> None:
+                 drills: Sequence[Any] = (), health: HealthMonitor | None = None, requested: Sequence[str] = ()) -> None:
         self.launcher, self.log, self.cfg = launcher, log, config
         self.health = health  # metrics and stragglers (None: detection.enabled is false)
         self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
@@ -252,9 +252,12 @@ class AgentNodes:
             **{n: NodeRecord(n, NodeState.LAUNCHING, n, trusted=True) for n in members},
             **{n: NodeRecord(n, NodeState.SPARE, n) for n in spares}}
         self._ids: dict[str, str] = {n: n for n in self.nodes}  # index: Slurm node -> node id
+        # After a takeover: replacements the lost supervisor asked for (their agents register with the token)
+        self.nodes.update({t: NodeRecord(t, NodeState.REQUESTED, None, replacement=True) for t in requested})
         self._exits: queue.Queue[tuple[str, Loss | None]] = queue.Queue()  # (id, None) once its workers finished
         self._lock = threading.RLock()
-        self._tokens = itertools.count(1)
+        used = [int(n[1:]) for n in self.nodes if n.startswith("r") and n[1:].isdigit()]
+        self._tokens = itertools.count(max(used, default=0) + 1)  # replacement tokens r1, r2, ... never reused
         self._stop = threading.Event()
         self._registered = threading.Condition(self._lock)
         self.server = ControlServer(secret, self._on_message, self._on_refused, on_disconnect=self._on_disconnect)

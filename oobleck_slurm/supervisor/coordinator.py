@@ -267,11 +267,15 @@ class Coordinator:
         self.gen, self.members, self.start_step = state.generation, list(state.members), state.start_step
         self.plan = str_nodes(Plan.from_dict(state.plan))
         self.finished, self.trained = set(state.finished), state.trained
-        self.phase = Phase(state.phase) if state.phase != str(Phase.DONE) else Phase.RUNNING
+        kept = (Phase.REBUILDING, Phase.RESTARTING, Phase.REPLAYING)  # phases a change may interrupt
+        self.phase = Phase(state.phase) if state.phase in {str(p) for p in kept} else Phase.RUNNING
         r = state.recovery
         if r is not None:
             self.recovery = _Recovery(r.id, r.generation, r.t_start, r.step, started=r.started, joined=r.joined)
         self._change(Change(lost=(), joined=(), trigger="supervisor"))
+        for node, asked in (state.pending_joins or {}).items():  # replacements on their way: they join later
+            self.pending_joins[node] = asked
+            self.backend.start(node)
 
     # ---- the loop ----------------------------------------------------------------------------------
 

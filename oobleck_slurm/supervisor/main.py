@@ -236,7 +236,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         replacement=ft.replacement, store_host=host, store_port=store.port,
         workers_per_node=cluster.devices_per_node, threads_per_worker=cluster.threads_per_worker,
         device="cuda" if cluster.gpus_per_node else "cpu"), members, spares, on_preempt=on_preempt,
-        drills=recipe.drills if meta.get("drills", True) and not requeued and takeover is None else (), health=health)
+        drills=recipe.drills if meta.get("drills", True) and not requeued and takeover is None else (), health=health,
+        requested=list(takeover.state.pending_joins or {}) if takeover is not None else ())
     nodes_backend.server.start()
     metrics = {"interval": detection.interval, "machine": not nodes_share_a_machine(backend, nodes),
                "gpus": bool(cluster.gpus_per_node)}  # what agents sample (agent_health.py)

@@ -33,3 +33,25 @@ def test_a_supervisor_killed_during_a_recovery_is_taken_over(tmp_path, templates
     assert "node2" not in {n for p in final["pipelines"] for n in p["nodes"]}
     assert not run.kind("checkpoint_fallback")
     assert_matches_reference(run)
+
+
+def test_a_supervisor_killed_during_a_replacement_join_is_taken_over(tmp_path, templates_cache):
+    # node1's worker dies at step 3, a replacement is asked for; the supervisor dies while it starts: the
+    # standby keeps asking for it (the pending join is in the durable state) and it joins
+    recipe = tiny_recipe(steps=60, replacement="request", nodes=4, f=0, memory="14MB")
+    recipe["drills"] = [{"step": 3, "node": "node1", "how": "worker"}, {"step": 5, "how": "supervisor"}]
+    run = run_job(tmp_path, recipe, templates_cache)
+    assert [e["epoch"] for e in run.kind("takeover")] == [2]
+    assert [e["node"] for e in run.kind("node_joined")] == ["r1"]
+    assert not run.kind("checkpoint_fallback")
+    assert_matches_reference(run)
+
+
+def test_a_supervisor_killed_while_a_checkpoint_is_written_is_taken_over(tmp_path, templates_cache):
+    recipe = tiny_recipe(steps=10, checkpoint_interval=4)
+    recipe["drills"] = [{"step": 4, "how": "supervisor"}]
+    run = run_job(tmp_path, recipe, templates_cache)
+    assert [e["epoch"] for e in run.kind("takeover")] == [2]
+    assert 4 in {e["step"] for e in run.kind("checkpoint")} or (run.job.checkpoints / "step4").is_dir()
+    assert not run.kind("checkpoint_fallback")
+    assert_matches_reference(run)
