@@ -55,3 +55,37 @@ def test_a_supervisor_killed_while_a_checkpoint_is_written_is_taken_over(tmp_pat
     assert 4 in {e["step"] for e in run.kind("checkpoint")} or (run.job.checkpoints / "step4").is_dir()
     assert not run.kind("checkpoint_fallback")
     assert_matches_reference(run)
+
+
+def test_kill_node_supervisor_from_the_command_line(tmp_path):
+    """`kill-node JOB supervisor --how process`, as a user drills it on a running job."""
+    import subprocess
+    import sys
+    import time
+
+    from oobleck_slurm.protocol.events import read_events
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: t\ncluster: {backend: local, nodes: 4}\nmodel: {size: tiny}\n"
+                      "training: {global_batch_size: 16, microbatch_size: 2, steps: 40}\n"
+                      "fault_tolerance: {f: 1, checkpoint_interval: 0, replacement: none}\n")
+    cli = [sys.executable, "-m", "oobleck_slurm"]
+    done = subprocess.run([*cli, "submit", str(recipe), "--detach", "--estimate", "A100-40"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (job,) = (tmp_path / "jobs").iterdir()
+    deadline = time.monotonic() + 120
+    while not [e for e in read_events(job / "events.jsonl", "step") if e["step"] >= 3]:
+        assert time.monotonic() < deadline, "no step 3"
+        time.sleep(0.1)
+    killed = subprocess.run([*cli, "kill-node", str(job), "supervisor", "--how", "process"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert killed.returncode == 0, killed.stderr
+    while not read_events(job / "events.jsonl", "job_finished"):
+        assert time.monotonic() < deadline + 120, "the job did not finish after the takeover"
+        time.sleep(0.2)
+    (finished,) = read_events(job / "events.jsonl", "job_finished")
+    assert finished["status"] == "completed"
+    assert [e["epoch"] for e in read_events(job / "events.jsonl", "takeover")] == [2]
+    steps = [e["step"] for e in read_events(job / "events.jsonl", "step")]
+    assert sorted(set(steps)) == list(range(40))
