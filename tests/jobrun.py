@@ -93,11 +93,30 @@ def start_and_wait(job: JobDir, timeout: float) -> JobRun:
     process = start_local(job)
     try:
         code = process.wait(timeout)
+        if code < 0:  # killed: a standby supervisor takes over (docs/failover.md); the job ends when it says so
+            code = _taken_over_end(job, code, t0 + timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         code = -1
     return JobRun(job, code, read_events(events_path(job.path)), time.time() - t0)
+
+
+def _taken_over_end(job: JobDir, code: int, deadline: float) -> int:
+    """The exit code of the job that a standby took over from the killed supervisor (`code` if none did
+    within the lease)."""
+    from oobleck_slurm.supervisor.lease import current_epoch
+
+    claim_by = time.time() + 2 * job.recipe().fault_tolerance.heartbeat_lease
+    while current_epoch(job) <= 1 and time.time() < claim_by:
+        time.sleep(0.05)
+    if current_epoch(job) <= 1:
+        return code
+    while not (finished := read_events(events_path(job.path), "job_finished")):
+        if time.time() > deadline:
+            raise subprocess.TimeoutExpired("the job after a takeover", deadline)
+        time.sleep(0.1)
+    return int(finished[-1]["exit_code"])
 
 
 def run_job(tmp_path: Path, recipe: dict[str, Any], cache_dir: Path, *, faults: list[dict[str, Any]] | None = None,

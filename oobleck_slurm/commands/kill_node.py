@@ -12,6 +12,10 @@ detection times are measured from the injection), then:
     freeze   every process of this job on the node is SIGSTOPped (a frozen machine: heartbeats stop)
     node     every process of this job on the node is SIGKILLed (a crashed machine)
 
+`kill-node JOB supervisor [--how process|freeze]` acts on the job's primary supervisor (its pid in the
+job folder's lease): `process` kills it with SIGKILL, `freeze` SIGSTOPs it; its standby takes over
+(local backend only; docs/failover.md).
+
 `freeze` and `node` act on the processes they can see: under Slurm, the job's processes on the node
 (by their Slurm environment: run on the node itself, or on a lab where every virtual node runs on
 this machine); on the local backend, the virtual node's agent and its workers.
@@ -22,17 +26,23 @@ from __future__ import annotations
 import argparse
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from oobleck_slurm.commands.common import console, fail
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 
-HOWS = ("agent", "worker", "hang", "slow", "leak", "down", "freeze", "node")
+if TYPE_CHECKING:  # imported when the command runs, not when the CLI starts
+    from oobleck_slurm.cluster.jobdir import JobDir
+
+HOWS = ("agent", "worker", "hang", "slow", "leak", "down", "freeze", "node", "process")
+SUPERVISOR = "supervisor"  # the NODE that names the job's primary supervisor
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("kill-node", aliases=["kill_node"], help="fault injection: kill, hang, slow or down one node of a job")
     parser.add_argument("job", help="job folder, or a job id under --job-root")
-    parser.add_argument("node", help="node name (Slurm's, or the job's id of a replacement such as r1)")
+    parser.add_argument("node", help="node name (Slurm's, or the job's id of a replacement such as r1), or "
+                        "'supervisor' (the job's primary supervisor)")
     parser.add_argument("--how", choices=HOWS, default="agent", help="what to do to the node (default: agent)")
     parser.add_argument("--worker", type=int, default=0, help="which worker of the node, for worker and hang (default 0)")
     parser.add_argument("--job-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
@@ -78,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     except JobNotFound as err:
         return fail(str(err))
     local = job.meta().get("backend") == "local"
+    if args.node == SUPERVISOR:
+        return _kill_supervisor(job, "process" if args.how == "agent" else args.how, local)
+    if args.how == "process":
+        return fail("--how process names the supervisor: kill-node JOB supervisor --how process")
     if args.how == "down" and local:
         return fail(f"{job.job_id}: --how down needs Slurm (scontrol); this job runs on the local backend")
     if args.worker < 0:
@@ -112,4 +126,26 @@ def run(args: argparse.Namespace) -> int:
                 except Exception:  # noqa: BLE001 - already gone
                     pass
     console.print(f"{args.how}: {args.node} ({slurm_node}) of {job.job_id}", markup=False, highlight=False)
+    return EXIT_OK
+
+
+def _kill_supervisor(job: JobDir, how: str, local: bool) -> int:
+    """SIGKILL (`process`) or SIGSTOP (`freeze`) the job's primary supervisor; its standby takes over."""
+    import os
+
+    from oobleck_slurm.supervisor.lease import read_lease
+
+    if how not in ("process", "freeze"):
+        return fail(f"kill-node {SUPERVISOR}: --how must be process or freeze, got {how}")
+    if not local:
+        return fail(f"{job.job_id}: a supervisor drill needs the local backend (on Slurm its standby is not built yet)")
+    lease = read_lease(job)
+    if lease is None or lease.done:
+        return fail(f"{job.job_id}: no running supervisor (no live lease in {job.supervisor_lease})", EXIT_FAILED)
+    try:
+        os.kill(lease.pid, signal.SIGKILL if how == "process" else signal.SIGSTOP)
+    except ProcessLookupError:
+        return fail(f"{job.job_id}: the supervisor (pid {lease.pid}) is gone", EXIT_FAILED)
+    console.print(f"{how}: supervisor (pid {lease.pid}, epoch {lease.epoch}) of {job.job_id}", markup=False,
+                  highlight=False)
     return EXIT_OK

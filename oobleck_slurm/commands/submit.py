@@ -60,13 +60,18 @@ def run(args: argparse.Namespace) -> int:
     if args.detach:
         return EXIT_OK
     try:
-        _follow(job.path, dashboard=console.is_terminal and not args.no_dashboard, running=lambda: process.poll() is None)
+        _follow(job.path, dashboard=console.is_terminal and not args.no_dashboard,
+                running=lambda: process.poll() is None or _supervised(job))
     except KeyboardInterrupt:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait()
         console.print("[yellow]interrupted: job stopped[/]")
         return 130
     code = process.wait()
+    from oobleck_slurm.protocol.events import read_events
+
+    if code != 0 and (finished := read_events(job.events, "job_finished")):
+        code = int(finished[-1].get("exit_code") or 0)  # a standby supervisor took over and ended the job
     print_summary(job.path)
     if code != 0:
         console.print(f"[red]job failed (exit {code}); see {escape(str(job.logs))}[/]")
@@ -111,6 +116,15 @@ def print_summary(job_dir: Path) -> None:
         console.print("  the trajectory went on unchanged: every step trained once, no checkpoint loaded" if continued
                       else f"  {s['checkpoint_fallbacks']} checkpoint fallback(s): see the events", highlight=False)
     console.print(f"  report: python -m oobleck_slurm report {escape(str(job_dir))}", highlight=False, soft_wrap=True)
+
+
+def _supervised(job: JobDir) -> bool:
+    """Whether a supervisor other than the one `submit` started holds the job (a standby took over):
+    its lease is renewed and the job is not over."""
+    from oobleck_slurm.supervisor.lease import read_lease
+
+    lease = read_lease(job)
+    return lease is not None and not lease.done and time.time() - lease.t < 2 * job.recipe().fault_tolerance.heartbeat_lease
 
 
 def _follow(job_dir: Path, dashboard: bool, running: Callable[[], bool]) -> None:

@@ -334,6 +334,11 @@ class DashboardState:
         self._log(e.t, e.kind, f"plan gen {_fmt(self.generation)} ({self.plan_reason or '?'}): "
                   f"{len(pipelines)} pipelines, stages [{templates}]")
 
+    def _takeover(self, e: ev.Takeover) -> None:
+        lost = f"; agents not back: {', '.join(e.lost)}" if e.lost else ""
+        age = f"{e.lease_age:.2f} s" if e.lease_age is not None else "?"
+        self._log(e.t, e.kind, f"a standby supervisor took over (epoch {e.epoch}, the lease {age} old){lost}")
+
     def _eval(self, e: ev.Eval) -> None:
         t = self.evals[e.step][0] if e.step in self.evals else e.t
         self.evals[e.step] = (t, e.loss)
@@ -546,6 +551,7 @@ _HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {
     "plan": DashboardState._plan,
     "step": DashboardState._step,
     "eval": DashboardState._eval,
+    "takeover": DashboardState._takeover,
     "node": DashboardState._node_event,
     "failure": DashboardState._failure,
     "collective_error": DashboardState._collective_error,

@@ -55,6 +55,7 @@ from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.protocol.wire import ProtocolError
 
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
+FOLLOW_POLL_S = 0.05  # elastic.json is read this often while a new supervisor is awaited
 
 
 class ElasticWorker:
@@ -62,7 +63,7 @@ class ElasticWorker:
         self.job_dir, self.node, self.local = job_dir, node, local
         self.name = keys.worker_id(node, local)
         self.job = JobSpec.from_json((job_dir / JOB_SPEC_FILE).read_text())
-        launch = read_launch_config(job_dir / ELASTIC_FILE)
+        self.launch = launch = read_launch_config(job_dir / ELASTIC_FILE)
         self.per_node = launch.workers_per_node
         if not 0 <= local < self.per_node:
             raise ValueError(f"worker index {local} out of range: the job runs {self.per_node} worker(s) per node")
@@ -111,33 +112,82 @@ class ElasticWorker:
         self.store.set(keys.worker_ready(self.name), repr(time.time()))
         g = int(self.store.get(keys.CURRENT_GEN))
         while True:
-            if not self._wait_key(keys.config(g), self.timeouts.run_timeout):
-                raise TimeoutError(f"no configuration for generation {g} within {self.timeouts.run_timeout} s")
-            cfg = records.get(self.store, GenerationConfig, g)
-            if cfg.stop:
-                if cfg.save is not None:
-                    self.save_checkpoint(cfg.save.root, cfg.save.step)
-                return
-            if self.node not in cfg.members:
-                g += 1
-                continue
             try:
-                self.run_generation(g, cfg)
+                g = self._next(g)
+            except Exception as e:  # noqa: BLE001 - sorted below: the store's loss, or not ours to handle
+                if self._store_alive():
+                    raise
+                g = self._follow_new_supervisor(e)
+                continue
+            if g < 0:
                 return
-            except Exception as e:
-                if not isinstance(e, GenerationAborted):
-                    if not is_collective_error(e):
-                        raise  # a bug, not a peer's failure: fail loudly with the traceback
-                    # A peer's death shows up as a gloo error before the coordinator's key: report the
-                    # error (with no loss to explain it the coordinator re-forms the members) and wait.
-                    self._report_error(g, e)
-                    if not self._wait_key(keys.failed(g), self.timeouts.reconfiguration_timeout):
-                        raise
-                self.faults.before_report(self.worker.step)
-                records.put(self.store, WorkerReport(step=self.worker.step, layers=tuple(sorted(self.worker.layers)),
-                                                     completable=can_complete(self.worker), last_step=self.last_step),
-                            g, self.name)
-                g += 1
+
+    def _next(self, g: int) -> int:
+        """Run generation g (or skip it, or stop): the next generation to wait for, or -1 once done."""
+        if not self._wait_key(keys.config(g), self.timeouts.run_timeout):
+            if not self._store_alive():
+                raise ConnectionError(f"the store went away while waiting for {keys.config(g)}")
+            raise TimeoutError(f"no configuration for generation {g} within {self.timeouts.run_timeout} s")
+        cfg = records.get(self.store, GenerationConfig, g)
+        if cfg.stop:
+            if cfg.save is not None:
+                self.save_checkpoint(cfg.save.root, cfg.save.step)
+            return -1
+        if self.node not in cfg.members:
+            return g + 1
+        try:
+            self.run_generation(g, cfg)
+            return -1
+        except Exception as e:
+            if not self._store_alive():
+                raise
+            if not isinstance(e, GenerationAborted):
+                if not is_collective_error(e):
+                    raise  # a bug, not a peer's failure: fail loudly with the traceback
+                # A peer's death shows up as a gloo error before the coordinator's key: report the
+                # error (with no loss to explain it the coordinator re-forms the members) and wait.
+                self._report_error(g, e)
+                if not self._wait_key(keys.failed(g), self.timeouts.reconfiguration_timeout):
+                    raise
+            self._report(g)
+            return g + 1
+
+    def _report(self, g: int) -> None:
+        """This worker's step and valid layers after leaving generation g: what the next plan starts from."""
+        self.faults.before_report(self.worker.step)
+        records.put(self.store, WorkerReport(step=self.worker.step, layers=tuple(sorted(self.worker.layers)),
+                                             completable=can_complete(self.worker), last_step=self.last_step),
+                    g, self.name)
+
+    def _store_alive(self) -> bool:
+        try:
+            self.store.check([keys.CURRENT_GEN])
+            return True
+        except Exception:  # noqa: BLE001 - whatever the client raises once its server is gone
+            return False
+
+    def _follow_new_supervisor(self, error: BaseException) -> int:
+        """The store went away with its supervisor: wait for a supervisor of a higher epoch to publish
+        its store (elastic.json), connect to it and report this worker's step and layers for the
+        generation it resumes from (its `current_gen`, set before it published the address); the
+        generation after it is the next to wait for. Without failover, or past the wait, the error."""
+        launch = self.launch
+        deadline = time.monotonic() + launch.failover_s
+        while time.monotonic() < deadline:
+            try:
+                newer = read_launch_config(self.job_dir / ELASTIC_FILE)
+            except (OSError, ProtocolError):
+                newer = launch  # being replaced: read it again
+            if newer.epoch > launch.epoch:
+                self.launch = newer
+                self.store = connect_store(newer.host, newer.port, self.timeouts)
+                self.faults.store = self.store
+                g = int(self.store.get(keys.CURRENT_GEN))
+                self._report(g)
+                return g + 1
+            time.sleep(FOLLOW_POLL_S)
+        raise ConnectionError(f"the job's store went away ({type(error).__name__}: {error}) and no supervisor "
+                              f"took over within {launch.failover_s:g} s") from error
 
     def run_generation(self, g: int, cfg: GenerationConfig) -> None:
         w = self.worker

@@ -89,7 +89,8 @@ class FaultHooks:
         # (index in the job's list: the store's once-only counter is per index, fault) for this worker
         self._mine = [(i, f) for i, f in enumerate(faults)
                       if (str(f["node"]), int(f.get("worker", 0))) == (node, local)]
-        self._store = store
+        self.store = store  # the job's store (replaced when a new supervisor takes over)
+        self._fired: set[int] = set()  # struck in this process (a new store does not know of them)
         self._node = node
         self.generation = 0  # the generation the worker is in (or leaving): set by the worker
         self._waits = 0  # waits so far in the current step
@@ -141,12 +142,13 @@ class FaultHooks:
                 continue
             at = f.get("at", "start")
             hit = at == point or (at == "wait:last" and point == f"wait:{self._last_waits}")
-            if not hit or self._store.add(keys.fault_fired(i), 1) != 1:
+            if not hit or i in self._fired or self.store.add(keys.fault_fired(i), 1) != 1:
                 continue
+            self._fired.add(i)
             if f.get("do") == "pause":  # no loss follows: no fault time for a detection figure
                 time.sleep(float(f["seconds"]))
                 return
-            self._store.set(keys.fault_time(self._node), repr(time.time()))
+            self.store.set(keys.fault_time(self._node), repr(time.time()))
             if f.get("do", "kill") == "hang":
                 while True:  # not stopped: its agent sees a live, sleeping process
                     time.sleep(HANG_SLEEP_S)

@@ -151,6 +151,18 @@ class JobFinished(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Takeover(Event):
+    """A standby supervisor took over from a lost one (docs/failover.md); a recovery follows."""
+
+    kind = "takeover"
+    epoch: int = required("the new supervisor's epoch (fencing token)")
+    generation: int | None = optional("the generation it takes over")
+    lease_age: float | None = optional("how old the lost supervisor's lease was when the standby acted (s)")
+    seconds: float | None = optional("from the takeover's start to every agent back (or given up on)")
+    lost: list[str] | None = optional("members whose agents did not come back")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SlurmJob(Event):
     """The Slurm job changed state (the live dashboard applies it to its own state from squeue; not in the log)."""
 
@@ -170,7 +182,7 @@ class Plan(RecoveryEvent):
         "each pipeline: `id`, `nodes`, `microbatches`, `stages`: [{`layers` [start, stop), `node`, `worker`, "
         "`rank`, `memory_bytes`}]; a pipeline's template is its stage count")
     generation: int | None = optional("from 0")
-    reason: str | None = optional('"initial", "requeue", "failure", "reform" or "join"')
+    reason: str | None = optional('"initial", "requeue", "failure", "reform", "join", "rebalance" or "takeover"')
     workers_per_node: int | None = optional("workers (devices) per node")
     ranks: int | None = optional("ranks in all")
     spares: list[str] | None = optional("nodes in no pipeline")
@@ -495,7 +507,7 @@ class Straggler(Event):
 
 
 SECTIONS: dict[str, tuple[type[Event], ...]] = {
-    "Job": (JobStarted, AgentsReady, Done, RunComplete, JobFinished, SlurmJob),
+    "Job": (JobStarted, AgentsReady, Takeover, Done, RunComplete, JobFinished, SlurmJob),
     "Plan and training": (Plan, Step, Eval, Checkpoint, CheckpointRequested, CheckpointFallback),
     "Nodes": (Node, NodeLost, ReplacementRequested, NodeJoined, HealthCheck, FaultInjected, Drill, PreemptNotice,
               SlurmUnreachable, Refused),

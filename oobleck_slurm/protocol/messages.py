@@ -58,6 +58,9 @@ class Register(Message):
     replacement: str | None = None  # the token (r1, r2, ...) the supervisor asked Slurm for
     pid: int | None = None  # the agent's process id on its node (local drills find the node's processes by it)
     slurm_job_id: str | None = None
+    # After a supervisor's takeover: the node id its workers run under, and their process states
+    running: str | None = None
+    workers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

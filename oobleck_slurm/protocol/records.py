@@ -159,6 +159,8 @@ class LaunchConfig:
     checkpoint_interval: int = 0
     checkpoint_dir: str | None = None
     workers_per_node: int = 1
+    epoch: int = 1  # the supervisor's (lease.py): a higher one means a new supervisor and store took over
+    failover_s: float = 0.0  # how long a worker whose store went away waits for a new one (0: it exits)
 
 
 def read_launch_config(path: Any) -> LaunchConfig:

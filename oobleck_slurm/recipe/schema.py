@@ -347,7 +347,8 @@ class DrillConfig:
     node: str = "node2"
     # a killed worker, a killed node agent, a SIGSTOP; "slow": the node keeps working, slower (its workers
     # duty-cycled with SIGSTOP/SIGCONT); "leak": a metric-only fault (the node's memory grows steadily)
-    how: Literal["worker", "agent", "hang", "slow", "leak"] = "worker"
+    # "supervisor": the supervisor itself is killed (kill -9; `node` is ignored): its standby takes over
+    how: Literal["worker", "agent", "hang", "slow", "leak", "supervisor"] = "worker"
     worker: int = field(default=0, metadata=check(non_negative))
 
 

@@ -120,15 +120,46 @@ class Agent:
         self._done = threading.Event()
         self._preempt = threading.Event()  # Slurm's SIGUSR2 arrived: relay it once
         self.drills = NodeDrills(lambda: [w.pid for w in self.workers if w.poll() is None])
-        self.channel: Channel = connect(self.address["host"], int(self.address["port"]), load_secret(job_dir),
-                                        Hello(role="agent", node=node).to_dict(),
-                                        timeout=self.timeouts.agent_connect_timeout)
+        self.epoch = int(self.address.get("epoch", 1))  # the supervisor's (lease.py): only a higher one replaces it
+        self.failover_s = float(self.address.get("failover_s", 0.0))  # how long a new supervisor is awaited
+        self.channel: Channel = self._connect(self.address)
         self.send(Register(node=node, replacement=replacement, pid=os.getpid(),
                            slurm_job_id=os.environ.get("SLURM_JOB_ID")))
 
+    def _connect(self, address: dict[str, Any]) -> Channel:
+        return connect(address["host"], int(address["port"]), load_secret(self.job.path),
+                       Hello(role="agent", node=self.node).to_dict(), timeout=self.timeouts.agent_connect_timeout)
+
     def send(self, message: Message) -> None:
+        """Send to the supervisor; while a new one is awaited (`_follow_new_supervisor`) messages are dropped."""
         with self._lock:
-            self.channel.send(message.to_dict())
+            try:
+                self.channel.send(message.to_dict())
+            except OSError:
+                if self.failover_s <= 0:
+                    raise
+
+    def _follow_new_supervisor(self) -> bool:
+        """The supervisor went away: wait for one of a higher epoch to publish its address, connect to it
+        and register again with the workers this node runs (they keep running). False past the wait."""
+        deadline = time.time() + self.failover_s
+        while time.time() < deadline and not self._done.is_set():
+            address = self.job.supervisor_address()
+            if address is not None and int(address.get("epoch", 1)) > self.epoch:
+                try:
+                    channel = self._connect(address)
+                except OSError:
+                    time.sleep(0.05)
+                    continue
+                with self._lock:
+                    self.channel.close()
+                    self.channel, self.address, self.epoch = channel, address, int(address.get("epoch", 1))
+                self.send(Register(node=self.node, replacement=self.replacement, pid=os.getpid(),
+                                   slurm_job_id=os.environ.get("SLURM_JOB_ID"), running=self.worker_id,
+                                   workers=tuple(self.worker_states())))
+                return True
+            time.sleep(0.05)
+        return False
 
     # ---- the workers -----------------------------------------------------------------------------
 
@@ -184,24 +215,34 @@ class Agent:
     # ---- commands ----------------------------------------------------------------------------------
 
     def _read_commands(self) -> None:
-        try:
-            while not self._done.is_set():
-                message = parse(self.channel.recv())
-                if isinstance(message, Start):
-                    self.start_workers(message.node_id, message.workers, message.threads, message.device)
-                elif isinstance(message, Stop):
-                    self.stop_workers()
-                elif isinstance(message, Health):
-                    threading.Thread(target=self._health, args=(message,), daemon=True).start()
-                elif isinstance(message, Drill):
-                    self._drill(message.how, message.worker)
-                elif isinstance(message, Shutdown):
-                    break
-                else:
-                    raise ProtocolError(f"an agent does not take {message.TYPE} messages")
-        except (EOFError, OSError, ProtocolError):
-            pass  # the supervisor is gone (or dropped us): the job is over for this node
+        while not self._done.is_set():
+            try:
+                self._obey_commands()
+            except (EOFError, OSError, ProtocolError):
+                # The supervisor is gone (or dropped us): the job is over for this node, unless a new
+                # supervisor takes over.
+                if self.failover_s > 0 and self._follow_new_supervisor():
+                    continue
+            break
         self._done.set()
+
+    def _obey_commands(self) -> None:
+        """Carry out the supervisor's commands until it says shutdown (EOFError/OSError once it is gone)."""
+        while not self._done.is_set():
+            message = parse(self.channel.recv())
+            if isinstance(message, Start):
+                self.start_workers(message.node_id, message.workers, message.threads, message.device)
+            elif isinstance(message, Stop):
+                self.stop_workers()
+            elif isinstance(message, Health):
+                threading.Thread(target=self._health, args=(message,), daemon=True).start()
+            elif isinstance(message, Drill):
+                self._drill(message.how, message.worker)
+            elif isinstance(message, Shutdown):
+                self._done.set()
+                return
+            else:
+                raise ProtocolError(f"an agent does not take {message.TYPE} messages")
 
     def _drill(self, how: str, worker: int) -> None:
         if how == "agent":

@@ -16,16 +16,16 @@ srun step, replacement request, trust, fault time, loss) and its `NodeState`. Th
 through `transition(state, event)`, by this table (a dot: the event is refused in that state,
 `transition` raises IllegalTransition):
 
-    state           register      assign  start_worker  check_health  await_agent     stop       finish    lose
-    launching       idle          .       .             .             awaiting_agent  launching  .         .
-    spare           spare         idle    .             .             .               .          .         .
-    requested       idle          .       .             .             awaiting_agent  requested  .         .
-    idle            idle          .       running       health_check  awaiting_agent  idle       .         .
-    awaiting_agent  health_check  .       .             .             .               idle       .         .
-    health_check    .             .       running       .             .               idle       .         lost
-    running         .             .       .             .             .               idle       finished  lost
-    finished        .             .       running       .             awaiting_agent  finished   .         .
-    lost            .             .       lost          lost          lost            lost       lost      .
+    state           register      assign  start_worker  check_health  await_agent     stop       finish    lose  adopt
+    launching       idle          .       .             .             awaiting_agent  launching  .         lost  running
+    spare           spare         idle    .             .             .               .          .         .     .
+    requested       idle          .       .             .             awaiting_agent  requested  .         .     .
+    idle            idle          .       running       health_check  awaiting_agent  idle       .         .     .
+    awaiting_agent  health_check  .       .             .             .               idle       .         .     .
+    health_check    .             .       running       .             .               idle       .         lost  .
+    running         .             .       .             .             .               idle       finished  lost  .
+    finished        .             .       running       .             awaiting_agent  finished   .         .     .
+    lost            .             .       lost          lost          lost            lost       lost      .     .
 
 States: `launching` an allocation member whose agent's step is launched and has not registered;
 `spare` an allocation node held in reserve (its agent waits); `requested` a replacement asked of Slurm;
@@ -39,7 +39,9 @@ Events: `register` its agent registered; `assign` `new_node` hands a spare to th
 `start_worker` its workers start (a trusted node: an initial member or one that ran before, or one
 that passed its health check); `check_health` the coordinator starts an untrusted node whose agent is
 up; `await_agent` the coordinator starts a node whose agent is not up; `stop` the coordinator stops it;
-`finish` every worker exited 0; `lose` a detection path named it, or its health check failed.
+`finish` every worker exited 0; `lose` a detection path named it, or its health check failed, or
+(after a supervisor's takeover) its agent did not come back; `adopt` after a takeover, its agent came
+back with its workers running (`adopt_agents`).
 A registration that the table refuses (a second agent for a node, a node that is running or lost) is
 refused on the control plane (`refused` event) and changes nothing.
 """
@@ -48,7 +50,9 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import os
 import queue
+import signal
 import subprocess
 import threading
 import time
@@ -119,6 +123,7 @@ class NodeEvent(StrEnum):
     STOP = "stop"
     FINISH = "finish"
     LOSE = "lose"
+    ADOPT = "adopt"
 
 
 _S, _E = NodeState, NodeEvent
@@ -126,6 +131,8 @@ TRANSITIONS: dict[tuple[NodeState, NodeEvent], NodeState] = {
     (_S.LAUNCHING, _E.REGISTER): _S.IDLE,
     (_S.LAUNCHING, _E.AWAIT_AGENT): _S.AWAITING_AGENT,
     (_S.LAUNCHING, _E.STOP): _S.LAUNCHING,
+    (_S.LAUNCHING, _E.ADOPT): _S.RUNNING,  # after a takeover: its agent came back with its workers running
+    (_S.LAUNCHING, _E.LOSE): _S.LOST,  # after a takeover: its agent did not come back
     (_S.SPARE, _E.REGISTER): _S.SPARE,
     (_S.SPARE, _E.ASSIGN): _S.IDLE,
     (_S.REQUESTED, _E.REGISTER): _S.IDLE,
@@ -234,7 +241,7 @@ class BackendConfig:
 class AgentNodes:
     def __init__(self, secret: bytes, launcher: AgentLauncher, log: EventLog, config: BackendConfig,
                  members: Sequence[str], spares: Sequence[str] = (), on_preempt: Any = None,
-                 drills: Sequence[Any] = (), health: HealthMonitor | None = None) -> None:
+                 drills: Sequence[Any] = (), health: HealthMonitor | None = None, requested: Sequence[str] = ()) -> None:
         self.launcher, self.log, self.cfg = launcher, log, config
         self.health = health  # metrics and stragglers (None: detection.enabled is false)
         self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
@@ -244,9 +251,12 @@ class AgentNodes:
             **{n: NodeRecord(n, NodeState.LAUNCHING, n, trusted=True) for n in members},
             **{n: NodeRecord(n, NodeState.SPARE, n) for n in spares}}
         self._ids: dict[str, str] = {n: n for n in self.nodes}  # index: Slurm node -> node id
+        # After a takeover: replacements the lost supervisor asked for (their agents register with the token)
+        self.nodes.update({t: NodeRecord(t, NodeState.REQUESTED, None, replacement=True) for t in requested})
         self._exits: queue.Queue[tuple[str, Loss | None]] = queue.Queue()  # (id, None) once its workers finished
         self._lock = threading.RLock()
-        self._tokens = itertools.count(1)
+        used = [int(n[1:]) for n in self.nodes if n.startswith("r") and n[1:].isdigit()]
+        self._tokens = itertools.count(max(used, default=0) + 1)  # replacement tokens r1, r2, ... never reused
         self._stop = threading.Event()
         self._registered = threading.Condition(self._lock)
         self.server = ControlServer(secret, self._on_message, self._on_refused, on_disconnect=self._on_disconnect,
@@ -284,6 +294,28 @@ class AgentNodes:
                                           f"{timeout:g} s; see logs/agent-*.log")
                 self._registered.wait(0.2)
         self._watcher.start()
+
+    def adopt_agents(self, timeout: float) -> list[str]:
+        """After a takeover (this supervisor did not launch them): wait up to `timeout` for the members'
+        agents to register again with the workers they kept running; a member whose agent did not is
+        lost (reported through `exited()`). Returns those members."""
+        now = time.time()
+        with self._lock:
+            for record in self.nodes.values():
+                if record.state is NodeState.LAUNCHING:
+                    self.membership.watch(record.node_id, now)
+            deadline = now + timeout
+            while (missing := [r for r in self.nodes.values() if r.state is NodeState.LAUNCHING]) \
+                    and time.time() < deadline:
+                self._registered.wait(0.05)
+            for record in missing:
+                loss = self.membership.agent_lost(record.node_id, time.time(),
+                                                  detail=f"its agent did not come back within {timeout:g} s of the "
+                                                         f"supervisor's takeover")
+                if loss is not None:
+                    self._lost(loss)
+        self._watcher.start()
+        return [r.node_id for r in missing]
 
     def close(self) -> None:
         """Tell every agent to stop its worker and exit; then end what is left."""
@@ -404,6 +436,9 @@ class AgentNodes:
         """The recipe's scripted drills (`drills:`), each once, when training reaches its step."""
         for drill in [d for d in self.drills if step >= d.step]:
             self.drills.remove(drill)
+            if drill.how == "supervisor":  # this process: its standby takes over (docs/failover.md)
+                self.log.emit("drill", node="supervisor", how=drill.how, worker=0, step=step, ok=True, detail="")
+                os.kill(os.getpid(), signal.SIGKILL)
             ok, detail = self.inject(drill.node, drill.how, drill.worker, time.time())
             self.log.emit("drill", node=drill.node, how=drill.how, worker=drill.worker, step=step, ok=ok,
                           detail=detail)
@@ -502,6 +537,8 @@ class AgentNodes:
                     self._lost(loss)
 
     def _register(self, channel: Channel, message: Register) -> None:
+        if message.running is not None:
+            return self._readopt(channel, message, message.running)
         node, token = message.node, message.replacement
         with self._lock:
             record = self.nodes.get(token) if token else self._lookup(node)
@@ -525,6 +562,31 @@ class AgentNodes:
             self._registered.notify_all()
             if record.state is NodeState.HEALTH_CHECK:  # the coordinator is waiting for it
                 self._begin_health_check(record)
+
+    def _readopt(self, channel: Channel, message: Register, node_id: str) -> None:
+        """An agent of a member, whose workers run under `node_id`, registers with the supervisor that
+        took over: the node is running, as it was (adopt_agents)."""
+        with self._lock:
+            record = self.nodes.get(node_id)
+            if record is None or record.agent is not None:
+                return self._refuse(channel, message.node, f"{node_id} is not a member waiting for its agent")
+            try:
+                self._fire(record, NodeEvent.ADOPT)
+            except IllegalTransition:
+                return self._refuse(channel, message.node, f"{node_id} is {record.state}: it cannot be adopted")
+            record.slurm_node, record.trusted = message.node, True
+            self._ids[message.node] = node_id
+            record.agent = AgentConn(channel, pid=message.pid)
+            now = time.time()
+            self.membership.watch(node_id, now)
+            self.log.emit("node", node=node_id, slurm_node=message.node, state="healthy", agent_pid=message.pid)
+            self._registered.notify_all()
+            if not message.workers or "gone" in message.workers:  # they failed while no supervisor listened
+                loss = self.membership.worker_exited(node_id, -1, now)
+                if loss is not None:
+                    self._lost(loss)
+            else:
+                self.membership.heartbeat(node_id, now, node_worker_state(message.workers))
 
     def _refuse(self, channel: Channel, peer: str, reason: str) -> None:
         self.log.emit("refused", peer=peer, reason=reason)

@@ -268,6 +268,24 @@ class Coordinator:
         for node in self.members:
             self.backend.start(node)
 
+    def take_over(self, state: SupervisorState) -> None:
+        """Go on as the job's supervisor after the one that wrote `state` was lost (this coordinator's
+        store is new; the caller set its `current_gen` to state.generation before publishing it): the
+        workers report their step and layers for that generation here, and it is recovered as after a
+        re-form, from the replicas in memory (members whose agents did not come back are lost)."""
+        self.gen, self.members, self.start_step = state.generation, list(state.members), state.start_step
+        self.plan = str_nodes(Plan.from_dict(state.plan))
+        self.finished, self.trained = set(state.finished), state.trained
+        kept = (Phase.REBUILDING, Phase.RESTARTING, Phase.REPLAYING)  # phases a change may interrupt
+        self.phase = Phase(state.phase) if state.phase in {str(p) for p in kept} else Phase.RUNNING
+        r = state.recovery
+        if r is not None:
+            self.recovery = _Recovery(r.id, r.generation, r.t_start, r.step, started=r.started, joined=r.joined)
+        self._change(Change(lost=(), joined=(), trigger="supervisor"))
+        for node, asked in (state.pending_joins or {}).items():  # replacements on their way: they join later
+            self.pending_joins[node] = asked
+            self.backend.start(node)
+
     # ---- the loop ----------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -277,6 +295,7 @@ class Coordinator:
         while True:
             action = on_tick(self._observe())
             if isinstance(action, Finish):
+                self._watch_progress()  # a recovery that resumed and finished within one tick: its events
                 self._to(Phase.DONE)
                 self.log.emit("done", generation=self.gen, note=action.note or None)
                 return
@@ -401,6 +420,8 @@ class Coordinator:
             self.log.emit("reform", generation=g, cause=cause, step=next_step, **self._recovery_fields())
         reports, lost_set = self._collect_reports(g, frozenset(lost),
                                                   self.cfg.timeouts.step_timeout if reform else None)
+        # A step trained if a worker says so (after a takeover the new store has no progress key yet).
+        self.trained = self.trained or any(r.step > 0 or r.last_step is not None for r in reports.values())
         for n in joined:
             self.pending_joins.pop(n, None)
         t0 = time.perf_counter()
@@ -431,7 +452,9 @@ class Coordinator:
             self._rebalance_due = False
         if action.reason == "reform":
             self.reforms[action.resume_step] = self.reforms.get(action.resume_step, 0) + 1
-        self._log_step_completed_in_recovery(next_step, action.resume_step, reports)
+        rank0 = reports.get(keys.worker_id(self.members[0], 0)) if self.members else None
+        logged = rank0.last_step.result.step + 1 if rank0 is not None and rank0.last_step is not None else 0
+        self._log_step_completed_in_recovery(max(next_step, logged), action.resume_step, reports)
         self.log.emit("replan", generation=self.gen, seconds=time.perf_counter() - t0,
                       rules=list(action.change.rules), transfers=len(action.change.transfers),
                       resume_step=action.resume_step, survivor_steps=steps, **self._recovery_fields(recovery_id))
@@ -516,7 +539,13 @@ class Coordinator:
         live = [n for n in self.members if n not in lost] + list(self.pending_joins)
         self.pending_joins.clear()
         self.backend.stop(live)
-        self.backend.exited()  # forget what stop() reaped
+        # Losses reported since the last look are losses too (the backend reports each once): a restart
+        # on a dead node would wait for it until a re-form names it hung.
+        late = [n for n in self._exits() if n not in lost]
+        if late:
+            self.log.emit("failure", generation=self.gen, nodes=late, cause=self._cause(late), step=None,
+                          **self._recovery_fields(recovery_id))
+            live = [n for n in live if n not in late]
         root = self.cfg.checkpoint_dir
         step = latest_complete(root, self.keys) if root else None
         if step is None:

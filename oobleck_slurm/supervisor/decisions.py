@@ -114,7 +114,7 @@ class Change:
 
     lost: tuple[str, ...]
     joined: tuple[str, ...]
-    trigger: str  # "failure" | "join" | "collective_error" | "rebalance"
+    trigger: str  # "failure" | "join" | "collective_error" | "rebalance" | "supervisor" (a takeover)
     slowdown: tuple[tuple[str, float], ...] = ()  # a rebalance's stragglers
 
 
@@ -233,6 +233,13 @@ def decide(c: Collected, policy: Policy, generation: int, trigger: str) -> Chang
             return Fallback(f"rebalance of generation {generation}: {e}")
         return Publish(Reconfiguration(plan, copies, ("rebalance",), 0.0), resume, "rebalance", 0)
     reform = not c.lost and not c.joined
+    if reform and trigger == "supervisor":  # a new supervisor took over: the same plan goes on
+        try:
+            change = Reconfiguration(c.plan, plan_copies(c.plan, dict(c.holders), policy.layer_bytes),
+                                     ("takeover",), 0.0)
+        except RecoveryImpossible as e:
+            return Fallback(f"takeover of generation {generation}: {e}")
+        return Publish(change, resume, "takeover", 0)
     if reform and c.reforms_at_resume + 1 > MAX_REFORMS_PER_STEP:
         return Fallback(f"collective errors persist: re-formed {MAX_REFORMS_PER_STEP} times at step {resume} "
                         "without progress")

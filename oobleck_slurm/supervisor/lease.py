@@ -27,6 +27,7 @@ class LeaseRecord:
     pid: int
     host: str
     t: float
+    done: bool = False  # the primary ended the job itself: nothing to take over
 
 
 def current_epoch(job: JobDir) -> int:
@@ -47,18 +48,21 @@ def claim_epoch(job: JobDir, epoch: int) -> bool:
     return True
 
 
-def renew(job: JobDir, epoch: int) -> None:
-    """Write this primary's lease (whole: a reader sees the old one or the new one)."""
+def renew(job: JobDir, epoch: int, done: bool = False) -> None:
+    """Write this primary's lease (whole: a reader sees the old one or the new one); `done` when the
+    job ended under it (its standby then leaves)."""
     path = job.supervisor_lease
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"epoch": epoch, "pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}))
+    tmp.write_text(json.dumps({"epoch": epoch, "pid": os.getpid(), "host": socket.gethostname(), "t": time.time(),
+                               "done": done}))
     os.replace(tmp, path)
 
 
 def read_lease(job: JobDir) -> LeaseRecord | None:
     try:
         data = json.loads(job.supervisor_lease.read_text())
-        return LeaseRecord(int(data["epoch"]), int(data["pid"]), str(data["host"]), float(data["t"]))
+        return LeaseRecord(int(data["epoch"]), int(data["pid"]), str(data["host"]), float(data["t"]),
+                           bool(data.get("done", False)))
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
 
@@ -66,8 +70,8 @@ def read_lease(job: JobDir) -> LeaseRecord | None:
 def primary_gone(lease: LeaseRecord | None, lease_s: float, now: float, same_machine: bool) -> bool:
     """Whether the primary holding `lease` has lost it: the lease is older than `lease_s`, or (when it
     runs on this machine) its process is gone, which a kill -9 shows at once."""
-    if lease is None:
-        return False  # no primary has started yet
+    if lease is None or lease.done:
+        return False  # no primary has started yet, or the job is over
     if now - lease.t > lease_s:
         return True
     if same_machine and lease.host == socket.gethostname():

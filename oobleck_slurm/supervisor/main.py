@@ -28,11 +28,12 @@ import datetime as dt
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -43,6 +44,7 @@ from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 # Statuses after which a requeue cannot help (a job's meta from before `requeue` was recorded).
 OVER = ("unrecoverable", "completed", "cancelled")
+STANDBY_POLL_S = 0.05  # a standby looks at the primary's lease this often: bounds its detection of a kill -9
 
 
 def advertised_host() -> str:
@@ -80,8 +82,52 @@ def nodes_share_a_machine(backend: str, nodes: list[str]) -> bool:
     return len(addresses) < len(nodes)
 
 
+@dataclass(frozen=True)
+class Takeover:
+    """What a standby that claimed `epoch` takes over: the lost primary's durable state, and how old
+    its lease was when the standby saw it lapse."""
+
+    epoch: int
+    state: Any  # protocol.records.SupervisorState
+    lease_age: float
+
+
+def run_standby(job_dir: Path, backend: str) -> int:
+    """Wait while the primary holds its lease; when it lapses (or, on one machine, the primary's process
+    is gone), claim the next epoch and run the job from the primary's durable state (lease.py)."""
+    from oobleck_slurm.protocol.records import read_state
+    from oobleck_slurm.supervisor.lease import claim_epoch, current_epoch, primary_gone, read_lease
+
+    job = JobDir.at(job_dir)
+    lease_s = job.recipe().fault_tolerance.heartbeat_lease
+    # Imported now, not after the primary's loss: a takeover is timed from the loss.
+    import torch.distributed  # noqa: F401
+
+    import oobleck_slurm.engine.from_recipe  # noqa: F401
+    import oobleck_slurm.planning.pregenerate  # noqa: F401
+    import oobleck_slurm.supervisor.agent_nodes  # noqa: F401
+    import oobleck_slurm.supervisor.coordinator  # noqa: F401
+    import oobleck_slurm.supervisor.health_monitor  # noqa: F401
+    while True:
+        lease, now = read_lease(job), time.time()
+        if lease is not None and lease.done:
+            return EXIT_OK
+        if primary_gone(lease, lease_s, now, same_machine=backend == "local"):
+            assert lease is not None
+            epoch = current_epoch(job) + 1
+            if not claim_epoch(job, epoch):
+                return EXIT_OK  # another standby took over
+            state = read_state(job.supervisor_state)
+            if state is None:
+                print("standby: the primary was lost before it published a generation: nothing to take over",
+                      file=sys.stderr)
+                return EXIT_FAILED
+            return run_supervisor(job_dir, backend, takeover=Takeover(epoch, state, now - lease.t))
+        time.sleep(STANDBY_POLL_S)
+
+
 def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None,
-                   on_preempt: Any = None) -> int:
+                   on_preempt: Any = None, takeover: Takeover | None = None) -> int:
     """Run the job to its end; `preemption` (a Preemption) is set by whoever receives the notice,
     `on_preempt` is called when an agent relays one (default: set `preemption.requested`)."""
     from oobleck_slurm.protocol.events import EventLog
@@ -92,7 +138,7 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
     preemption = preemption or Preemption()
     started = time.time()
     try:
-        _run(job, backend, log, preemption, on_preempt or preemption.requested.set)
+        _run(job, backend, log, preemption, on_preempt or preemption.requested.set, takeover)
         checkpointed = preemption.finished.is_set() and preemption.step is not None
         code, status, error = EXIT_OK, "preempted" if checkpointed else "completed", None
         requeue = checkpointed  # a preempted run goes on from its checkpoint; a completed one is over
@@ -114,7 +160,7 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
     return code
 
 
-def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) -> None:
+def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, takeover: Takeover | None) -> None:
     import torch.distributed as dist
 
     from oobleck_slurm.cluster.jobdir import load_secret
@@ -122,13 +168,15 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for, validation_file_for
     from oobleck_slurm.engine.worker import check_supported
     from oobleck_slurm.models import FactoryError
-    from oobleck_slurm.planning import instantiate
+    from oobleck_slurm.planning import Plan, instantiate
     from oobleck_slurm.planning.pregenerate import pregenerate
+    from oobleck_slurm.protocol import keys
     from oobleck_slurm.protocol.records import LaunchConfig, write_launch_config
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
     from oobleck_slurm.supervisor.health_monitor import HealthMonitor
     from oobleck_slurm.supervisor.launchers import LocalLauncher, SrunLauncher
+    from oobleck_slurm.supervisor.lease import claim_epoch, current_epoch
 
     recipe = job.recipe()
     meta = job.meta()
@@ -138,11 +186,21 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
         raise InfrastructureError(f"the allocation has {len(nodes)} node(s) ({nodes}); the recipe needs {cluster.nodes}")
     members, spares = nodes[:cluster.nodes], nodes[cluster.nodes:]
     requeued = job.requeue_marker.exists()
-    log.emit("job_started", job_id=job.job_id, backend=backend, recipe=recipe.name, recipe_path=str(job.recipe_path),
-             nodes=members, spares=spares, f=ft.f, steps=recipe.training.steps, pid=os.getpid(),
-             slurm_job_id=os.environ.get("SLURM_JOB_ID"), supervisor_node=os.environ.get("SLURMD_NODENAME"),
-             requeued=requeued, workers_per_node=cluster.devices_per_node,
-             device="cuda" if cluster.gpus_per_node else "cpu")
+    if takeover is None:
+        epoch = current_epoch(job) + 1  # 1, or the requeued run's next
+        if not claim_epoch(job, epoch):
+            raise RuntimeError(f"{job.path}: epoch {epoch} was claimed by another supervisor")
+        log.emit("job_started", job_id=job.job_id, backend=backend, recipe=recipe.name,
+                 recipe_path=str(job.recipe_path), nodes=members, spares=spares, f=ft.f, steps=recipe.training.steps,
+                 pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+                 supervisor_node=os.environ.get("SLURMD_NODENAME"), requeued=requeued,
+                 workers_per_node=cluster.devices_per_node, device="cuda" if cluster.gpus_per_node else "cpu")
+    else:
+        epoch = takeover.epoch
+        members, spares = list(takeover.state.members), []
+    # A standby takes over a lost supervisor on the local backend (docs/failover.md); on Slurm the
+    # supervisor's node is not survived yet.
+    failover_s = ft.reconfiguration_timeout if backend == "local" else 0.0
 
     token_file = token_file_for(recipe, job.data)
     try:  # `submit` checked a factory; a job started otherwise is told here
@@ -157,18 +215,23 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
     profile, templates = pregenerate(recipe, meta.get("templates_cache", "templates_cache"),
                                      profile_file=job.profile if job.profile.is_file() else None,
                                      estimate_gpu=meta.get("estimate_gpu"))
-    plan = instantiate(templates, members, ft.f, recipe.training.global_microbatches,
-                       microbatch_size=recipe.training.microbatch_size, profile=profile,
-                       use_all_nodes=recipe.cluster.use_all_nodes)
+    if takeover is None:
+        plan = instantiate(templates, members, ft.f, recipe.training.global_microbatches,
+                           microbatch_size=recipe.training.microbatch_size, profile=profile,
+                           use_all_nodes=recipe.cluster.use_all_nodes)
+    else:  # the lost supervisor's plan goes on (Coordinator.take_over)
+        plan = Plan.from_dict(takeover.state.plan)
     host = advertised_host()
     # Every timeout and poll period of the job, from the recipe in this one place (protocol/timeouts.py).
     timeouts = JobTimeouts.from_recipe(ft)
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store_timeout"))
+    if takeover is not None:  # before the workers find the store: the generation they report for
+        store.set(keys.CURRENT_GEN, str(takeover.state.generation))
     ckpt_dir = str(job.checkpoints)  # periodic if checkpoint_interval > 0; on-demand and final always
     job.job_spec.write_text(spec.to_json())
     write_launch_config(job.elastic, LaunchConfig(
         host=host, port=store.port, timeouts=asdict(timeouts), checkpoint_interval=ft.checkpoint_interval,
-        checkpoint_dir=ckpt_dir, workers_per_node=cluster.devices_per_node))
+        checkpoint_dir=ckpt_dir, workers_per_node=cluster.devices_per_node, epoch=epoch, failover_s=failover_s))
 
     launcher = (SrunLauncher(job.path, cluster, recipe.name) if backend == "slurm" else LocalLauncher(job.path))
     detection = recipe.detection
@@ -178,28 +241,81 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any) 
         replacement=ft.replacement, store_host=host, store_port=store.port,
         workers_per_node=cluster.devices_per_node, threads_per_worker=cluster.threads_per_worker,
         device="cuda" if cluster.gpus_per_node else "cpu", timeouts=timeouts), members, spares, on_preempt=on_preempt,
-        drills=recipe.drills if meta.get("drills", True) and not requeued else (), health=health)
+        drills=recipe.drills if meta.get("drills", True) and not requeued and takeover is None else (), health=health,
+        requested=list(takeover.state.pending_joins or {}) if takeover is not None else ())
     nodes_backend.server.start()
     metrics = {"interval": detection.interval, "machine": not nodes_share_a_machine(backend, nodes),
                "gpus": bool(cluster.gpus_per_node)}  # what agents sample (agent_health.py)
     job.write_supervisor_address(host=host, port=nodes_backend.port, timeouts=asdict(timeouts),
-                                 pid=os.getpid(), store_port=store.port,
+                                 pid=os.getpid(), store_port=store.port, epoch=epoch, failover_s=failover_s,
                                  **({"metrics": metrics} if detection.enabled else {}))
     job.update_meta(supervisor={"host": host, "port": nodes_backend.port, "pid": os.getpid()},
                     slurm_job_id=os.environ.get("SLURM_JOB_ID") or meta.get("slurm_job_id"))
     config = CoordinatorConfig(f=ft.f, replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
                                devices_per_node=cluster.devices_per_node, timeouts=timeouts)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config,
-                              total_steps=recipe.training.steps, state_file=job.supervisor_state)
+                              total_steps=recipe.training.steps, state_file=job.supervisor_state, epoch=epoch)
     coordinator.preemption = preemption
+    lease = LeaseKeeper(job, epoch, ft.heartbeat_interval)
+    standby = start_standby(job, backend) if failover_s > 0 else None
     try:
         t0 = time.time()
-        nodes_backend.launch_agents(timeout=timeouts.reconfiguration_timeout)
-        log.emit("agents_ready", nodes=members + spares, seconds=time.time() - t0)
-        coordinator.start(from_checkpoint=requeued)
+        if takeover is None:
+            nodes_backend.launch_agents(timeout=timeouts.reconfiguration_timeout)
+            log.emit("agents_ready", nodes=members + spares, seconds=time.time() - t0)
+            coordinator.start(from_checkpoint=requeued)
+        else:
+            lost = nodes_backend.adopt_agents(timeout=timeouts.heartbeat_lease)
+            log.emit("takeover", epoch=epoch, generation=takeover.state.generation, lease_age=takeover.lease_age,
+                     seconds=time.time() - t0, lost=lost)
+            coordinator.take_over(takeover.state)
         coordinator.run()
     finally:
+        lease.stop(done=True)
+        if standby is not None and standby.poll() is None:
+            standby.terminate()
         nodes_backend.close()
+
+
+class LeaseKeeper:
+    """Renews this primary's lease every heartbeat interval in a thread; a higher epoch in the job folder
+    means a standby took over (this process was frozen or cut off): it leaves at once (fencing)."""
+
+    def __init__(self, job: JobDir, epoch: int, interval: float) -> None:
+        from oobleck_slurm.supervisor.lease import renew
+
+        self.job, self.epoch, self.interval = job, epoch, interval
+        self._stop = threading.Event()
+        renew(job, epoch)
+        threading.Thread(target=self._run, name="lease", daemon=True).start()
+
+    def _run(self) -> None:
+        from oobleck_slurm.supervisor.lease import current_epoch, renew
+
+        while not self._stop.wait(self.interval):
+            if current_epoch(self.job) > self.epoch:
+                print(f"supervisor: epoch {current_epoch(self.job)} took over from epoch {self.epoch}: leaving",
+                      file=sys.stderr)
+                exit_now(EXIT_FAILED)
+            renew(self.job, self.epoch)
+
+    def stop(self, done: bool) -> None:
+        from oobleck_slurm.supervisor.lease import current_epoch, renew
+
+        self._stop.set()
+        if current_epoch(self.job) == self.epoch:
+            renew(self.job, self.epoch, done=done)
+
+
+def start_standby(job: JobDir, backend: str) -> subprocess.Popen:
+    """A second supervisor process that takes over if this one is lost (local backend: on this machine,
+    in the job's process group, so that `cancel` ends it too)."""
+    log = open(job.logs / f"supervisor-standby-{os.getpid()}.log", "wb")  # noqa: SIM115 - owned by the child
+    try:
+        return subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job.path), "--backend",
+                                 backend, "--standby"], stdout=log, stderr=subprocess.STDOUT)
+    finally:
+        log.close()
 
 
 class SupervisorJob:
@@ -256,10 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oobleck_slurm.supervisor.main", description=__doc__.split("\n\n")[0])
     parser.add_argument("job_dir", type=Path)
     parser.add_argument("--backend", choices=["slurm", "local"], default="slurm")
+    parser.add_argument("--standby", action="store_true", help="take over if the primary supervisor is lost")
     args = parser.parse_args(argv)
     if not (args.job_dir / META_FILE).is_file():
         print(f"supervisor: {args.job_dir} is not a job folder (no {META_FILE})", file=sys.stderr)
         return EXIT_FAILED
+    if args.standby:
+        return run_standby(args.job_dir, args.backend)
     return run_supervisor(args.job_dir, args.backend)
 
 

@@ -813,3 +813,49 @@ def test_a_member_that_does_not_leave_a_reform_within_the_step_timeout_is_lost_a
     assert in_order(job.recovery_kinds(1), ["collective_error", "reform", "node_lost", "failure", "detection",
                                             "replan", "plan", "resumed"])
     assert job.events("plan")[-1]["reason"] == "failure"
+
+
+# ---- regressions found while writing these tests ------------------------------------------------
+def test_a_recovery_that_resumes_and_finishes_within_one_tick_keeps_its_events(make_job):
+    # A slow tick (a loaded supervisor): the survivors rebuild, resume and finish within one sleep.
+    job = make_job(total_steps=4, coordinator_poll=0.3)
+    job.start(step_limit=2)
+    job.idle_at(NODES, 2)
+    job.backend.lose("n1")
+    job.value(keys.config(1))
+    job.cluster.step_limit = 4
+    job.wait_done()
+    assert job.value(keys.first_step(1))["step"] == 2  # generation 1 did resume and train to the end
+    assert "resumed" in job.recovery_kinds(1)
+
+
+def test_a_loss_reported_while_falling_back_is_not_restarted(make_job, tmp_path):
+    root = tmp_path / "ckpt"
+    (root / "step1").mkdir(parents=True)
+    for i in range(NUM_LAYERS):
+        (root / "step1" / f"layer{i}.safetensors").write_bytes(b"")
+    job = make_job(total_steps=5, checkpoint_dir=str(root), mode="checkpoint")
+    backend: FakeNodes = job.backend
+    reported_lost: set[str] = set()
+    real_stop, real_start, real_exited = backend.stop, backend.start, backend.exited
+
+    def exited():  # as AgentNodes: a loss is reported once
+        out = real_exited()
+        reported_lost.update(n for n, loss in out.items() if loss is not None)
+        return out
+
+    def stop(nodes):  # n4's heartbeat lease expired while the coordinator decided: queued before the stop
+        with backend._lock:
+            backend._exits.setdefault("n4", Loss("n4", LossCause.HEARTBEAT, "no heartbeat", time.time()))
+        real_stop(nodes)
+
+    def start(node):  # as AgentNodes: a node reported lost is never started again (lost + start -> lost)
+        if node not in reported_lost:
+            real_start(node)
+
+    backend.exited, backend.stop, backend.start = exited, stop, start
+    job.start(step_limit=3)
+    job.idle_at(NODES, 3)
+    job.backend.lose("n1")
+    cfg = job.value(keys.config(2))
+    assert "n4" not in cfg["members"], "a node the backend reported lost is a member of the restart generation"

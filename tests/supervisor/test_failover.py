@@ -1,0 +1,91 @@
+"""The supervisor's loss survived (docs/failover.md), local backend: a kill -9 of the supervisor (a
+recipe drill) is taken over by its standby, which resumes from the durable state and the workers'
+reports in memory; the job completes with no checkpoint loaded and the reference's per-step losses."""
+
+from __future__ import annotations
+
+import pytest
+from jobrun import assert_matches_reference, run_job, tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_killed_supervisor_is_taken_over_in_steady_training(tmp_path, templates_cache):
+    recipe = tiny_recipe(steps=8)
+    recipe["drills"] = [{"step": 3, "how": "supervisor"}]
+    run = run_job(tmp_path, recipe, templates_cache)
+    (takeover,) = run.kind("takeover")
+    assert takeover["epoch"] == 2 and takeover["lost"] == []
+    assert not run.kind("checkpoint_fallback") and not run.kind("failure")
+    assert [e["reason"] for e in run.kind("plan")][-1] == "takeover"
+    assert run.kind("resumed")
+    assert_matches_reference(run)
+
+
+def test_a_supervisor_killed_during_a_recovery_is_taken_over(tmp_path, templates_cache):
+    # node2's worker is killed at step 3 and the supervisor right after it: the standby takes over a
+    # job whose node2 failed while no supervisor listened, and recovers both at once
+    recipe = tiny_recipe(steps=8)
+    recipe["drills"] = [{"step": 3, "node": "node2", "how": "worker"}, {"step": 3, "how": "supervisor"}]
+    run = run_job(tmp_path, recipe, templates_cache)
+    assert [e["epoch"] for e in run.kind("takeover")] == [2]
+    final = run.kind("plan")[-1]
+    assert "node2" not in {n for p in final["pipelines"] for n in p["nodes"]}
+    assert not run.kind("checkpoint_fallback")
+    assert_matches_reference(run)
+
+
+def test_a_supervisor_killed_during_a_replacement_join_is_taken_over(tmp_path, templates_cache):
+    # node1's worker dies at step 3, a replacement is asked for; the supervisor dies while it starts: the
+    # standby keeps asking for it (the pending join is in the durable state) and it joins
+    recipe = tiny_recipe(steps=60, replacement="request", nodes=4, f=0, memory="14MB")
+    recipe["drills"] = [{"step": 3, "node": "node1", "how": "worker"}, {"step": 5, "how": "supervisor"}]
+    run = run_job(tmp_path, recipe, templates_cache)
+    assert [e["epoch"] for e in run.kind("takeover")] == [2]
+    assert [e["node"] for e in run.kind("node_joined")] == ["r1"]
+    assert not run.kind("checkpoint_fallback")
+    assert_matches_reference(run)
+
+
+def test_a_supervisor_killed_while_a_checkpoint_is_written_is_taken_over(tmp_path, templates_cache):
+    recipe = tiny_recipe(steps=10, checkpoint_interval=4)
+    recipe["drills"] = [{"step": 4, "how": "supervisor"}]
+    run = run_job(tmp_path, recipe, templates_cache)
+    assert [e["epoch"] for e in run.kind("takeover")] == [2]
+    assert 4 in {e["step"] for e in run.kind("checkpoint")} or (run.job.checkpoints / "step4").is_dir()
+    assert not run.kind("checkpoint_fallback")
+    assert_matches_reference(run)
+
+
+def test_kill_node_supervisor_from_the_command_line(tmp_path):
+    """`kill-node JOB supervisor --how process`, as a user drills it on a running job."""
+    import subprocess
+    import sys
+    import time
+
+    from oobleck_slurm.protocol.events import read_events
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: t\ncluster: {backend: local, nodes: 4}\nmodel: {size: tiny}\n"
+                      "training: {global_batch_size: 16, microbatch_size: 2, steps: 40}\n"
+                      "fault_tolerance: {f: 1, checkpoint_interval: 0, replacement: none}\n")
+    cli = [sys.executable, "-m", "oobleck_slurm"]
+    done = subprocess.run([*cli, "submit", str(recipe), "--detach", "--estimate", "A100-40"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (job,) = (tmp_path / "jobs").iterdir()
+    deadline = time.monotonic() + 120
+    while not [e for e in read_events(job / "events.jsonl", "step") if e["step"] >= 3]:
+        assert time.monotonic() < deadline, "no step 3"
+        time.sleep(0.1)
+    killed = subprocess.run([*cli, "kill-node", str(job), "supervisor", "--how", "process"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert killed.returncode == 0, killed.stderr
+    while not read_events(job / "events.jsonl", "job_finished"):
+        assert time.monotonic() < deadline + 120, "the job did not finish after the takeover"
+        time.sleep(0.2)
+    (finished,) = read_events(job / "events.jsonl", "job_finished")
+    assert finished["status"] == "completed"
+    assert [e["epoch"] for e in read_events(job / "events.jsonl", "takeover")] == [2]
+    steps = [e["step"] for e in read_events(job / "events.jsonl", "step")]
+    assert sorted(set(steps)) == list(range(40))
