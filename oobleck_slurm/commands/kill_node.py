@@ -12,9 +12,9 @@ detection times are measured from the injection), then:
     freeze   every process of this job on the node is SIGSTOPped (a frozen machine: heartbeats stop)
     node     every process of this job on the node is SIGKILLed (a crashed machine)
 
-`kill-node JOB supervisor [--how process|freeze]` acts on the job's primary supervisor (its pid in the
-job folder's lease): `process` kills it with SIGKILL, `freeze` SIGSTOPs it; its standby takes over
-(local backend only; docs/failover.md).
+`kill-node JOB supervisor [--how process]` kills the job's primary supervisor (its pid in the job
+folder's lease) with SIGKILL; its standby takes over (local backend only; docs/failover.md). A frozen
+supervisor is not survived yet: its agents and workers stay connected to it.
 
 `freeze` and `node` act on the processes they can see: under Slurm, the job's processes on the node
 (by their Slurm environment: run on the node itself, or on a lab where every virtual node runs on
@@ -130,20 +130,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _kill_supervisor(job: JobDir, how: str, local: bool) -> int:
-    """SIGKILL (`process`) or SIGSTOP (`freeze`) the job's primary supervisor; its standby takes over."""
+    """SIGKILL the job's primary supervisor; its standby takes over."""
     import os
 
     from oobleck_slurm.supervisor.lease import read_lease
 
-    if how not in ("process", "freeze"):
-        return fail(f"kill-node {SUPERVISOR}: --how must be process or freeze, got {how}")
+    if how != "process":
+        return fail(f"kill-node {SUPERVISOR}: only --how process is supported (a frozen supervisor is not "
+                    f"survived yet), got {how}")
     if not local:
         return fail(f"{job.job_id}: a supervisor drill needs the local backend (on Slurm its standby is not built yet)")
     lease = read_lease(job)
     if lease is None or lease.done:
         return fail(f"{job.job_id}: no running supervisor (no live lease in {job.supervisor_lease})", EXIT_FAILED)
     try:
-        os.kill(lease.pid, signal.SIGKILL if how == "process" else signal.SIGSTOP)
+        os.kill(lease.pid, signal.SIGKILL)
     except ProcessLookupError:
         return fail(f"{job.job_id}: the supervisor (pid {lease.pid}) is gone", EXIT_FAILED)
     console.print(f"{how}: supervisor (pid {lease.pid}, epoch {lease.epoch}) of {job.job_id}", markup=False,
