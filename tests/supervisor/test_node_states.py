@@ -14,7 +14,9 @@ S, E = NodeState, NodeEvent
 
 # What each state allows; every pair not listed must be refused.
 ALLOWED = {
-    S.LAUNCHING: {E.REGISTER: S.IDLE, E.AWAIT_AGENT: S.AWAITING_AGENT, E.STOP: S.LAUNCHING},
+    # after a supervisor's takeover: adopted with its workers running, or lost when its agent is not back
+    S.LAUNCHING: {E.REGISTER: S.IDLE, E.AWAIT_AGENT: S.AWAITING_AGENT, E.STOP: S.LAUNCHING, E.ADOPT: S.RUNNING,
+                  E.LOSE: S.LOST},
     S.SPARE: {E.REGISTER: S.SPARE, E.ASSIGN: S.IDLE},
     S.REQUESTED: {E.REGISTER: S.IDLE, E.AWAIT_AGENT: S.AWAITING_AGENT, E.STOP: S.REQUESTED},
     S.IDLE: {E.REGISTER: S.IDLE, E.START_WORKER: S.RUNNING, E.CHECK_HEALTH: S.HEALTH_CHECK,
@@ -55,6 +57,8 @@ def test_the_docstring_shows_the_table() -> None:
     # a spare: waits, is handed out, fails its check; the coordinator's stop races with the report
     (S.SPARE, [(E.REGISTER, S.SPARE), (E.ASSIGN, S.IDLE), (E.CHECK_HEALTH, S.HEALTH_CHECK), (E.LOSE, S.LOST),
                (E.STOP, S.LOST)]),
+    # a member after a supervisor's takeover: its agent comes back with its workers, then it finishes
+    (S.LAUNCHING, [(E.ADOPT, S.RUNNING), (E.FINISH, S.FINISHED)]),
     # stopped mid-check (a checkpoint fallback), started again: checked again
     (S.REQUESTED, [(E.REGISTER, S.IDLE), (E.CHECK_HEALTH, S.HEALTH_CHECK), (E.STOP, S.IDLE),
                    (E.CHECK_HEALTH, S.HEALTH_CHECK)]),
@@ -74,8 +78,8 @@ def test_lost_is_final_and_reported_once() -> None:
 
 def test_workers_run_only_after_start_worker_and_only_a_running_node_finishes() -> None:
     for (state, event), after in agent_nodes.TRANSITIONS.items():
-        if after is S.RUNNING:
-            assert event is E.START_WORKER, (state, event)
+        if after is S.RUNNING:  # started here, or adopted running after a takeover
+            assert event is E.START_WORKER or (state, event) == (S.LAUNCHING, E.ADOPT), (state, event)
         if event is E.FINISH:
             assert state in (S.RUNNING, S.LOST)
 
