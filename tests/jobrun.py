@@ -105,7 +105,7 @@ def start_and_wait(job: JobDir, timeout: float) -> JobRun:
 def _taken_over_end(job: JobDir, code: int, deadline: float) -> int:
     """The exit code of the job that a standby took over from the killed supervisor (`code` if none did
     within the lease)."""
-    from oobleck_slurm.supervisor.lease import current_epoch
+    from oobleck_slurm.cluster.lease import current_epoch
 
     claim_by = time.time() + 2 * job.recipe().fault_tolerance.heartbeat_lease
     while current_epoch(job) <= 1 and time.time() < claim_by:

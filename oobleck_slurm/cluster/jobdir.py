@@ -18,7 +18,7 @@ ask `JobDir` for the paths):
                         members, plan, phase, a recovery in progress, replacements asked for), rewritten
                         whole as it changes (protocol/records.py SupervisorState)
         supervisor.lease the primary supervisor's epoch, pid, host, renewed every heartbeat interval
-        epoch.<e>       created exclusively by the supervisor that claimed epoch e (supervisor/lease.py)
+        epoch.<e>       created exclusively by the supervisor that claimed epoch e (cluster/lease.py)
         cancelled       marker written by `cancel` before it stops the job: losses that follow are no failure
         requeue         marker written on preemption / time limit: the requeued run resumes from a checkpoint
         data/           token files prepared for the job

@@ -133,7 +133,7 @@ def _kill_supervisor(job: JobDir, how: str, local: bool) -> int:
     """SIGKILL the job's primary supervisor; its standby takes over."""
     import os
 
-    from oobleck_slurm.supervisor.lease import read_lease
+    from oobleck_slurm.cluster.lease import read_lease
 
     if how != "process":
         return fail(f"kill-node {SUPERVISOR}: only --how process is supported (a frozen supervisor is not "

@@ -121,7 +121,7 @@ def print_summary(job_dir: Path) -> None:
 def _supervised(job: JobDir) -> bool:
     """Whether a supervisor other than the one `submit` started holds the job (a standby took over):
     its lease is renewed and the job is not over."""
-    from oobleck_slurm.supervisor.lease import read_lease
+    from oobleck_slurm.cluster.lease import read_lease
 
     lease = read_lease(job)
     return lease is not None and not lease.done and time.time() - lease.t < 2 * job.recipe().fault_tolerance.heartbeat_lease

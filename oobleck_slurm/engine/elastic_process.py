@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE
+from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE, JobDir
+from oobleck_slurm.cluster.lease import read_lease
 from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import connect_store, is_collective_error
@@ -174,6 +175,9 @@ class ElasticWorker:
         launch = self.launch
         deadline = time.monotonic() + launch.failover_s
         while time.monotonic() < deadline:
+            lease = read_lease(JobDir.at(self.job_dir))
+            if lease is not None and lease.done and lease.epoch >= launch.epoch:
+                break  # the job ended (or was stopped) under its supervisor: nothing to take over
             try:
                 newer = read_launch_config(self.job_dir / ELASTIC_FILE)
             except (OSError, ProtocolError):

@@ -91,18 +91,22 @@ class JobTimeouts:
     checkpoint_hold_max: float = 300.0
 
     # ---- poll periods: each bounds a latency against the load it costs ------------------------------
-    # The coordinator's loop: bounds the detection latency on the local backend (store look-ups only).
+    # The coordinator's loop: bounds the detection latency on the local backend (it reads the store
+    # observer's view and the node backend's exits: no store request).
     coordinator_poll: float = 0.005
+    # The supervisor's store observer (supervisor/observer.py) reads the current generation's keys this
+    # often, for the coordinator, the node backend and the health monitor: bounds how late they see a
+    # step, a collective error, a rebuilt or resumed generation (three requests a period when steady).
+    store_poll: float = 0.02
     # The checkpoint folder is scanned for completed checkpoints this often (a directory listing).
     checkpoint_poll: float = 0.5
     # The node backend's watcher: bounds the detection latency of srun exits and expired leases.
     backend_poll: float = 0.02
     # scontrol is asked at most this often: slurmctld is shared with other users.
     slurm_poll: float = 1.0
-    # Per-worker steps are read this often: a hang takes step_timeout to name anyway.
+    # Per-worker steps are read (by the store observer, one request) this often: a hang takes
+    # step_timeout to name anyway.
     rank_step_poll: float = 0.25
-    # The health monitor reads the generation and the last step's compute times this often.
-    monitor_poll: float = 0.05
     # An agent polls its workers' exits this often: bounds process-exit detection.
     agent_poll: float = 0.02
     # An agent looks for the supervisor's address file this often while it waits.

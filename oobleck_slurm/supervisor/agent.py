@@ -41,6 +41,7 @@ from typing import Any
 import psutil
 
 from oobleck_slurm.cluster.jobdir import JobDir, load_secret
+from oobleck_slurm.cluster.lease import read_lease
 from oobleck_slurm.errors import JobTimeoutError
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 from oobleck_slurm.protocol.messages import (
@@ -144,6 +145,9 @@ class Agent:
         and register again with the workers this node runs (they keep running). False past the wait."""
         deadline = time.time() + self.failover_s
         while time.time() < deadline and not self._done.is_set():
+            lease = read_lease(self.job)
+            if lease is not None and lease.done and lease.epoch >= self.epoch:
+                return False  # the job ended (or was stopped) under its supervisor: nothing to take over
             address = self.job.supervisor_address()
             if address is not None and int(address.get("epoch", 1)) > self.epoch:
                 try:

@@ -92,10 +92,12 @@ from oobleck_slurm.supervisor.health import health_peer
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.launchers import AgentLauncher
 from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, LossCause, Membership
+from oobleck_slurm.supervisor.observer import StoreObserver, StoreView
 from oobleck_slurm.supervisor.server import ControlServer
 
-# Its timeouts and polls (the watcher's period, scontrol's, the per-worker steps', a joining node's health
-# check) are the job's: BackendConfig.timeouts (protocol/timeouts.py).
+# Its timeouts and polls (the watcher's period, scontrol's, a joining node's health check) are the job's:
+# BackendConfig.timeouts (protocol/timeouts.py). The job's progress and the per-worker steps come from the
+# store observer's view (supervisor/observer.py), which reads them every store_poll and rank_step_poll.
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
 RELAYED_DRILLS = ("agent", "worker", "hang", "slow", "leak")  # faults that the node's agent injects (see agent.py)
 
@@ -240,9 +242,10 @@ class BackendConfig:
 
 class AgentNodes:
     def __init__(self, secret: bytes, launcher: AgentLauncher, log: EventLog, config: BackendConfig,
-                 members: Sequence[str], spares: Sequence[str] = (), on_preempt: Any = None,
+                 members: Sequence[str], observer: StoreObserver, spares: Sequence[str] = (), on_preempt: Any = None,
                  drills: Sequence[Any] = (), health: HealthMonitor | None = None, requested: Sequence[str] = ()) -> None:
         self.launcher, self.log, self.cfg = launcher, log, config
+        self.observer = observer  # the job's store, as its one poller last read it (the watcher follows it)
         self.health = health  # metrics and stragglers (None: detection.enabled is false)
         self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
         self.drills = sorted(drills, key=lambda d: d.step)  # recipe DrillConfigs not yet run
@@ -261,7 +264,7 @@ class AgentNodes:
         self._registered = threading.Condition(self._lock)
         self.server = ControlServer(secret, self._on_message, self._on_refused, on_disconnect=self._on_disconnect,
                                     handshake_timeout=config.timeouts.handshake_timeout)
-        self._store: dist.TCPStore | None = None  # the watcher's own client (a store object per thread)
+        self._store: dist.TCPStore | None = None  # the watcher's own client, for the drills' fault times
         self._watcher = threading.Thread(target=self._watch, name="agent-nodes-watch", daemon=True)
 
     # ---- setting up ------------------------------------------------------------------------------
@@ -672,8 +675,8 @@ class AgentNodes:
             faults = {i: r.fault_at for i, r in self.nodes.items() if r.fault_at is not None}
         for ident, t in faults.items():
             self._store.set(keys.fault_time(ident), repr(t))
-        next_slurm = next_nodes = next_ranks = 0.0
-        gen = -1
+        next_slurm = next_nodes = 0.0
+        gen, seen, steps_seen = -1, 0, 0.0
         timeouts = self.cfg.timeouts
         while not self._stop.wait(timeouts.backend_poll):
             now = time.time()
@@ -687,16 +690,19 @@ class AgentNodes:
                             self._lost(loss)
                 for loss in self.membership.check(now):
                     self._lost(loss)
-            gen = self._read_progress(gen, now)
+            view = self.observer.view
+            if view.seq != seen:
+                seen = view.seq
+                gen = self._follow_progress(view, gen, now)
             if self.health is not None:
-                for evict in self.health.poll(self._store, now):
+                for evict in self.health.poll(view, now):
                     with self._lock:
                         loss = self.membership.evict(str(evict.node), LossCause(evict.cause), evict.detail, now)
                         if loss:
                             self._lost(loss)
-            if now >= next_ranks:
-                next_ranks = now + timeouts.rank_step_poll
-                self._read_rank_steps(now)
+            if view.steps_t != steps_seen:
+                steps_seen = view.steps_t
+                self._follow_rank_steps(view, now)
             if now >= next_slurm:
                 next_slurm = now + timeouts.slurm_poll
                 self._poll_slurm(now)
@@ -704,14 +710,11 @@ class AgentNodes:
                 next_nodes = now + NODE_EVENT_S
                 self._node_snapshot(now)
 
-    def _read_progress(self, gen: int, now: float) -> int:
-        assert self._store is not None
-        try:
-            current = int(self._store.get(keys.CURRENT_GEN)) if self._store.check([keys.CURRENT_GEN]) else 0
-            key = keys.progress(current)
-            step = int(self._store.get(key)) if self._store.check([key]) else -1
-        except Exception:  # noqa: BLE001 - the store belongs to this process; a hiccup is retried
-            return gen
+    def _follow_progress(self, view: StoreView, gen: int, now: float) -> int:
+        """The job's step (-1 before a generation's first) from a new view; a new generation restarts
+        the step clock."""
+        current = max(view.generation, 0)
+        step = view.progress if view.progress is not None else -1
         with self._lock:
             if current != gen:
                 self.membership.restart_progress(now)
@@ -720,23 +723,15 @@ class AgentNodes:
             self._run_drills(step)
         return current
 
-    def _read_rank_steps(self, now: float) -> None:
-        """Each watched node's step: the smallest over its workers of the last step each reached a
-        collective in (a node with one hung worker is behind its peers): names a hung rank's node."""
-        assert self._store is not None
+    def _follow_rank_steps(self, view: StoreView, now: float) -> None:
+        """Each watched node's step, from the view's worker steps (read every rank_step_poll): the
+        smallest over its workers of the last step each reached a collective in (a node with one hung
+        worker is behind its peers): names a hung rank's node. A node counts once all its workers did."""
         with self._lock:
-            watched = sorted(self.membership.watched)
-        steps = {}
-        for ident in watched:
-            names = [keys.worker_step(w) for w in keys.node_workers(ident, self.cfg.workers_per_node)]
-            try:
-                if self._store.check(names):
-                    steps[ident] = min(int(self._store.get(k)) for k in names)
-            except Exception:  # noqa: BLE001 - retried at the next poll
-                return
-        with self._lock:
-            for ident, step in steps.items():
-                self.membership.node_step(ident, step, now)
+            for ident in sorted(self.membership.watched):
+                workers = keys.node_workers(ident, self.cfg.workers_per_node)
+                if all(w in view.worker_steps for w in workers):
+                    self.membership.node_step(ident, min(view.worker_steps[w] for w in workers), now)
 
     def _poll_slurm(self, now: float) -> None:
         with self._lock:

@@ -62,7 +62,6 @@ from oobleck_slurm.protocol.events import EventLog
 from oobleck_slurm.protocol.records import (
     CheckpointRef,
     Failed,
-    FirstStep,
     GenerationConfig,
     Rebuilt,
     RecoveryState,
@@ -88,6 +87,7 @@ from oobleck_slurm.supervisor.decisions import (
     unreachable,
 )
 from oobleck_slurm.supervisor.membership import Loss
+from oobleck_slurm.supervisor.observer import StoreObserver, StoreView
 from oobleck_slurm.supervisor.preemption import Preemption
 
 
@@ -168,15 +168,21 @@ def plan_event(plan: Plan, generation: int, reason: str, members: list[str], wor
 
 
 class Coordinator:
-    """The thin runtime around decisions.py: observes the backend and the store, asks the pure
-    decisions what to do, carries it out, and writes the events. Its phase (`self.phase`) changes only
-    through `decisions.transition`."""
+    """The thin runtime around decisions.py: observes the backend and the store (the store observer's
+    view, observer.py; what it acts on it reads itself), asks the pure decisions what to do, carries it
+    out, and writes the events. Its phase (`self.phase`) changes only through `decisions.transition`."""
 
     def __init__(self, store: dist.Store, backend: NodeBackend, templates: Sequence[PipelineTemplate],
                  plan: Plan, layer_keys: list[str], log: EventLog, config: CoordinatorConfig,
-                 layer_bytes: Sequence[int] | None = None, total_steps: int | None = None,
+                 observer: StoreObserver, layer_bytes: Sequence[int] | None = None, total_steps: int | None = None,
                  state_file: Path | None = None, epoch: int = 1) -> None:
-        self.store, self.backend = store, backend
+        """`store`: the coordinator's client, for what it writes and what it must read fresh (reports,
+        rebuilt records, a failed generation's progress); `observer`: the job's one poller of the store
+        (started by the caller), whose view the loop reads for its periodic observations."""
+        if observer.workers_per_node != config.devices_per_node:
+            raise ValueError(f"the store observer watches {observer.workers_per_node} worker(s) per node, "
+                             f"the job has {config.devices_per_node}")
+        self.store, self.backend, self.observer = store, backend, observer
         self.state_file, self.epoch = state_file, epoch  # the durable state, and this supervisor's fencing token
         self.plan, self.keys, self.log, self.cfg = str_nodes(plan), layer_keys, log, config
         self.policy = Policy(tuple(templates), config.f, layer_bytes, config.replacement)
@@ -295,7 +301,8 @@ class Coordinator:
         while True:
             action = on_tick(self._observe())
             if isinstance(action, Finish):
-                self._watch_progress()  # a recovery that resumed and finished within one tick: its events
+                # A recovery that resumed and finished since the last view: its events, from a fresh one.
+                self._watch_progress(self._seen(self.observer.fresh()))
                 self._to(Phase.DONE)
                 self.log.emit("done", generation=self.gen, note=action.note or None)
                 return
@@ -303,19 +310,26 @@ class Coordinator:
                 return self._checkpoint_and_stop()
             if isinstance(action, Change):
                 self._change(action)
-            self._watch_progress()
+            self._watch_progress(self._seen())
             if time.time() > t_end:
                 raise CoordinatorTimeout(f"run exceeded its timeout of {self.cfg.timeouts.run_timeout:g} s")
             time.sleep(self.cfg.timeouts.coordinator_poll)
+
+    def _seen(self, view: StoreView | None = None) -> StoreView:
+        """The store observer's latest view (or `view`) if it shows the current generation, else an
+        empty one of it: just after a generation is published the observer may still show the last."""
+        view = view if view is not None else self.observer.view
+        return view if view.generation == self.gen else StoreView(generation=self.gen)
 
     def _observe(self) -> Observation:
         lost = tuple(self._exits())
         live = sum(1 for n in self.members if n not in self.finished)
         joins: tuple[str, ...] = ()
         step_running = last_step_near = False
+        view = self._seen()
         if self.pending_joins and self.phase == Phase.RUNNING and not lost:
-            step_running = self.store.check([keys.first_step(self.gen)])
-            progress = self._progress()
+            step_running = view.first_step is not None
+            progress = view.progress
             last_step_near = self.total_steps is not None and progress is not None and progress + 1 >= self.total_steps
             if step_running and not last_step_near and not self.finished:
                 joins = tuple(n for n in self.pending_joins
@@ -326,12 +340,12 @@ class Coordinator:
             new = rebalance(self.plan, pipeline_slowdowns(self.plan, self.slowdown))
             self._rebalance_due = [p.microbatches for p in new.pipelines] != [p.microbatches for p in self.plan.pipelines]
         if self._rebalance_due and self.phase == Phase.RUNNING and not lost and not step_running:
-            step_running = self.store.check([keys.first_step(self.gen)])
-            progress = self._progress()
+            step_running = view.first_step is not None
+            progress = view.progress
             last_step_near = self.total_steps is not None and progress is not None and progress + 1 >= self.total_steps
         return Observation(self.phase, lost=lost, live=live, finished=bool(self.finished),
                            preemption=self.preemption.requested.is_set(),
-                           errors_expired=not lost and self._unexplained_errors(), ready_joins=joins,
+                           errors_expired=not lost and self._unexplained_errors(view), ready_joins=joins,
                            step_running=step_running, last_step_near=last_step_near,
                            slowdown=tuple(sorted((str(n), f) for n, f in self.slowdown.items())) if self._rebalance_due else ())
 
@@ -343,7 +357,7 @@ class Coordinator:
             elif node in self.pending_joins:
                 del self.pending_joins[node]
                 self.log.emit("failure", generation=self.gen, nodes=[node], cause=f"joining node lost: {loss.cause}",
-                              detail=loss.detail, step=self._progress())
+                              detail=loss.detail, step=self._seen().progress)
             elif node in self.members:
                 self.losses[node] = loss
                 lost.append(node)
@@ -372,21 +386,22 @@ class Coordinator:
                 return
 
     def _progress(self) -> int | None:
-        key = keys.progress(self.gen)
-        return int(self.store.get(key)) if self.store.check([key]) else None
+        """The current generation's last completed step, read now (the observer's view may be a period
+        old: a change reads it itself)."""
+        return records.get_int(self.store, keys.progress(self.gen))
 
-    def _unexplained_errors(self) -> bool:
+    def _unexplained_errors(self, view: StoreView) -> bool:
         """True once workers' collective errors in the current generation are a heartbeat lease old and
         no loss has explained them (a loss starts a new generation first)."""
         g = self.gen
-        if not self.store.check([keys.errors(g)]):
+        if view.errors is None:
             return False
         now = time.time()
         if self.errors_seen is None or self.errors_seen[0] != g:
             self.errors_seen = (g, now)
             errors = {w: e for n in self.members for w in keys.node_workers(n, self.cfg.devices_per_node)
                       if (e := records.get_if(self.store, WorkerError, g, w)) is not None}
-            self.log.emit("collective_error", generation=g, nodes=sorted(errors), step=self._progress(),
+            self.log.emit("collective_error", generation=g, nodes=sorted(errors), step=view.progress,
                           errors={n: e.error for n, e in errors.items()}, grace=self.cfg.timeouts.heartbeat_lease,
                           **self._recovery_fields())
         return now - self.errors_seen[1] >= self.cfg.timeouts.heartbeat_lease
@@ -622,12 +637,14 @@ class Coordinator:
 
     # ---- events of a recovery in progress, checkpoints ---------------------------------------------
 
-    def _watch_progress(self) -> None:
+    def _watch_progress(self, view: StoreView) -> None:
+        """A recovery's progress (its members rebuilt, its first step) as the observer's view of the
+        current generation shows it; the checkpoint folder every checkpoint_poll."""
         r = self.recovery
         g = self.gen
         if r is not None and self.phase in (Phase.REBUILDING, Phase.RESTARTING):
             workers = [w for n in self.members for w in keys.node_workers(n, self.cfg.devices_per_node)]
-            if self.store.check([keys.rebuilt(g, w) for w in workers]):
+            if view.rebuilt:  # every member's worker wrote its record: read them once
                 info = [records.get(self.store, Rebuilt, g, w) for w in workers]
                 self.log.emit("group_rebuild", generation=g, seconds=max(i.groups_s for i in info),
                               **self._recovery_fields(r.id))
@@ -635,7 +652,7 @@ class Coordinator:
                               bytes=sum(i.bytes for i in info), **self._recovery_fields(r.id))
                 r.rebuilt_at = max(i.t for i in info)
                 self._to(Phase.REPLAYING)
-        if r is not None and self.phase == Phase.REPLAYING and (first := records.get_if(self.store, FirstStep, g)):
+        if r is not None and self.phase == Phase.REPLAYING and (first := view.first_step) is not None:
             self.log.emit("replay", generation=g, step=first.step, seconds=first.t - r.rebuilt_at,
                           **self._recovery_fields(r.id))
             self.log.emit("resumed", generation=g, step=first.step, total_seconds=first.t - r.t_start,

@@ -5,11 +5,12 @@
     receive(node, samples)     an agent's batch of metrics (control-plane thread): appended to the job
                                folder's metrics.csv (bounded, rotated: what `detect JOB` reads) and kept
                                for the detector until its time slot is complete
-    poll(store, now)           (the watcher thread, every few ms; works at its own pace) reads the job's
-                               generation and each step's compute-only seconds per rank from the store
-                               (`gen{g}/compute`, written by rank 0), feeds complete time slots to the
-                               `MinderDetector` and step timings to the `StragglerWatch`, and returns the
-                               nodes to evict; what is only reported, and rebalancing, it records itself
+    poll(view, now)            (the watcher thread, every few ms) follows the job's generation and each
+                               step's compute-only seconds per rank (`gen{g}/compute`, written by rank 0)
+                               in the store observer's latest view (supervisor/observer.py: no store
+                               request here), feeds complete time slots to the `MinderDetector` and step
+                               timings to the `StragglerWatch`, and returns the nodes to evict; what is
+                               only reported, and rebalancing, it records itself
     rebalances()               the pending `Rebalance` decisions (node -> slowdown), for the coordinator
     forget(node)               the node left the job (lost, evicted, stopped)
 
@@ -39,15 +40,15 @@ from oobleck_slurm.detection.health import Evict, HealthPolicy, Rebalance, Repor
 from oobleck_slurm.detection.metrics import METRICS_FILE
 from oobleck_slurm.engine.checkpoint import LAYER_SUFFIX, step_dir
 from oobleck_slurm.engine.layout import ExecPlan
-from oobleck_slurm.protocol import keys, records
 from oobleck_slurm.protocol.events import EventLog
 from oobleck_slurm.protocol.records import FirstStep, GenerationConfig, StepCompute
 from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.supervisor.agent_health import SEND_EVERY_S
+from oobleck_slurm.supervisor.observer import StoreView
 
-# Its polls (the store's, the checkpoint folder's) and how long a checkpoint may hold its judgement are the
-# job's timeouts (monitor_poll, checkpoint_poll, checkpoint_hold_max: protocol/timeouts.py).
+# The checkpoint folder's poll and how long a checkpoint may hold its judgement are the job's timeouts
+# (checkpoint_poll, checkpoint_hold_max: protocol/timeouts.py); the store is read by the store observer.
 HEALTH_EVENT_S = 5.0  # a `health` event (scores, slowdowns) this often
 MAX_METRIC_NAME = 100
 MAX_SAMPLES = 100_000  # values in one batch (an agent sends ~20 a second)
@@ -109,7 +110,8 @@ class HealthMonitor:
         self._ranks: dict[int, tuple[str, Hashable, int]] = {}  # rank -> (node, work, microbatches) in _gen
         self._first_step: int | None = None
         self._last_step: int | None = None
-        self._next_store = self._next_event = 0.0
+        self._seen = 0  # the last store view followed (its seq)
+        self._next_event = 0.0
 
     def _new_watch(self) -> StragglerWatch:
         # A rank is judged on a full window only: a few steps' median is noise on a busy machine.
@@ -149,17 +151,16 @@ class HealthMonitor:
 
     # ---- the watcher's work -----------------------------------------------------------------------
 
-    def poll(self, store: Any, now: float) -> list[Evict]:
-        """Advance detection to `now`; returns the nodes to evict (reported ones are logged here)."""
+    def poll(self, view: StoreView, now: float) -> list[Evict]:
+        """Advance detection to `now`, with the store observer's latest `view` (followed once per view);
+        returns the nodes to evict (reported ones are logged here)."""
         decisions: list[Evict | Report | Rebalance] = []
-        keys_read = None
-        if now >= self._next_store:
-            self._next_store = now + self.timeouts.monitor_poll
-            keys_read = self._read_keys(store)  # store I/O outside the lock: receive() (an agent's
-            # connection, which also carries its heartbeats) never waits for the store
         with self._lock:
-            if keys_read is not None:
-                decisions += self._follow_job(*keys_read, now)
+            if view.seq != self._seen and view.generation >= 0:
+                self._seen = view.seq
+                decisions += self._follow_job(
+                    view.generation, view.config if view.generation != self._gen else None, view.first_step,
+                    view.failed, view.progress, view.compute if self.watch_stragglers else None, now)
             decisions += self._observe_complete_slots(now)
             if now >= self._next_event:
                 self._next_event = now + HEALTH_EVENT_S
@@ -186,22 +187,6 @@ class HealthMonitor:
         else:
             self.log.emit("faulty_node", node=str(d.node), action=action, detail=d.detail, metrics=ev.get("metrics"),
                           score=ev.get("score"), since=ev.get("since"))
-
-    def _read_keys(self, store: Any) -> tuple[int, GenerationConfig | None, FirstStep | None, bool, int | None,
-                                              StepCompute | None] | None:
-        """What the job's store says now: (generation, its config if new, its first step if not known
-        yet, whether it failed, the last step done, that step's compute seconds); None on a hiccup."""
-        try:
-            gen = records.get_int(store, keys.CURRENT_GEN) or 0
-            new = gen != self._gen
-            config = records.get_if(store, GenerationConfig, gen) if new else None
-            first = records.get_if(store, FirstStep, gen) if new or self._first_step is None else None
-            failed = store.check([keys.failed(gen)])
-            progress = records.get_int(store, keys.progress(gen))
-            data = records.get_if(store, StepCompute, gen) if self.watch_stragglers else None
-        except Exception:  # noqa: BLE001 - the store belongs to this process; a hiccup is retried
-            return None
-        return gen, config, first, failed, progress, data
 
     def _follow_job(self, gen: int, config: GenerationConfig | None, first: FirstStep | None, failed: bool,
                     progress: int | None, data: StepCompute | None, now: float) -> list[Evict | Report | Rebalance]:

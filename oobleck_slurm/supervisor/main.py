@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from oobleck_slurm.cluster.jobdir import META_FILE, JobDir
-from oobleck_slurm.errors import BadInputError, InfrastructureError, exit_code_for, requeue_for, status_for
+from oobleck_slurm.errors import (
+    BadInputError,
+    InfrastructureError,
+    OobleckError,
+    exit_code_for,
+    requeue_for,
+    status_for,
+)
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
@@ -95,8 +102,8 @@ class Takeover:
 def run_standby(job_dir: Path, backend: str) -> int:
     """Wait while the primary holds its lease; when it lapses (or, on one machine, the primary's process
     is gone), claim the next epoch and run the job from the primary's durable state (lease.py)."""
+    from oobleck_slurm.cluster.lease import claim_epoch, current_epoch, primary_gone, read_lease
     from oobleck_slurm.protocol.records import read_state
-    from oobleck_slurm.supervisor.lease import claim_epoch, current_epoch, primary_gone, read_lease
 
     job = JobDir.at(job_dir)
     lease_s = job.recipe().fault_tolerance.heartbeat_lease
@@ -164,6 +171,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     import torch.distributed as dist
 
     from oobleck_slurm.cluster.jobdir import load_secret
+    from oobleck_slurm.cluster.lease import claim_epoch, current_epoch
     from oobleck_slurm.engine.faults import load_faults
     from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for, validation_file_for
     from oobleck_slurm.engine.worker import check_supported
@@ -176,7 +184,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
     from oobleck_slurm.supervisor.health_monitor import HealthMonitor
     from oobleck_slurm.supervisor.launchers import LocalLauncher, SrunLauncher
-    from oobleck_slurm.supervisor.lease import claim_epoch, current_epoch
+    from oobleck_slurm.supervisor.observer import StoreObserver
 
     recipe = job.recipe()
     meta = job.meta()
@@ -233,6 +241,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         host=host, port=store.port, timeouts=asdict(timeouts), checkpoint_interval=ft.checkpoint_interval,
         checkpoint_dir=ckpt_dir, workers_per_node=cluster.devices_per_node, epoch=epoch, failover_s=failover_s))
 
+    # The one poller of the store: the coordinator, the node backend and the health monitor read its view.
+    observer = StoreObserver(store, timeouts, cluster.devices_per_node)
     launcher = (SrunLauncher(job.path, cluster, recipe.name) if backend == "slurm" else LocalLauncher(job.path))
     detection = recipe.detection
     health = (HealthMonitor(detection, job.path, log, cluster.devices_per_node, ckpt_dir, ft.checkpoint_interval,
@@ -240,7 +250,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     nodes_backend = AgentNodes(load_secret(job.path), launcher, log, BackendConfig(
         replacement=ft.replacement, store_host=host, store_port=store.port,
         workers_per_node=cluster.devices_per_node, threads_per_worker=cluster.threads_per_worker,
-        device="cuda" if cluster.gpus_per_node else "cpu", timeouts=timeouts), members, spares, on_preempt=on_preempt,
+        device="cuda" if cluster.gpus_per_node else "cpu", timeouts=timeouts), members, observer, spares,
+        on_preempt=on_preempt,
         drills=recipe.drills if meta.get("drills", True) and not requeued and takeover is None else (), health=health,
         requested=list(takeover.state.pending_joins or {}) if takeover is not None else ())
     nodes_backend.server.start()
@@ -253,11 +264,12 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
                     slurm_job_id=os.environ.get("SLURM_JOB_ID") or meta.get("slurm_job_id"))
     config = CoordinatorConfig(f=ft.f, replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
                                devices_per_node=cluster.devices_per_node, timeouts=timeouts)
-    coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config,
+    coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config, observer,
                               total_steps=recipe.training.steps, state_file=job.supervisor_state, epoch=epoch)
     coordinator.preemption = preemption
     lease = LeaseKeeper(job, epoch, ft.heartbeat_interval)
     standby = start_standby(job, backend) if failover_s > 0 else None
+    observer.start()
     try:
         t0 = time.time()
         if takeover is None:
@@ -275,6 +287,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         if standby is not None and standby.poll() is None:
             standby.terminate()
         nodes_backend.close()
+        observer.close()
 
 
 class LeaseKeeper:
@@ -282,7 +295,7 @@ class LeaseKeeper:
     means a standby took over (this process was frozen or cut off): it leaves at once (fencing)."""
 
     def __init__(self, job: JobDir, epoch: int, interval: float) -> None:
-        from oobleck_slurm.supervisor.lease import renew
+        from oobleck_slurm.cluster.lease import renew
 
         self.job, self.epoch, self.interval = job, epoch, interval
         self._stop = threading.Event()
@@ -290,7 +303,7 @@ class LeaseKeeper:
         threading.Thread(target=self._run, name="lease", daemon=True).start()
 
     def _run(self) -> None:
-        from oobleck_slurm.supervisor.lease import current_epoch, renew
+        from oobleck_slurm.cluster.lease import current_epoch, renew
 
         while not self._stop.wait(self.interval):
             if current_epoch(self.job) > self.epoch:
@@ -300,7 +313,7 @@ class LeaseKeeper:
             renew(self.job, self.epoch)
 
     def stop(self, done: bool) -> None:
-        from oobleck_slurm.supervisor.lease import current_epoch, renew
+        from oobleck_slurm.cluster.lease import current_epoch, renew
 
         self._stop.set()
         if current_epoch(self.job) == self.epoch:
@@ -379,7 +392,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     if args.standby:
         return run_standby(args.job_dir, args.backend)
+    # SIGTERM (`cancel`, a test's teardown) stops the job: the run ends through its `finally` (the lease
+    # marked done, so that the standby leaves instead of taking over; the agents told to shut down).
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     return run_supervisor(args.job_dir, args.backend)
+
+
+class StoppedBySignal(OobleckError):
+    """The supervisor was told to stop (SIGTERM): the job ends here, and no standby takes it over."""
+
+    exit_code = EXIT_FAILED
+    requeue = False
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the teardown that follows must not be cut short
+    raise StoppedBySignal("stopped by SIGTERM")
 
 
 def exit_now(code: int) -> NoReturn:

@@ -63,7 +63,7 @@ def test_the_defaults_nest_and_the_polls_are_shorter_than_what_they_watch() -> N
     assert t.checkpoint_timeout + t.teardown_timeout <= 90  # submitit's notice: --signal=USR2@90
     assert t.backend_poll < t.heartbeat_lease and t.agent_poll < t.heartbeat_interval
     assert t.coordinator_poll < t.collective_timeout and t.abort_poll < t.collective_timeout
-    assert t.rank_step_poll < t.step_timeout and t.monitor_poll < t.step_timeout
+    assert t.rank_step_poll < t.step_timeout and t.store_poll < t.heartbeat_lease
     assert t.nccl_poll < t.collective_timeout and t.warm_up_poll < t.connect_timeout
     assert t.run_timeout > t.reconfiguration_timeout
 

@@ -33,6 +33,7 @@ from oobleck_slurm.supervisor import health
 from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig, NodeState
 from oobleck_slurm.supervisor.launchers import LocalLauncher
 from oobleck_slurm.supervisor.membership import LossCause
+from oobleck_slurm.supervisor.observer import StoreObserver
 from oobleck_slurm.supervisor.server import connect
 
 IO_TIMEOUT_S = 10.0
@@ -54,10 +55,12 @@ class Backend:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.log = EventLog(self.events)
         (tmp_path / "logs").mkdir()
+        timeouts = JobTimeouts(heartbeat_interval=1.0, heartbeat_lease=30.0, step_timeout=30.0)
+        self.observer = StoreObserver(self.store, timeouts, workers_per_node=2)  # no training here: not started
         self.nodes = AgentNodes(self.secret, LocalLauncher(tmp_path), self.log, BackendConfig(
             replacement="spare", store_host="127.0.0.1", store_port=self.store.port, workers_per_node=2,
-            threads_per_worker=3, timeouts=JobTimeouts(heartbeat_interval=1.0, heartbeat_lease=30.0, step_timeout=30.0)),
-            members=["node1", "node2"], spares=["node3"])
+            threads_per_worker=3, timeouts=timeouts), members=["node1", "node2"], observer=self.observer,
+            spares=["node3"])
         self.nodes.server.start()
 
     def agent(self, node: str, message: Message | None = None) -> Channel:

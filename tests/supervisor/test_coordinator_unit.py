@@ -54,6 +54,7 @@ from oobleck_slurm.protocol.events import EventLog, read_events
 from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.supervisor.coordinator import CannotContinue, Coordinator, CoordinatorConfig, CoordinatorError
 from oobleck_slurm.supervisor.membership import Loss, LossCause
+from oobleck_slurm.supervisor.observer import StoreObserver
 
 NODES = [f"n{i}" for i in range(6)]
 NUM_LAYERS = 6
@@ -474,6 +475,7 @@ class Job:
 def make_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
     logs: list[EventLog] = []
+    observers: list[StoreObserver] = []
 
     def make(total_steps: int = 6, scripts: dict[str, WorkerScript] | None = None,
              replacements: Sequence[str] = (), **settings: Any) -> Job:
@@ -484,9 +486,12 @@ def make_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
         cluster = SimCluster(store, workers_log, total_steps, scripts or {})
         backend = FakeNodes(cluster, replacements)
         plan = initial_plan()
+        config = coordinator_config(**settings)
+        observer = StoreObserver(store, config.timeouts)  # its thread shares the HashStore
+        observers.append(observer)
         coordinator = Coordinator(store, backend, templates(), plan, [f"layer{i}" for i in range(NUM_LAYERS)],
-                                  coordinator_log, coordinator_config(**settings),
-                                  total_steps=total_steps)
+                                  coordinator_log, config, observer, total_steps=total_steps)
+        observer.start()
         job = Job(store, cluster, backend, coordinator, log_path, plan)
         jobs.append(job)
         return job
@@ -494,9 +499,13 @@ def make_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     yield make
     for job in jobs:
         job.backend.closed = True  # the coordinator's next `exited()` raises: its thread ends
-        job.cluster.close()
+        # ... before the workers are killed: a coordinator still starting nodes (a test that ends as soon
+        # as a generation is published) would start one whose thread `close` then finds unstarted.
         if job.thread is not None:
             job.thread.join(timeout=DEADLINE_S)
+        job.cluster.close()
+    for observer in observers:
+        observer.close()
     for log in logs:
         log.close()
 

@@ -89,3 +89,32 @@ def test_kill_node_supervisor_from_the_command_line(tmp_path):
     assert [e["epoch"] for e in read_events(job / "events.jsonl", "takeover")] == [2]
     steps = [e["step"] for e in read_events(job / "events.jsonl", "step")]
     assert sorted(set(steps)) == list(range(40))
+
+
+def test_a_supervisor_stopped_with_sigterm_is_not_taken_over(tmp_path, templates_cache):
+    """A stop on purpose (`cancel`, a test's teardown) ends the job: the lease is marked done, the
+    standby leaves, the agents shut their workers down; nothing of the job is left running."""
+    import time
+
+    import psutil
+    import yaml
+    from jobrun import events_path, prepare_job, read_events, start_local
+
+    from oobleck_slurm.recipe import load_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(steps=100000), sort_keys=False))
+    job = prepare_job(load_recipe(path), cache_dir=templates_cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs")
+    sup = start_local(job)
+    deadline = time.monotonic() + 120
+    while not [e for e in read_events(events_path(job.path), "step") if e["step"] >= 2]:
+        assert time.monotonic() < deadline, "no step 2"
+        time.sleep(0.1)
+    family = [sup, *psutil.Process(sup.pid).children(recursive=True)]
+    sup.terminate()
+    sup.wait(60)
+    gone, alive = psutil.wait_procs(family, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
+    assert not read_events(events_path(job.path), "takeover")
+    (finished,) = read_events(events_path(job.path), "job_finished")
+    assert finished["status"] in ("failed", "cancelled") and "SIGTERM" in (finished["error"] or "")

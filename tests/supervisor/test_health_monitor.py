@@ -5,6 +5,7 @@ start not judged. Times are given, not waited for: each test runs in well under 
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from oobleck_slurm.recipe.schema import DetectionConfig
 from oobleck_slurm.supervisor.agent_health import metrics_message
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.main import nodes_share_a_machine
+from oobleck_slurm.supervisor.observer import StoreObserver, StoreView
 
 NODES = ["node1", "node2", "node3", "node4"]
 T0 = 1_800_000_000.0
@@ -38,6 +40,14 @@ def publish(store: dist.TCPStore, gen: int, members: list[str], mb: list[int], f
     store.set(keys.CURRENT_GEN, str(gen))
     if first_step is not None:
         store.set(keys.first_step(gen), json.dumps({"step": first_step, "t": 0.0}))
+
+
+_observers: weakref.WeakKeyDictionary[dist.TCPStore, StoreObserver] = weakref.WeakKeyDictionary()
+
+
+def look(store: dist.TCPStore) -> StoreView:
+    """The store as the supervisor's store observer (one per store) reads it, now."""
+    return _observers.setdefault(store, StoreObserver(store)).refresh()
 
 
 def monitor(tmp_path: Path, checkpoint_interval: int = 0, **knobs) -> HealthMonitor:
@@ -66,7 +76,7 @@ def run_metrics(mon: HealthMonitor, store: dist.TCPStore, seconds: int, faulty: 
                 rss += 0.05 * (i - leak_from + 1)
             batch = sample(node, t + 0.01 * k, rss, cpu=50.0 * level)
             mon.receive(node, parse_metrics(metrics_message(node, batch).samples))
-        got = mon.poll(store, t + 0.5)
+        got = mon.poll(look(store), t + 0.5)
         if got and first is None:
             first = t + 0.5
         evictions += got
@@ -166,7 +176,7 @@ def test_a_forgotten_node_is_not_judged(tmp_path: Path, store: dist.TCPStore) ->
     for i in range(15, 60):  # node3 stopped reporting (lost): the others are fine
         for k, node in enumerate(n for n in NODES if n != "node3"):
             mon.receive(node, sample(node, T0 + i, 0.35 + 0.001 * k))
-        assert mon.poll(store, T0 + i + 0.5) == []
+        assert mon.poll(look(store), T0 + i + 0.5) == []
 
 
 def step(store: dist.TCPStore, gen: int, s: int, compute: list[float]) -> None:
@@ -180,7 +190,7 @@ def run_steps(mon: HealthMonitor, store: dist.TCPStore, gen: int, steps: range, 
     for s in steps:
         compute = [0.02 * mb[r] * (1 + 0.02 * ((s + r) % 3)) * (factor if r == slow_rank else 1.0) for r in range(4)]
         step(store, gen, s, compute)
-        out += mon.poll(store, t0 + 0.1 * s)
+        out += mon.poll(look(store), t0 + 0.1 * s)
     return out
 
 

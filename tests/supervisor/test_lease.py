@@ -1,4 +1,4 @@
-"""The supervisor's lease and epochs (supervisor/lease.py): one claimant wins an epoch, the highest
+"""The supervisor's lease and epochs (cluster/lease.py): one claimant wins an epoch, the highest
 epoch is the current one, and a lease lapses by age or, on one machine, by its process's death."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from oobleck_slurm.cluster.jobdir import JobDir
-from oobleck_slurm.supervisor.lease import LeaseRecord, claim_epoch, current_epoch, primary_gone, read_lease, renew
+from oobleck_slurm.cluster.lease import LeaseRecord, claim_epoch, current_epoch, primary_gone, read_lease, renew
 
 
 def test_one_claimant_wins_each_epoch(tmp_path: Path) -> None:

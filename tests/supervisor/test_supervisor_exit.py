@@ -26,6 +26,7 @@ from oobleck_slurm.supervisor import main as supervisor_main
 from oobleck_slurm.supervisor.coordinator import CannotContinue, Coordinator, CoordinatorConfig, CoordinatorTimeout
 from oobleck_slurm.supervisor.main import SupervisorJob, run_supervisor
 from oobleck_slurm.supervisor.membership import Loss
+from oobleck_slurm.supervisor.observer import StoreObserver
 
 NODES = ["n0", "n1", "n2", "n3"]
 RUN_TIMEOUT_S = 0.2
@@ -55,8 +56,11 @@ def timed_out_coordinator(tmp_path: Path) -> Coordinator:
     templates = generate_templates(profile, len(NODES), num_microbatches=8)
     plan = instantiate(templates, NODES, 1, 8)
     config = CoordinatorConfig(f=1, timeouts=JobTimeouts(run_timeout=RUN_TIMEOUT_S))
-    return Coordinator(dist.HashStore(), SilentNodes(), templates, plan, [f"layer{i}" for i in range(4)],
-                       EventLog(tmp_path / "coordinator-events.jsonl"), config, total_steps=5)
+    store = dist.HashStore()
+    # The observer is not started: no worker writes anything, the coordinator only has to time out.
+    return Coordinator(store, SilentNodes(), templates, plan, [f"layer{i}" for i in range(4)],
+                       EventLog(tmp_path / "coordinator-events.jsonl"), config, StoreObserver(store, config.timeouts),
+                       total_steps=5)
 
 
 def job_folder(tmp_path: Path) -> Path:
