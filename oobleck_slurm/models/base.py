@@ -12,7 +12,8 @@ and checkpoints (the layer keys name each layer's state), validation (`loss`) an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class ModelDef(ABC):
 
     def to_dict(self) -> dict[str, Any]:
         """JSON: {"family": name, **fields}; `models.model_from_dict` reads it back."""
-        return {"family": self.family, **_plain(asdict(self))}  # type: ignore[call-overload]
+        return {"family": self.family, **plain_json(asdict(self))}  # type: ignore[call-overload]
 
     # ---- torch -------------------------------------------------------------------------------
 
@@ -115,9 +116,60 @@ class ModelDef(ABC):
         raise NotImplementedError(f"model family {self.family!r} has no Hugging Face adapter")
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+def plain_json(value: Any) -> Any:
+    """`value` as plain JSON types: mappings (read-only views too) as dicts, tuples as lists."""
+    if isinstance(value, Mapping):
+        return {k: plain_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_json(v) for v in value]
     return value
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """Generator seed of layer `index`: distinct per layer, independent of which layers are built."""
+    return (seed * 1_000_003 + index * 7919 + 12345) % (2**63 - 1)
+
+
+def build_range(num_layers: int, seed: int, start: int, stop: int | None, device: torch.device | str | None,
+                initialise: bool, new_layer: Callable[[int], nn.Module],
+                init_buffers: Callable[[nn.Module], None],
+                init_layer: Callable[[nn.Module, torch.Generator], None]) -> list[nn.Module]:
+    """Layers [start, stop) of a built-in family (`ModelDef.build_layers`): made on the meta device by
+    `new_layer(index)`, materialised on `device`, their non-persistent buffers filled, and (unless
+    `initialise` is False) each layer's parameters drawn from its own generator (`layer_seed`)."""
+    import torch
+
+    stop = num_layers if stop is None else stop
+    if not 0 <= start < stop <= num_layers:
+        raise ValueError(f"build_layers: range [{start}, {stop}) is not a non-empty range within [0, {num_layers})")
+    with torch.device("meta"):
+        layers = [new_layer(index) for index in range(start, stop)]
+    layers = [layer.to_empty(device=device or "cpu") for layer in layers]
+    for index, layer in zip(range(start, stop), layers):
+        init_buffers(layer)  # not state: remade by every build, initialised or not
+        if initialise:
+            init_layer(layer, torch.Generator().manual_seed(layer_seed(seed, index)))
+    return layers
+
+
+def embedding_estimate(est: LayerEstimate, tokens: int, d_model: int, vocab: int, act_bytes: int,
+                       param_bytes: int) -> LayerEstimate:
+    """A token embedding's figures: memory bound, t * d * e bytes written forward, twice that (and its
+    table read) backward; it keeps the token ids; its workspace is the dense gradient of its table and
+    of its output."""
+    t, d, v, e, p = tokens, d_model, vocab, act_bytes, param_bytes
+    written = t * d * e
+    return replace(est, forward_bytes=written + t * 8, backward_bytes=2 * written + est.num_params * e,
+                   output_bytes=t * d * p, activation_bytes=t * 8, workspace_bytes=v * d * p + t * d * p)
+
+
+def lm_head_estimate(est: LayerEstimate, tokens: int, d_model: int, vocab: int, act_bytes: int, param_bytes: int,
+                     casts: int) -> LayerEstimate:
+    """A final norm + LM head's figures: 2 t d V FLOPs forward; it keeps its input and the loss's fp32
+    log-probabilities (t * V * 4), and `casts` bytes of autocast's weight copies; its workspace is the
+    gradients of the log-probabilities and logits, and of its input."""
+    t, d, v, e, p = tokens, d_model, vocab, act_bytes, param_bytes
+    flops, traffic = 2 * t * d * v, est.num_params * e
+    return replace(est, forward_flops=flops, forward_bytes=traffic, backward_flops=2 * flops,
+                   backward_bytes=2 * traffic, output_bytes=t * v * e, activation_bytes=t * d * e + t * v * 4 + casts,
+                   workspace_bytes=2 * t * v * 4 + 2 * t * d * p)

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from oobleck_slurm.models import PRESETS, FactoryModel, ModelDef, preset
+from oobleck_slurm.models.base import plain_json
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
@@ -206,17 +207,8 @@ class ModelConfig:
         if self.factory is not None:
             base = PRESETS["gpt"]["tiny"]
             return FactoryModel(self.factory, seq_len=self.seq_len or base.seq_len,
-                                vocab_size=self.vocab_size or base.vocab_size, kwargs=_plain(self.kwargs))
+                                vocab_size=self.vocab_size or base.vocab_size, kwargs=plain_json(self.kwargs))
         return preset(self.family, self.size, **self.overrides())
-
-
-def _plain(value: Any) -> Any:
-    """A recipe value as plain JSON types (the recipe's mappings are read-only views)."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from oobleck_slurm.models.base import LayerEstimate, ModelDef
+from oobleck_slurm.models.base import LayerEstimate, ModelDef, embedding_estimate, lm_head_estimate
 
 if TYPE_CHECKING:
     import torch
@@ -80,15 +80,9 @@ class GPTConfig(ModelDef):
             traffic = est.num_params * e  # weights read by the compute, in its dtype
             casts = 2 * sum(x * y for x, y in (sh for sh in shapes if len(sh) == 2)) if cast and index > 0 else 0
             if index == 0:
-                written = t * d * e
-                out.append(replace(est, forward_bytes=written + t * 8, backward_bytes=2 * written + traffic,
-                                   output_bytes=t * d * p, activation_bytes=t * 8, workspace_bytes=v * d * p + t * d * p))
+                out.append(embedding_estimate(est, t, d, v, e, p))
             elif index == self.num_layers - 1:
-                flops = 2 * t * d * v
-                out.append(replace(est, forward_flops=flops, forward_bytes=traffic, backward_flops=2 * flops,
-                                   backward_bytes=2 * traffic, output_bytes=t * v * e,
-                                   activation_bytes=t * d * e + t * v * 4 + casts,
-                                   workspace_bytes=2 * t * v * 4 + 2 * t * d * p))
+                out.append(lm_head_estimate(est, t, d, v, e, p, casts))
             else:
                 flops = t * (24 * d * d + 4 * s * d)
                 out.append(replace(est, forward_flops=flops, forward_bytes=traffic, backward_flops=2 * flops,

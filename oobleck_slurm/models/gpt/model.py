@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oobleck_slurm.models.base import build_range
 from oobleck_slurm.models.gpt.config import GPTConfig
 
 INIT_STD = 0.02  # GPT-2 / nanoGPT initialisation
@@ -101,11 +102,6 @@ class Head(nn.Module):
         return self.lm_head(self.ln(x))
 
 
-def layer_seed(seed: int, index: int) -> int:
-    """Generator seed of layer `index`: distinct per layer, independent of which layers are built."""
-    return (seed * 1_000_003 + index * 7919 + 12345) % (2**63 - 1)
-
-
 @torch.no_grad()
 def _init_layer(layer: nn.Module, gen: torch.Generator, n_layer: int) -> None:
     # Parameters are visited in registration order, so the draw sequence is fixed per layer type.
@@ -134,23 +130,16 @@ def build_layers(cfg: GPTConfig, seed: int, start: int = 0, stop: int | None = N
                  device: torch.device | str | None = None, initialise: bool = True) -> list[nn.Module]:
     """Layers [start, stop) of the GPT, initialised exactly as in a full build with the same seed
     (`ModelDef.build_layers`)."""
-    n = cfg.num_layers
-    stop = n if stop is None else stop
-    if not 0 <= start < stop <= n:
-        raise ValueError(f"build_layers: range [{start}, {stop}) is not a non-empty range within [0, {n})")
-    if cfg.tie_embeddings and (start, stop) != (0, n):
+    n, end = cfg.num_layers, cfg.num_layers if stop is None else stop
+    if cfg.tie_embeddings and 0 <= start < end <= n and (start, end) != (0, n):  # a bad range: build_range says
         raise NotImplementedError(
             f"build_layers: tie_embeddings=True needs the embedding and the head on one stage, "
             f"but layers [{start}, {stop}) of [0, {n}) were asked for; use tie_embeddings=False "
             f"for multi-stage plans"
         )
-    with torch.device("meta"):
-        layers = [_new_layer(cfg, index) for index in range(start, stop)]
-    layers = [layer.to_empty(device=device or "cpu") for layer in layers]
-    for index, layer in zip(range(start, stop), layers):
-        _init_buffers(layer, cfg)  # not state: remade by every build, initialised or not
-        if initialise:
-            _init_layer(layer, torch.Generator().manual_seed(layer_seed(seed, index)), cfg.n_layer)
+    layers = build_range(n, seed, start, stop, device, initialise, lambda index: _new_layer(cfg, index),
+                         lambda layer: _init_buffers(layer, cfg),
+                         lambda layer, gen: _init_layer(layer, gen, cfg.n_layer))
     if cfg.tie_embeddings:  # full build only (checked above)
         embedding, head = layers[0], layers[-1]
         assert isinstance(embedding, Embedding) and isinstance(head, Head)

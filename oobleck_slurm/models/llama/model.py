@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oobleck_slurm.models.gpt.model import layer_seed
+from oobleck_slurm.models.base import build_range
 from oobleck_slurm.models.llama.config import LlamaConfig
 
 INIT_STD = 0.02
@@ -186,15 +186,5 @@ def build_layers(cfg: LlamaConfig, seed: int, start: int = 0, stop: int | None =
                  device: torch.device | str | None = None, initialise: bool = True) -> list[nn.Module]:
     """Layers [start, stop), initialised exactly as in a full build with the same seed
     (`ModelDef.build_layers`)."""
-    n = cfg.num_layers
-    stop = n if stop is None else stop
-    if not 0 <= start < stop <= n:
-        raise ValueError(f"build_layers: range [{start}, {stop}) is not a non-empty range within [0, {n})")
-    with torch.device("meta"):
-        layers = [_new_layer(cfg, index) for index in range(start, stop)]
-    layers = [layer.to_empty(device=device or "cpu") for layer in layers]
-    for index, layer in zip(range(start, stop), layers):
-        _init_buffers(layer, cfg)  # not state: remade by every build, initialised or not
-        if initialise:
-            _init_layer(layer, torch.Generator().manual_seed(layer_seed(seed, index)))
-    return layers
+    return build_range(cfg.num_layers, seed, start, stop, device, initialise, lambda index: _new_layer(cfg, index),
+                       lambda layer: _init_buffers(layer, cfg), _init_layer)
