@@ -216,6 +216,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     except FactoryError as problem:  # still a FactoryError (bad input: exit 2), naming the recipe file
         raise FactoryError(problem.key, f"{recipe.source}: {problem.key}: {problem}") from problem
     check_supported(spec)
+    _check_data(spec)
     if job.faults.is_file():  # drills: worker faults (engine/faults.py)
         spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.faults)})
     # The profile `submit` planned with: a file given to it (kept in the job folder), an estimate, or
@@ -288,6 +289,20 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
             standby.terminate()
         nodes_backend.close()
         observer.close()
+
+
+def _check_data(spec: Any) -> None:
+    """The training and validation samples open with this model's sequence length and vocabulary, and
+    enough of them: refused here (BadInputError naming the data key), before any node starts."""
+    from oobleck_slurm.engine.batches import open_dataset, open_validation
+    from oobleck_slurm.errors import BadInputError
+
+    try:
+        open_dataset(spec.data, spec.model.seq_len, spec.model.vocab_size)
+        if spec.train.eval_interval:
+            open_validation(spec.data, spec.model.seq_len, spec.model.vocab_size, spec.train.eval_samples)
+    except ValueError as err:
+        raise BadInputError(str(err)) from err
 
 
 class LeaseKeeper:

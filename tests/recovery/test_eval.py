@@ -20,3 +20,12 @@ def test_eval_losses_survive_a_kill_and_equal_the_reference(tmp_path, templates_
     assert {e["step"] for e in run.kind("eval")} == {2, 4, 5}
     assert all(e["samples"] == 5 for e in run.kind("eval"))
     assert len({e["generation"] for e in run.kind("eval")}) == 2  # before and after the recovery
+
+
+def test_too_few_samples_for_the_held_out_validation_set_is_refused_before_any_node_starts(tmp_path, templates_cache):
+    recipe = tiny_recipe(steps=2)
+    recipe["training"].update(eval_interval=1, eval_samples=100000)
+    run = run_job(tmp_path, recipe, templates_cache, expect_exit=2)
+    (finished,) = run.kind("job_finished")
+    assert "holding 100000 out for validation (training.eval_samples) leaves none to train on" in finished["error"]
+    assert not run.kind("agents_ready")
