@@ -125,6 +125,10 @@ def profile_layers(
     return out_profiles
 
 
+# Tries per layer of a CPU workspace measurement (see layer_workspace).
+CPU_WORKSPACE_TRIES = 3
+
+
 def layer_workspace(
     layers: Sequence[nn.Module],
     sample_input: torch.Tensor,
@@ -147,32 +151,41 @@ def layer_workspace(
         return [0] * len(layers)
     probe = peak_memory.PeakMemory(device)
     cast = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast is not None else contextlib.nullcontext
+    # A GPU's allocator counts exactly; a CPU's resident memory also moves with everything else the
+    # process does (page faults of other threads, allocator arenas), which only ever adds to a peak:
+    # the least of a few tries is the layer's own.
+    tries = 1 if device.type == "cuda" else CPU_WORKSPACE_TRIES
     spaces = []
     x = sample_input
     for i, layer in enumerate(layers):
         for p in layer.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        inp = x.detach().requires_grad_(x.is_floating_point())
-        peak_memory.trim_heap()
-        probe.start()
-        with cast():
-            out = layer(inp)
-            scalar = loss(out) if i == len(layers) - 1 and loss is not None else None
-        forward = probe.peak() - probe.now()  # the peak above what the forward leaves behind
-        seed = torch.ones_like(out) if scalar is None else None
-        peak_memory.trim_heap()
-        start = probe.now()
-        probe.start()
-        if scalar is not None:
-            scalar.backward()
-        else:
-            out.backward(seed)
-        backward = probe.peak() - start
-        spaces.append(max(0, forward, backward))
+        last = i == len(layers) - 1
+        seen = []
+        for _ in range(tries):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            peak_memory.trim_heap()
+            probe.start()
+            with cast():
+                out = layer(inp)
+                scalar = loss(out) if last and loss is not None else None
+            forward = probe.peak() - probe.now()  # the peak above what the forward leaves behind
+            seed = torch.ones_like(out) if scalar is None else None
+            peak_memory.trim_heap()
+            start = probe.now()
+            probe.start()
+            if scalar is not None:
+                scalar.backward()
+            else:
+                out.backward(seed)
+            backward = probe.peak() - start
+            seen.append(max(0, forward, backward))
+            del scalar, seed, inp
+        spaces.append(min(seen))
         layer.zero_grad(set_to_none=True)
         x = out.detach()
-        del out, scalar, seed, inp
+        del out
     return spaces
 
 

@@ -108,6 +108,7 @@ class HealthMonitor:
         self._rebalances: queue.Queue[Rebalance] = queue.Queue()
         self._gen = -1
         self._ranks: dict[int, tuple[str, Hashable, int]] = {}  # rank -> (node, work, microbatches) in _gen
+        self._work: dict[Hashable, list[tuple[int, int, int, int]]] = {}  # node -> its ranks' (layers, microbatches, stages)
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._seen = 0  # the last store view followed (its seq)
@@ -230,17 +231,26 @@ class HealthMonitor:
         self._checkpoint = None  # a recovery's own hold covers what is left of one
         self.watch = self._new_watch()  # ranks are numbered afresh: old timings describe other work
         self._ranks = {}
-        # Each node's work (layers, microbatches, peers) may have changed: its metrics' normal with it.
-        self.detector.relearn(list(config.members))
         if config.stop or config.plan is None:
+            self.detector.relearn(list(config.members))
+            self._work = {}
             return
         plan, members = ExecPlan.from_json(config.plan), list(config.members)
         self._num_layers = plan.num_layers
+        work: dict[Hashable, list[tuple[int, int, int, int]]] = {node: [] for node in members}
         for rank in plan.ranks:
             role = plan.role(rank)
+            node = members[rank // self.workers_per_node]
+            if role is not None:
+                work[node].append((role.layers.start, role.layers.stop, role.mb_count, role.num_stages))
             if role is not None and role.mb_count > 0:
-                node = members[rank // self.workers_per_node]
                 self._ranks[rank] = (node, (role.layers.start, role.layers.stop), role.mb_count)
+        # A node whose work (layers, microbatches, pipeline depth) changed learns its metrics' new
+        # normal; one whose work is the same keeps it, so a fault that began under the previous plan
+        # (a leak) goes on being measured from the healthy level instead of being learnt as normal.
+        changed = [node for node, w in work.items() if self._work.get(node) != sorted(w)]
+        self._work = {node: sorted(w) for node, w in work.items()}
+        self.detector.relearn(changed)
 
     def _time_step(self, compute: tuple[float, ...]) -> list[Evict | Report | Rebalance]:
         for rank, (_, work, microbatches) in self._ranks.items():

@@ -198,7 +198,7 @@ def test_cli_bad_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The embedded default with the room Bamboo-style redundancy needs on the V100 estimate: its 8MB budget
+    # The embedded default with the room Bamboo-style redundancy needs on the V100 estimate: its 9MB budget
     # is sized for the default's measured CPU profile, in which no stage holds its successor's state too.
     from oobleck_slurm.recipe import DEFAULT_RECIPE
 

@@ -122,13 +122,27 @@ def test_each_role_is_its_own_normal_under_every_plan(tmp_path: Path, store: dis
     publish(store, 0, NODES, [2, 2, 2, 2])
     mon = monitor(tmp_path)
     assert run_metrics(mon, store, 40, levels={"node1": 2.0})[0] == []
-    # A new plan gives node2 that role instead: both relearn, nobody is flagged for the change.
-    publish(store, 1, NODES, [2, 2, 2, 2])
+    # A new plan gives node2 that role instead (both nodes' microbatches change): both relearn, nobody
+    # is flagged for the change.
+    publish(store, 1, NODES, [1, 3, 2, 2])
     assert run_metrics(mon, store, 40, start=40, levels={"node2": 2.0})[0] == []
     # A leak that starts later is measured from the node's own role (relative to its level: 50 MB/s on
     # twice the memory counts as 25 MB/s would on one share, so it takes longer than the 10 s above).
     evictions, first = run_metrics(mon, store, 40, faulty="node2", start=80, leak_from=90, levels={"node2": 2.0})
     assert [e.node for e in evictions] == ["node2"] and first is not None and first - (T0 + 90) <= 20
+
+
+def test_a_leak_under_way_is_not_learnt_as_normal_when_other_nodes_are_replanned(tmp_path: Path,
+                                                                                 store: dist.TCPStore) -> None:
+    # node3 leaks from t=20; at t=22 a rebalance moves microbatches between node1 and node2 only. node3's
+    # work is the same, so its normal is the one learnt before the leak, and the leak is found as fast
+    # as without the rebalance (node1 and node2 relearn, and are not flagged for their new share).
+    publish(store, 0, NODES, [2, 2, 2, 2])
+    mon = monitor(tmp_path)
+    assert run_metrics(mon, store, 22, faulty="node3")[0] == []
+    publish(store, 1, NODES, [3, 1, 2, 2])
+    evictions, first = run_metrics(mon, store, 38, faulty="node3", start=22)
+    assert [e.node for e in evictions] == ["node3"] and first is not None and first - (T0 + 20) <= 10
 
 
 def test_report_only_when_eviction_is_off(tmp_path: Path, store: dist.TCPStore) -> None:
