@@ -37,6 +37,10 @@ def current_epoch(job: JobDir) -> int:
     return max(found, default=0)
 
 
+def epoch_claimed(job: JobDir, epoch: int) -> bool:
+    return (job.path / f"{EPOCH_PREFIX}{epoch}").exists()
+
+
 def claim_epoch(job: JobDir, epoch: int) -> bool:
     """Claim `epoch` for this process; False when another process claimed it first."""
     try:
@@ -82,3 +86,31 @@ def primary_gone(lease: LeaseRecord | None, lease_s: float, now: float, same_mac
         except PermissionError:
             return False
     return False
+
+
+class PublishedEpoch:
+    """The supervisor epoch published in one of the job folder's address files (supervisor.json for
+    agents, elastic.json for workers), re-read only when the file changed (a stat per look).
+
+    A frozen supervisor keeps its connections open: its agents and workers see no error, so they learn
+    that a standby took over only from a higher epoch here."""
+
+    def __init__(self, path: os.PathLike[str] | str) -> None:
+        self.path = os.fspath(path)
+        self._seen: tuple[int, int] | None = None
+        self._epoch = 0
+
+    def read(self) -> int:
+        """The published epoch (0 while the file is missing or unreadable)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return self._epoch
+        if (st.st_mtime_ns, st.st_size) != self._seen:
+            try:
+                with open(self.path) as f:
+                    self._epoch = int(json.load(f).get("epoch", 1))
+                self._seen = (st.st_mtime_ns, st.st_size)
+            except (OSError, ValueError, TypeError, AttributeError):
+                pass  # being replaced (written whole and renamed): read it at the next look
+        return self._epoch

@@ -52,8 +52,12 @@ class FailureWatch:
     in tests) gets no second connection: `failed()` looks the key up itself, at most every `abort_poll`.
     Both periods come from the job's timeouts (protocol/timeouts.py)."""
 
-    def __init__(self, store: dist.Store, generation: int, timeouts: JobTimeouts = DEFAULT_TIMEOUTS) -> None:
+    def __init__(self, store: dist.Store, generation: int, timeouts: JobTimeouts = DEFAULT_TIMEOUTS,
+                 superseded: threading.Event | None = None) -> None:
         self.store = store
+        # Set when the worker's supervisor was replaced (a standby took over a frozen one): the
+        # generation is over as if it had failed; its store may never answer again.
+        self.superseded = superseded
         self.key = keys.failed(generation)
         self.poll = timeouts.abort_poll
         self._watcher = (_Watcher.of(store, self.key, timeouts.watch_renew) if isinstance(store, dist.TCPStore)
@@ -62,6 +66,8 @@ class FailureWatch:
         self._last = 0.0
 
     def failed(self) -> bool:
+        if self.superseded is not None and self.superseded.is_set():
+            return True
         w = self._watcher
         if w is not None:
             if w.error is not None:
@@ -77,7 +83,10 @@ class FailureWatch:
     def wait(self, timeout: float) -> bool:
         """Block up to `timeout` s until the generation fails; return failed() (no store request on a TCPStore)."""
         if self._watcher is not None:
-            self._watcher.done.wait(timeout)
+            deadline = time.monotonic() + timeout
+            while not self._watcher.done.wait(max(0.0, min(self.poll * 10, deadline - time.monotonic()))):
+                if self.failed() or time.monotonic() >= deadline:
+                    break
             return self.failed()
         deadline = time.monotonic() + timeout
         while not self.failed() and time.monotonic() < deadline:
@@ -165,9 +174,9 @@ class AbortableGeneration(Generation):
 
     def __init__(self, store: dist.Store, number: int, rank: int, world_size: int, plan: ExecPlan,
                  timeouts: JobTimeouts, backend: str = "gloo", on_wait: Callable[[], None] | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, superseded: threading.Event | None = None) -> None:
         super().__init__(store, number, rank, world_size, plan, timeouts, backend, device)
-        self.watch = FailureWatch(store, number, timeouts)
+        self.watch = FailureWatch(store, number, timeouts, superseded)
         self.on_wait = on_wait
 
     def wait(self, work: dist.Work) -> None:
@@ -222,18 +231,18 @@ class AbortableGeneration(Generation):
 
 def build_generation(store: dist.Store, number: int, rank: int, world_size: int, plan: ExecPlan,
                      timeouts: JobTimeouts, backend: str = "gloo", on_wait: Callable[[], None] | None = None,
-                     device: torch.device | None = None) -> AbortableGeneration:
+                     device: torch.device | None = None, superseded: threading.Event | None = None) -> AbortableGeneration:
     """Build generation `number`'s groups in a helper thread: a member dying while the groups form
     (a failure during recovery) aborts the build instead of blocking until the connect timeout.
     The helper thread gets its own store connection: a group's setup blocks in store calls, and a
     shared client would keep the failed key from this thread's watch (a second failure during the
     rebuild would then stall the survivors)."""
-    watch = FailureWatch(store, number, timeouts)
+    watch = FailureWatch(store, number, timeouts, superseded)
     group_store = clone_store(store)
     try:
         return wait_abortable(
             lambda: AbortableGeneration(group_store, number, rank, world_size, plan, timeouts, backend, on_wait,
-                                        device),
+                                        device, superseded),
             watch, f"generation {number} groups")
     except GenerationAborted:
         raise

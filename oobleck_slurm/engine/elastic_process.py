@@ -14,7 +14,15 @@ trained model.
 
 Survivors never restart: they keep their process, their layers and optimizer state, and build the
 next generation's groups under a new store prefix; once those have formed, every member has left the
-previous generation and its groups are released. Fault injection (drills, tests, benchmarks: the job
+previous generation and its groups are released.
+
+A frozen supervisor (SIGSTOPped, or cut off without its connections breaking) must not stall training:
+the writes a worker makes every step (its step, rank 0's progress and compute times) go through one
+background thread on a connection of its own (`StepWriter`), coalesced by key, so the training loop
+never blocks on the store; and a thread watches the job folder's elastic.json for a higher supervisor
+epoch, which aborts the generation as a failure would. The worker then follows the new supervisor.
+
+Fault injection (drills, tests, benchmarks: the job
 folder's faults.json) is engine/faults.py's `FaultHooks`, called at its hook points.
 """
 
@@ -23,6 +31,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -30,8 +39,8 @@ from pathlib import Path
 import torch
 
 from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE, JobDir
-from oobleck_slurm.cluster.lease import read_lease
-from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation
+from oobleck_slurm.cluster.lease import PublishedEpoch, read_lease
+from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation, clone_store
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
 from oobleck_slurm.engine.comm import connect_store, is_collective_error
 from oobleck_slurm.engine.faults import FaultHooks
@@ -55,6 +64,49 @@ from oobleck_slurm.protocol.records import (
 from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.protocol.wire import ProtocolError
 
+
+class StepWriter:
+    """The per-step store writes of a worker, made by one daemon thread on its own store connection:
+    `set` never blocks, the latest value of each key wins (a stalled store costs memory for one value
+    per key, not one per step). `retire` abandons a writer whose store went away; a write blocked on it
+    ends with the store's timeout, in the background."""
+
+    def __init__(self, store: object) -> None:
+        import torch.distributed as dist
+
+        self.store = clone_store(store) if isinstance(store, dist.Store) else store
+        self._pending: dict[str, str] = {}
+        self._cv = threading.Condition()
+        self._retired = False
+        threading.Thread(target=self._run, name="step-writer", daemon=True).start()
+
+    def set(self, key: str, value: str) -> None:
+        with self._cv:
+            self._pending.pop(key, None)  # re-inserted last: writes keep the order of their latest values
+            self._pending[key] = value
+            self._cv.notify()
+
+    def retire(self) -> None:
+        with self._cv:
+            self._retired = True
+            self._pending.clear()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._retired:
+                    self._cv.wait()
+                if self._retired:
+                    return
+                key = next(iter(self._pending))
+                value = self._pending.pop(key)
+            try:
+                self.store.set(key, value)  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - the store went away: the worker learns it on its own path
+                return
+
+
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
 FOLLOW_POLL_S = 0.05  # elastic.json is read this often while a new supervisor is awaited
 
@@ -72,6 +124,12 @@ class ElasticWorker:
         self.checkpoint_interval = launch.checkpoint_interval
         self.checkpoint_root = launch.checkpoint_dir or str(job_dir / CHECKPOINTS_DIR)
         self.store = connect_store(launch.host, launch.port, self.timeouts)
+        self.step_writer = StepWriter(self.store)
+        # Set when elastic.json names a supervisor of a higher epoch than the one this worker follows.
+        self.superseded = threading.Event()
+        if launch.failover_s > 0:
+            threading.Thread(target=self._watch_epoch, args=(PublishedEpoch(job_dir / ELASTIC_FILE),),
+                             name="epoch-watch", daemon=True).start()
         device = torch.device("cuda", torch.cuda.current_device()) if self.job.backend == "nccl" else None
         self.worker = Worker(self.job, 0, device)
         self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local)
@@ -92,7 +150,13 @@ class ElasticWorker:
         """Per-rank progress for the supervisor: this worker reached a collective of step s (it did its
         compute up to there). A rank hung before its first collective of s stays at s-1 while every
         peer waits for it in a collective of s: that names it. Once per step: one store write."""
-        self.store.set(keys.worker_step(self.name), str(self.worker.step))
+        self.step_writer.set(keys.worker_step(self.name), str(self.worker.step))
+
+    def _watch_epoch(self, published: PublishedEpoch) -> None:
+        while True:
+            time.sleep(self.timeouts.epoch_poll)
+            if published.read() > self.launch.epoch:
+                self.superseded.set()
 
     def _report_error(self, g: int, error: BaseException) -> None:
         """Tell the coordinator that a collective of generation g failed here (see coordinator.py)."""
@@ -161,6 +225,8 @@ class ElasticWorker:
                     g, self.name)
 
     def _store_alive(self) -> bool:
+        if self.superseded.is_set():
+            return False  # its supervisor was replaced: the store may be frozen, not gone
         try:
             self.store.check([keys.CURRENT_GEN])
             return True
@@ -183,8 +249,11 @@ class ElasticWorker:
             except (OSError, ProtocolError):
                 newer = launch  # being replaced: read it again
             if newer.epoch > launch.epoch:
-                self.launch = newer
+                self.step_writer.retire()
                 self.store = connect_store(newer.host, newer.port, self.timeouts)
+                self.step_writer = StepWriter(self.store)
+                self.launch = newer
+                self.superseded.clear()
                 self.faults.store = self.store
                 g = int(self.store.get(keys.CURRENT_GEN))
                 self._report(g)
@@ -205,7 +274,7 @@ class ElasticWorker:
         self.faults.before_groups(w.step)
         t0 = time.perf_counter()
         gen = build_generation(self.store, g, w.rank, world_size, plan, self.timeouts,
-                               self.job.backend, self._on_wait, w.device)
+                               self.job.backend, self._on_wait, w.device, superseded=self.superseded)
         if self.gen is not None:  # every member of gen has left the previous generation
             self.gen.release()
         self.gen = gen
@@ -229,10 +298,10 @@ class ElasticWorker:
             self.last_step = LastStep(result=result, generation=g, global_batch_size=self.job.train.global_batch_size)
             if w.rank == 0:
                 self.log.emit("step", **result.event(g, self.job.train.global_batch_size))
-                self.store.set(keys.progress(g), str(result.step))
-                records.put(self.store, StepCompute(step=result.step, compute_seconds=result.compute_seconds), g)
+                self.step_writer.set(keys.progress(g), str(result.step))
+                records.put(self.step_writer, StepCompute(step=result.step, compute_seconds=result.compute_seconds), g)
                 if first:
-                    records.put(self.store, FirstStep(step=result.step, t=time.time()), g)
+                    records.put(self.step_writer, FirstStep(step=result.step, t=time.time()), g)
             first = False
             if self._eval_due(w.step):
                 self._evaluate(g)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,15 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Unbuffered binary append: one os-level write per record.
         self._file = open(self.path, "ab", buffering=0)
+        # Called before each write: a supervisor's fencing check (it leaves the process if a standby
+        # took over), so that a primary thawed after a takeover writes nothing into the job's log.
+        self.fence: Callable[[], None] = lambda: None
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Write one event and return it. `t` defaults to now; `fields` must be JSON-serialisable and be
         the kind's fields in the schema (else ValueError naming the kind and the field)."""
         check_event(kind, fields)
+        self.fence()
         record = {"t": fields.pop("t", time.time()), "kind": kind, **fields}
         line = json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n"
         self._file.write(line.encode())

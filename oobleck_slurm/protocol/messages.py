@@ -61,6 +61,7 @@ class Register(Message):
     # After a supervisor's takeover: the node id its workers run under, and their process states
     running: str | None = None
     workers: tuple[str, ...] = ()
+    exited: int | None = None  # how they ended, if they did meanwhile: 0 all finished, else the first failure's code
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -89,6 +89,9 @@ class JobTimeouts:
     address_timeout: float = 120.0
     # The health monitor holds its judgement while a checkpoint is written, at most this long.
     checkpoint_hold_max: float = 300.0
+    # Under Slurm with supervisor failover, the training nodes are one-node jobs the supervisor submits
+    # when it starts (docs/failover.md): how long they may wait in the queue before the job gives up.
+    node_jobs_timeout: float = 600.0
 
     # ---- poll periods: each bounds a latency against the load it costs ------------------------------
     # The coordinator's loop: bounds the detection latency on the local backend (it reads the store
@@ -121,6 +124,10 @@ class JobTimeouts:
     warm_up_poll: float = 0.001
     # The batch step's main thread waits on the supervisor thread in slices: signals arrive between them.
     join_poll: float = 0.2
+    # Agents and workers look at the job folder's published supervisor epoch this often (a stat, and a
+    # read when it changed): a frozen supervisor keeps their connections open, so only a higher epoch
+    # tells them that a standby took over. Bounds how late they follow it.
+    epoch_poll: float = 0.25
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -83,6 +83,15 @@ class Channel:
         except OSError:
             pass
 
+    def shutdown(self) -> None:
+        """Close from another thread: a recv blocked on this socket returns (EOF) at once, which a
+        plain close does not guarantee on Linux."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.close()
+
     def _tag(self, direction: bytes, seq: int, payload: bytes) -> bytes:
         return hmac.new(self._key, direction + struct.pack(">Q", seq) + payload, hashlib.sha256).digest()
 

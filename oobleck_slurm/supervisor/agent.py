@@ -41,7 +41,7 @@ from typing import Any
 import psutil
 
 from oobleck_slurm.cluster.jobdir import JobDir, load_secret
-from oobleck_slurm.cluster.lease import read_lease
+from oobleck_slurm.cluster.lease import PublishedEpoch, read_lease
 from oobleck_slurm.errors import JobTimeoutError
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 from oobleck_slurm.protocol.messages import (
@@ -117,6 +117,9 @@ class Agent:
         self.interval = self.timeouts.heartbeat_interval
         self.workers: list[subprocess.Popen] = []  # index = the worker's local index (device)
         self.worker_id: str | None = None  # the node id the supervisor gave this node's workers
+        # How they ended (0: all finished; else the first failure's code), kept for a supervisor that
+        # takes over: the exit was reported to the lost one, which may never have read it.
+        self.exited: int | None = None
         self._lock = threading.Lock()  # the channel is written by the beat loop and the command reader
         self._done = threading.Event()
         self._preempt = threading.Event()  # Slurm's SIGUSR2 arrived: relay it once
@@ -124,6 +127,8 @@ class Agent:
         self.epoch = int(self.address.get("epoch", 1))  # the supervisor's (lease.py): only a higher one replaces it
         self.failover_s = float(self.address.get("failover_s", 0.0))  # how long a new supervisor is awaited
         self.channel: Channel = self._connect(self.address)
+        self.published = PublishedEpoch(self.job.supervisor_file)
+        self._next_epoch_look = 0.0
         self.send(Register(node=node, replacement=replacement, pid=os.getpid(),
                            slurm_job_id=os.environ.get("SLURM_JOB_ID")))
 
@@ -160,10 +165,20 @@ class Agent:
                     self.channel, self.address, self.epoch = channel, address, int(address.get("epoch", 1))
                 self.send(Register(node=self.node, replacement=self.replacement, pid=os.getpid(),
                                    slurm_job_id=os.environ.get("SLURM_JOB_ID"), running=self.worker_id,
-                                   workers=tuple(self.worker_states())))
+                                   workers=tuple(self.worker_states()), exited=self.exited))
                 return True
             time.sleep(0.05)
         return False
+
+    def _leave_superseded(self, now: float) -> None:
+        """A supervisor of a higher epoch is published while this agent's connection stays open (the
+        old one is frozen, or cut off without the connection breaking): drop the connection, so that
+        the command reader follows the new one (`_follow_new_supervisor`)."""
+        if self.failover_s <= 0 or now < self._next_epoch_look:
+            return
+        self._next_epoch_look = now + self.timeouts.epoch_poll
+        if self.published.read() > self.epoch:
+            self.channel.shutdown()
 
     # ---- the workers -----------------------------------------------------------------------------
 
@@ -171,6 +186,7 @@ class Agent:
         if any(w.poll() is None for w in self.workers):
             raise RuntimeError(f"node {self.node} already runs workers of {self.worker_id}")
         self.workers = []
+        self.exited = None
         self.worker_id = node_id  # before the workers: the beat loop reports their exits under it
         for local in range(count):
             log = open(self.job.worker_log(node_id, local), "ab")  # noqa: SIM115 - the child owns it
@@ -211,9 +227,11 @@ class Agent:
         if failed:
             local, code = failed[0]
             self.stop_workers()
+            self.exited = code
             self.send(WorkerExit(node=self.node, node_id=node_id, code=code, worker=local))
         elif all(c == 0 for c in codes):
             self.workers = []
+            self.exited = 0
             self.send(WorkerExit(node=self.node, node_id=node_id, code=0))
 
     # ---- commands ----------------------------------------------------------------------------------
@@ -285,6 +303,7 @@ class Agent:
                 if self._preempt.is_set() and not relayed:
                     relayed = True
                     self.send(Preempt(node=self.node, signal="SIGUSR2", t=now))
+                self._leave_superseded(now)
                 if now >= next_beat:
                     self.send(Heartbeat(node=self.node, workers=tuple(self.worker_states()),
                                         cpu=psutil.cpu_percent(interval=None), t=now))

@@ -494,13 +494,17 @@ class AgentNodes:
             record = self.nodes.get(message.node_id)
             if record is None or record.state is not NodeState.RUNNING:
                 return  # stopped or lost meanwhile: the coordinator knows already
-            loss = self.membership.worker_exited(record.node_id, message.code, now)
-            if loss is not None:
-                self._lost(loss)
-            elif message.code == 0:
-                self._fire(record, NodeEvent.FINISH)
-                self.membership.unwatch(record.node_id)
-                self._exits.put((record.node_id, None))
+            self._workers_ended(record, message.code, now)
+
+    def _workers_ended(self, record: NodeRecord, code: int, now: float) -> None:
+        """A running node's workers ended (lock held): finished (0) or the node lost."""
+        loss = self.membership.worker_exited(record.node_id, code, now)
+        if loss is not None:
+            self._lost(loss)
+        elif code == 0:
+            self._fire(record, NodeEvent.FINISH)
+            self.membership.unwatch(record.node_id)
+            self._exits.put((record.node_id, None))
 
     def _on_metrics(self, message: Metrics) -> None:
         """An agent's batch of metrics: to the health monitor while its node is a live member (a spare,
@@ -584,7 +588,9 @@ class AgentNodes:
             self.membership.watch(node_id, now)
             self.log.emit("node", node=node_id, slurm_node=message.node, state="healthy", agent_pid=message.pid)
             self._registered.notify_all()
-            if not message.workers or "gone" in message.workers:  # they failed while no supervisor listened
+            if message.exited is not None:  # they ended while no supervisor listened
+                self._workers_ended(record, message.exited, now)
+            elif not message.workers or "gone" in message.workers:  # killed, and the agent did not see it yet
                 loss = self.membership.worker_exited(node_id, -1, now)
                 if loss is not None:
                     self._lost(loss)

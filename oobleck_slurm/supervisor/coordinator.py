@@ -184,6 +184,9 @@ class Coordinator:
                              f"the job has {config.devices_per_node}")
         self.store, self.backend, self.observer = store, backend, observer
         self.state_file, self.epoch = state_file, epoch  # the durable state, and this supervisor's fencing token
+        # Called before the durable state is written or a generation published: leaves the process if
+        # another supervisor holds a higher epoch (main.LeaseKeeper.check); none in unit tests.
+        self.fence: Callable[[], None] = lambda: None
         self.plan, self.keys, self.log, self.cfg = str_nodes(plan), layer_keys, log, config
         self.policy = Policy(tuple(templates), config.f, layer_bytes, config.replacement)
         self.total_steps = total_steps
@@ -216,6 +219,7 @@ class Coordinator:
         over could not rebuild from the agents and workers."""
         if self.state_file is None or not self.members:
             return
+        self.fence()
         r = self.recovery
         records.write_state(self.state_file, SupervisorState(
             epoch=self.epoch, generation=self.gen, members=tuple(self.members), plan=self.plan.to_dict(),
@@ -242,6 +246,7 @@ class Coordinator:
     def _publish(self, plan: Plan, source: str, resume_step: int, reason: str,
                  change: Reconfiguration | None = None, checkpoint: CheckpointRef | None = None,
                  recovery: int | None = None) -> None:
+        self.fence()
         plan = str_nodes(plan)
         members = self._members_of(plan)
         d = self.cfg.devices_per_node

@@ -269,6 +269,11 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
                               total_steps=recipe.training.steps, state_file=job.supervisor_state, epoch=epoch)
     coordinator.preemption = preemption
     lease = LeaseKeeper(job, epoch, ft.heartbeat_interval)
+    coordinator.fence = log.fence = lease.check
+    if threading.current_thread() is threading.main_thread():
+        # A supervisor thawed after a takeover (SIGSTOP, then SIGCONT) leaves before its threads act on
+        # connections that are no longer its own.
+        signal.signal(signal.SIGCONT, lambda signum, frame: lease.check())
     standby = start_standby(job, backend) if failover_s > 0 else None
     observer.start()
     try:
@@ -318,14 +323,21 @@ class LeaseKeeper:
         threading.Thread(target=self._run, name="lease", daemon=True).start()
 
     def _run(self) -> None:
-        from oobleck_slurm.cluster.lease import current_epoch, renew
+        from oobleck_slurm.cluster.lease import renew
 
         while not self._stop.wait(self.interval):
-            if current_epoch(self.job) > self.epoch:
-                print(f"supervisor: epoch {current_epoch(self.job)} took over from epoch {self.epoch}: leaving",
-                      file=sys.stderr)
-                exit_now(EXIT_FAILED)
+            self.check()
             renew(self.job, self.epoch)
+
+    def check(self) -> None:
+        """Leave at once (no teardown: the job is another supervisor's now) if a higher epoch was
+        claimed. Also called by the coordinator before it writes the durable state or publishes a
+        generation: a primary thawed after a takeover must not act before its next renewal."""
+        from oobleck_slurm.cluster.lease import epoch_claimed
+
+        if epoch_claimed(self.job, self.epoch + 1):  # epochs are claimed in turn: one stat
+            print(f"supervisor: epoch {self.epoch + 1} took over from epoch {self.epoch}: leaving", file=sys.stderr)
+            exit_now(EXIT_FAILED)
 
     def stop(self, done: bool) -> None:
         from oobleck_slurm.cluster.lease import current_epoch, renew
@@ -405,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.job_dir / META_FILE).is_file():
         print(f"supervisor: {args.job_dir} is not a job folder (no {META_FILE})", file=sys.stderr)
         return EXIT_FAILED
+    # No job process has a terminal to hang up, but the kernel sends SIGHUP to a whole process group
+    # that holds a stopped process when another member exits: a frozen supervisor (a drill's SIGSTOP)
+    # would take every agent and worker of its group down with it. Ignored here, and so in every
+    # process started from here (an ignored signal stays ignored across exec).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if args.standby:
         return run_standby(args.job_dir, args.backend)
     # SIGTERM (`cancel`, a test's teardown) stops the job: the run ends through its `finally` (the lease

@@ -118,3 +118,56 @@ def test_a_supervisor_stopped_with_sigterm_is_not_taken_over(tmp_path, templates
     assert not read_events(events_path(job.path), "takeover")
     (finished,) = read_events(events_path(job.path), "job_finished")
     assert finished["status"] in ("failed", "cancelled") and "SIGTERM" in (finished["error"] or "")
+
+
+def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, templates_cache):
+    """SIGSTOP of the primary (what `kill-node JOB supervisor --how freeze` does): its connections stay
+    open, so agents and workers learn of the takeover only from the higher epoch in the job folder.
+    The standby takes over once the lease lapses; the thawed primary finds the higher epoch and leaves
+    without acting; the job completes on the reference's trajectory with no checkpoint."""
+    import os
+    import signal
+    import time
+
+    import yaml
+    from jobrun import JobRun, events_path, prepare_job, read_events, start_local
+
+    from oobleck_slurm.cluster.lease import read_lease
+    from oobleck_slurm.recipe import load_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(steps=150), sort_keys=False))
+    job = prepare_job(load_recipe(path), cache_dir=templates_cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs")
+    t0 = time.time()
+    primary = start_local(job)
+    events = events_path(job.path)
+
+    def wait_until(what, condition, seconds=180.0):
+        deadline = time.monotonic() + seconds
+        while not (found := condition()):
+            assert time.monotonic() < deadline, f"{what} not within {seconds:g} s"
+            time.sleep(0.05)
+        return found
+
+    try:
+        wait_until("step 3", lambda: [e for e in read_events(events, "step") if e["step"] >= 3])
+        lease = read_lease(job)
+        assert lease is not None and lease.pid == primary.pid
+        os.kill(primary.pid, signal.SIGSTOP)
+        frozen_at = time.time()
+        (takeover,) = wait_until("the takeover", lambda: read_events(events, "takeover"))
+        assert takeover["epoch"] == 2 and takeover["lost"] == []
+        steps_before_thaw = len(read_events(events, "step"))
+        os.kill(primary.pid, signal.SIGCONT)
+        assert primary.wait(30) != 0  # fenced: it left
+        finished = wait_until("the end", lambda: read_events(events, "job_finished"))
+    finally:
+        if primary.poll() is None:
+            os.killpg(primary.pid, signal.SIGKILL)
+    assert len(finished) == 1 and finished[0]["status"] == "completed", finished
+    run = JobRun(job, 0, read_events(events), time.time() - t0)
+    resumed = [e for e in run.kind("resumed") if e["t"] > frozen_at]
+    assert resumed and len(run.kind("step")) > steps_before_thaw
+    assert not run.kind("checkpoint_fallback") and not run.kind("node_lost")
+    assert [e["reason"] for e in run.kind("plan")][-1] == "takeover"
+    assert_matches_reference(run)
