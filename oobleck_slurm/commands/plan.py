@@ -1,7 +1,8 @@
-"""`plan RECIPE [--nodes N] [--failures F] [--profile FILE | --estimate GPU] [--json]`.
+"""`plan RECIPE [--nodes N] [--failures F] [--profile FILE | --estimate GPU] [--max-stage-devices G] [--json]`.
 
-Shows the pipeline templates (one per node count that fits) and the plan for N nodes that survives
-F failures: pipelines, microbatches each, predicted step time and samples/s.
+Shows the pipeline templates (one per node count that fits, with each stage's layers and devices) and
+the plan for N nodes that survives F failures: pipelines, microbatches each, predicted step time and
+samples/s, and the same cost model's pure data-parallel (FSDP) bound on the plan's devices.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--nodes", type=int, metavar="N", help="nodes to plan for (default: the recipe's nodes + spares)")
     parser.add_argument("--failures", type=int, metavar="F", help="failures to survive (default: fault_tolerance.f)")
     add_source_arguments(parser)
-    parser.add_argument("--max-stage-devices", type=int, default=1, metavar="G",
-                        help="devices one stage may span inside a node (default 1: what the engine runs)")
+    parser.add_argument("--max-stage-devices", type=int, metavar="G",
+                        help="devices one (sharded) stage may span inside a node, a divisor of the devices per "
+                             "node (default: the recipe's cluster.max_stage_devices, 1: what the engine runs)")
     parser.add_argument("--json", action="store_true", help="print templates and plan as JSON")
 
 
@@ -45,10 +47,13 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < (1 if name == "nodes" else 0):
             return fail(f"--{name} must be >= {1 if name == 'nodes' else 0}, got {value}")
-    if args.max_stage_devices < 1:
-        return fail(f"--max-stage-devices must be >= 1, got {args.max_stage_devices}")
-    request = replace(plan_request(recipe, nodes=args.nodes, failures=args.failures),
-                      max_stage_devices=args.max_stage_devices)
+    request = plan_request(recipe, nodes=args.nodes, failures=args.failures)
+    if args.max_stage_devices is not None:
+        per_node = recipe.cluster.devices_per_node
+        if args.max_stage_devices < 1 or per_node % args.max_stage_devices:
+            return fail(f"--max-stage-devices must divide the devices per node ({per_node}), "
+                        f"got {args.max_stage_devices}")
+        request = replace(request, max_stage_devices=args.max_stage_devices)
     try:
         profile, source, templates, status = resolve_templates(args, recipe, request)
     except (ProfileError, PlanningError, UnknownGPU) as err:
@@ -58,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except PlanningError as err:
         return fail(str(err))
     n0 = templates[0].num_nodes
+    bound = data_parallel_bound(profile, request, plan)
     if args.json:
         print(json.dumps({
             "profile": {"source": source, "key": profile.key, "device_name": profile.device_name,
@@ -65,10 +71,25 @@ def run(args: argparse.Namespace) -> int:
             "request": {**request.__dict__, "num_microbatches": request.num_microbatches},
             "smallest_pipeline_nodes": n0, "templates_cache": status,
             "templates": [t.to_dict() for t in templates], "plan": plan.to_dict(),
+            "stage_devices": [[s.devices for s in p.template.stages] for p in plan.pipelines],
+            "data_parallel_bound": bound,
         }, indent=2))
         return EXIT_OK
     show(profile, source, request, templates, plan, status)
+    console.print(f"data-parallel bound (FSDP over the plan's {bound['devices']} devices, no bubble, "
+                  f"cost.data_parallel_step): {bound['step_time_s']:.4f} s, {bound['samples_per_s']:,.1f} "
+                  f"samples/s; this plan reaches {plan.samples_per_s / bound['samples_per_s']:.0%} of it")
     return EXIT_OK
+
+
+def data_parallel_bound(profile: Profile, request: PlanRequest, plan: Plan) -> dict[str, float]:
+    """The same cost model's pure data-parallel bound on the devices the plan uses (spares left out)."""
+    from oobleck_slurm.planning import cost
+
+    devices = plan.nodes_used * profile.devices_per_node
+    step = cost.data_parallel_step(profile, devices, request.global_microbatches)
+    return {"devices": devices, "step_time_s": step,
+            "samples_per_s": request.global_microbatches * request.microbatch_size / step}
 
 
 def show(profile: Profile, source: str, request: PlanRequest, templates: list[PipelineTemplate], plan: Plan,

@@ -1,35 +1,67 @@
-"""The cost model: stage time, pipeline iteration time (1F1B), stage memory, gradient all-reduce.
+"""The cost model: stage time, pipeline iteration time (1F1B), stage memory, gradient all-reduce, and
+the pure data-parallel bound the plans are compared with.
 
 Scalar reference functions. `templates` evaluates the same formulas on whole arrays for speed, and
 the tests check that both agree on every plan they produce.
 
 A pipeline on n nodes has D = n * devices_per_node devices, numbered node by node. Stage i holds
-layers [start, stop) on `g` consecutive devices starting at device u (g = 1 by default; g > 1 is a
-data split of each microbatch inside one node, g a power of two dividing devices_per_node, u a
-multiple of g). Every device of the pipeline holds exactly one stage. With N_b microbatches:
+layers [start, stop) on `g` consecutive devices of one node starting at device u (g divides
+devices_per_node; `max_stage_devices` bounds it). Every device of the pipeline holds exactly one stage.
 
-    compute_i  = sum_{l in stage} (fwd_l + bwd_l) / g
+Sharded stages (g > 1), the contract for the engine: ZeRO-3 inside the stage. The stage's layers'
+parameters, gradients and optimizer state are split across its g devices (1/g each), and each
+microbatch's m samples are split across them (data parallel inside the stage): the busiest device runs
+c = ceil(m / g) / m of the microbatch (c = 1/g when g divides m; g > m leaves devices idle, so the
+planner only picks it for memory). Per microbatch, for each layer, every device all-gathers the
+layer's parameters before its forward, again before its backward (they are freed in between, or the
+state would not be 1/g), and reduce-scatters the layer's gradient after its backward, into its fp32
+gradient shard. Under bf16 the fp32 master shard is cast to bf16 before the gather (what autocast
+computes with anyway, so the numbers are today's); gradients are scattered in their own dtype. These
+collectives run on the intra-node collective link (`allreduce_intra`), ring algorithm:
+
+    allgather(bytes, g) = reduce_scatter(bytes, g) = (g - 1) alpha + (g - 1) / g * bytes / bw
+    comm_l   = 2 allgather(gathered bytes of l, g) + reduce_scatter(grad bytes of l, g)
+
+Overlap (conservative): the engine prefetches the next layer's gather while the current layer
+computes, so a layer's collectives hide behind one layer's compute. We charge, per layer, what its
+own collectives exceed its own compute by, max(0, comm_l - c (fwd_l + bwd_l)), and never hide the
+ends of a microbatch's pass: the first forward gather, the first backward gather (the stage's last
+layer) and the last reduce-scatter (its first layer):
+
+    exposed_i = sum_{l in stage} max(0, comm_l - c (fwd_l + bwd_l))
+                + allgather(first layer) + allgather(last layer) + reduce_scatter(first layer's grads)
+
+With N_b microbatches:
+
+    compute_i  = c * sum_{l in stage} (fwd_l + bwd_l)
     p2p(x)     = 2 * (alpha + bytes(x) / bw)          activation forward + its gradient backward,
                                                        over the link between devices u-1 and u:
                                                        inter-node if u % devices_per_node == 0
     w_i        = compute_i + p2p(start boundary, if i > 0) + p2p(end boundary, if i < S-1)
-                 + allreduce_intra(grad bytes of the stage, g) / N_b
+                 + exposed_i (g > 1 only)
     T          = sum_i w_i + (N_b - 1) * max_i w_i                     (1F1B iteration time)
 
 T is the fill-and-drain of one microbatch through every stage plus N_b - 1 more microbatches at
 the pace of the slowest stage. Transfers are blocking (gloo send/recv), so a stage is busy for both
-of its boundaries. The in-stage all-reduce (g > 1 only) happens once per iteration; it is charged
-per microbatch as 1/N_b of it, as if spread over the step (gradient buckets overlap backward).
+of its boundaries. A boundary is charged the whole microbatch's bytes whatever the widths: exact for
+one-device stages, an upper bound between sharded ones (each device sends or receives its share in
+parallel, but a boundary between stages of different widths re-splits the samples, and charging it
+exactly would tie each stage's time to its neighbours' widths).
 
 Memory of each device of stage i: every term the engine's worker holds at its step's peak (checked
 against the bytes a worker really holds, measured with oobleck_slurm/peak_memory.py, by
-tests/planning/test_memory_model.py). Under 1F1B stage i holds at most k = min(N_b, S - i) microbatches
-in flight; with one device per stage S - i = D - u, and with g > 1 we use D - u, an upper bound:
+tests/planning/test_memory_model.py, for one-device stages). Under 1F1B stage i holds at most
+S - i microbatches in flight; the planner counts k = min(N_b, r - g + 1), r = D - u the devices from the
+stage's first to the pipeline's end: every later stage has at least one device, so r - g + 1 >= S - i,
+with equality when every stage has one device:
 
-    mem_i = sum (param + grad + optimizer bytes)             once per stage
-          + k * (sum activation_bytes + out_i) / g           per microbatch in flight
-          + (out_i + in_i) / g                               the boundary buffers of one backward
-          + max workspace_bytes / g                          one layer's forward or backward at work
+    mem_i = sum (param + grad + optimizer bytes) / g         the stage's state, sharded
+          + k * c * (sum activation_bytes + out_i)           per microbatch in flight
+          + c * (out_i + in_i)                               the boundary buffers of one backward
+          + c * max workspace_bytes                          one layer's forward or backward at work
+          + 2 * max gathered bytes + max grad_bytes          (g > 1) a layer's gathered parameters and
+                                                             the next one's prefetch; a layer's whole
+                                                             gradient before its reduce-scatter
             <= USABLE_MEMORY_FRACTION * device_memory_bytes
 
 param and grad bytes are in the parameters' dtype (bf16 precision trains fp32 master weights under
@@ -46,22 +78,33 @@ attention scores): its workspace_bytes, at most one layer's at a time. What the 
 (the framework's own buffers, the allocator's slack) is what USABLE_MEMORY_FRACTION leaves room for.
 
 Data-parallel gradient synchronisation across pipelines (after the last backward, not overlapped):
-each device all-reduces its stage's gradients with the P - 1 other holders of the same layers,
-ring all-reduce over the inter-node links:
+each device all-reduces its shard of its stage's gradients (grad bytes / g) with the P - 1 devices
+holding the same shard in the other pipelines, ring all-reduce over the inter-node links (each
+device's own share of the node's network):
 
     allreduce(bytes, k) = 2 (k - 1) alpha + 2 (k - 1) / k * bytes / bw
-    step_time(plan)     = max_p latency_p(nb_p) + max_{p, i} allreduce(grad bytes of p's stage i, P)
+    step_time(plan)     = max_p latency_p(nb_p) + max_{p, i} allreduce(grad bytes of p's stage i / g, P)
     latency_p(nb)       = sum_i w_i + (nb - 1) * max_i w_i
+
+The data-parallel (FSDP / ZeRO-3) bound, `data_parallel_step`: N devices, each holding 1/N of every
+layer's state and running 1/N of the global batch, no pipeline and so no bubble. Per layer it
+all-gathers the parameters for the forward and again for the backward and reduce-scatters the
+gradients, once per step, over the inter-node collective link (`allreduce_inter`), with the same
+overlap rule as a sharded stage. Optimistic on purpose: one gather per step (as if the device's share
+of the batch ran as one microbatch) and no memory check; it is what a plan is measured against.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-from oobleck_slurm.planning.profile import Link, Profile
+from oobleck_slurm.planning.profile import LayerProfile, Link, Profile
 
 # Leave room for the allocator's fragmentation, the framework's workspaces and communication buffers.
 USABLE_MEMORY_FRACTION = 0.9
+# Bytes gathered per parameter byte held: bf16 keeps fp32 master weights and gathers their bf16 cast.
+GATHER_FRACTION = {"bf16": 0.5}
 
 
 def p2p_time(link: Link, nbytes: float) -> float:
@@ -76,30 +119,68 @@ def allreduce_time(link: Link, nbytes: float, participants: int) -> float:
     return 2 * (k - 1) * link.latency_s + 2 * (k - 1) / k * nbytes / link.bandwidth_Bps
 
 
+def allgather_time(link: Link, nbytes: float, participants: int) -> float:
+    """Ring all-gather of `nbytes` in all (each rank holds nbytes / participants); a reduce-scatter
+    of `nbytes` takes the same."""
+    if participants <= 1:
+        return 0.0
+    k = participants
+    return (k - 1) * link.latency_s + (k - 1) / k * nbytes / link.bandwidth_Bps
+
+
+def work_fraction(profile: Profile, devices: int) -> float:
+    """c: the share of a microbatch's samples (its compute, its activations) on a stage's busiest device."""
+    m = profile.microbatch_size
+    return math.ceil(m / devices) / m
+
+
+def gathered_bytes(profile: Profile, layer: LayerProfile) -> float:
+    """Bytes of a layer's parameters as they are all-gathered (the compute dtype's copy under bf16)."""
+    return layer.param_bytes * GATHER_FRACTION.get(profile.dtype, 1.0)
+
+
+def shard_comm_time(profile: Profile, layer: LayerProfile, devices: int, link: Link) -> float:
+    """comm_l: a layer's collectives per microbatch in a sharded stage (two gathers, one scatter)."""
+    return (2 * allgather_time(link, gathered_bytes(profile, layer), devices)
+            + allgather_time(link, layer.grad_bytes, devices))
+
+
+def exposed_shard_time(profile: Profile, layers: Sequence[LayerProfile], devices: int, share: float,
+                       link: Link) -> float:
+    """What a pass of `share` microbatches through `layers` waits for its gathers and scatters (module doc)."""
+    if devices <= 1 or not layers:
+        return 0.0
+    hidden_behind = sum(max(0.0, shard_comm_time(profile, layer, devices, link)
+                            - share * (layer.forward_s + layer.backward_s)) for layer in layers)
+    first, last = layers[0], layers[-1]
+    ends = (allgather_time(link, gathered_bytes(profile, first), devices)
+            + allgather_time(link, gathered_bytes(profile, last), devices)
+            + allgather_time(link, first.grad_bytes, devices))
+    return hidden_behind + ends
+
+
 def boundary_link(profile: Profile, device: int) -> Link:
     """The link between devices `device - 1` and `device` of a pipeline."""
     inter = device % profile.devices_per_node == 0
     return profile.link("inter_node" if inter else "intra_node")
 
 
-def stage_time(
-    profile: Profile, start: int, stop: int, devices: int, first_device: int, num_microbatches: int
-) -> float:
+def stage_time(profile: Profile, start: int, stop: int, devices: int, first_device: int) -> float:
     """w_i: seconds a stage is busy per microbatch, communication included."""
     layers = profile.layers[start:stop]
-    compute = sum(layer.forward_s + layer.backward_s for layer in layers) / devices
+    c = work_fraction(profile, devices)
+    compute = c * sum(layer.forward_s + layer.backward_s for layer in layers)
     comm = 0.0
     if start > 0:
         comm += 2 * p2p_time(boundary_link(profile, first_device), profile.layers[start - 1].output_bytes)
     if stop < profile.num_layers:
         comm += 2 * p2p_time(boundary_link(profile, first_device + devices), profile.layers[stop - 1].output_bytes)
-    grads = sum(layer.grad_bytes for layer in layers)
-    sync = allreduce_time(profile.link("allreduce_intra"), grads, devices) / num_microbatches
-    return compute + comm + sync
+    return compute + comm + exposed_shard_time(profile, layers, devices, c, profile.link("allreduce_intra"))
 
 
 def in_flight(num_microbatches: int, devices_from_here: int) -> int:
-    """Microbatches whose activations a 1F1B stage holds at most."""
+    """Microbatches whose activations a 1F1B stage holds at most (`devices_from_here`: S - i, or the
+    bound r - g + 1 of the module doc)."""
     return min(num_microbatches, devices_from_here)
 
 
@@ -109,14 +190,20 @@ def stage_memory_terms(profile: Profile, start: int, stop: int, devices: int,
     layers = profile.layers[start:stop]
     out = profile.layers[stop - 1].output_bytes if stop < profile.num_layers else 0
     inp = profile.layers[start - 1].output_bytes if start > 0 else 0
+    c = work_fraction(profile, devices)
+    gather = 0.0
+    if devices > 1:
+        gather = (2 * max(gathered_bytes(profile, layer) for layer in layers)
+                  + max(layer.grad_bytes for layer in layers))
     return {
-        "parameters": float(sum(layer.param_bytes for layer in layers)),
-        "gradients": float(sum(layer.grad_bytes for layer in layers)),
-        "optimizer": float(sum(layer.optimizer_bytes for layer in layers)),
-        "activations": microbatches_in_flight * sum(layer.activation_bytes for layer in layers) / devices,
-        "stage_outputs": microbatches_in_flight * out / devices,
-        "boundary_gradients": (out + inp) / devices,
-        "workspace": max(layer.workspace_bytes for layer in layers) / devices,
+        "parameters": sum(layer.param_bytes for layer in layers) / devices,
+        "gradients": sum(layer.grad_bytes for layer in layers) / devices,
+        "optimizer": sum(layer.optimizer_bytes for layer in layers) / devices,
+        "activations": microbatches_in_flight * c * sum(layer.activation_bytes for layer in layers),
+        "stage_outputs": microbatches_in_flight * c * out,
+        "boundary_gradients": c * (out + inp),
+        "workspace": c * max(layer.workspace_bytes for layer in layers),
+        "gather_buffers": gather,
     }
 
 
@@ -134,7 +221,21 @@ def pipeline_time(stage_times: Sequence[float], num_microbatches: int) -> float:
     return sum(stage_times) + (num_microbatches - 1) * max(stage_times)
 
 
+def sync_bytes(profile: Profile, start: int, stop: int, devices: int) -> float:
+    """Gradient bytes each device of a stage all-reduces across pipelines: its shard."""
+    return sum(layer.grad_bytes for layer in profile.layers[start:stop]) / devices
+
+
 def sync_time(profile: Profile, stage_grad_bytes: Sequence[float], num_pipelines: int) -> float:
-    """Cross-pipeline gradient all-reduce: the slowest device's share."""
+    """Cross-pipeline gradient all-reduce: the slowest device's share (`sync_bytes` of each stage)."""
     link = profile.link("allreduce_inter")
     return max((allreduce_time(link, b, num_pipelines) for b in stage_grad_bytes), default=0.0)
+
+
+def data_parallel_step(profile: Profile, num_devices: int, global_microbatches: int) -> float:
+    """Step time of the pure data-parallel (FSDP / ZeRO-3) bound on `num_devices` devices (module doc)."""
+    if num_devices < 1 or global_microbatches < 1:
+        raise ValueError(f"need >= 1 device and microbatch, got {num_devices} and {global_microbatches}")
+    share = global_microbatches / num_devices  # microbatches' worth of samples per device
+    compute = share * sum(layer.forward_s + layer.backward_s for layer in profile.layers)
+    return compute + exposed_shard_time(profile, profile.layers, num_devices, share, profile.link("allreduce_inter"))

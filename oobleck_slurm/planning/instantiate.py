@@ -281,9 +281,6 @@ def instantiate(
         mb_pos += nb
     sync = 0.0
     if profile is not None:
-        grads = [
-            sum(layer.grad_bytes for layer in profile.layers[s.start:s.stop])
-            for t in set(chosen) for s in t.stages
-        ]
+        grads = [cost.sync_bytes(profile, s.start, s.stop, s.devices) for t in set(chosen) for s in t.stages]
         sync = cost.sync_time(profile, grads, len(chosen))
     return Plan(tuple(pipelines), ids[node_pos:], global_microbatches, microbatch_size, sync)

@@ -26,7 +26,9 @@ from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, ex
 # Bump when the template algorithm or the cost model changes: older cache entries become stale.
 # 2: the memory model counts every term a worker holds (fp32 master weights under bf16, stage outputs
 # per microbatch in flight, boundary gradients).
-PLANNER_VERSION = 2
+# 3: stages of g > 1 devices are sharded (ZeRO-3 inside the stage: state / g, gathers and scatters on the
+# intra-node link), any divisor of the node's devices, placed anywhere inside one node.
+PLANNER_VERSION = 3
 # Bump when what a measured profile counts changes (planning/measure.py): cached profiles become stale.
 # 2: layers in the parameter dtype under autocast for bf16; the loss counted with the last layer.
 MEASURE_VERSION = 2
@@ -42,7 +44,7 @@ class PlanRequest:
     failures: int
     global_microbatches: int
     microbatch_size: int
-    max_stage_devices: int = 1  # the engine runs one stage per device
+    max_stage_devices: int = 1  # recipe cluster.max_stage_devices; the engine runs one stage per device today
     use_all_nodes: bool = False  # no idle spare node (recipe cluster.use_all_nodes)
 
     @property
@@ -57,6 +59,7 @@ def plan_request(recipe: Any, *, nodes: int | None = None, failures: int | None 
         failures=failures if failures is not None else recipe.fault_tolerance.f,
         global_microbatches=training.global_microbatches,
         microbatch_size=training.microbatch_size,
+        max_stage_devices=recipe.cluster.max_stage_devices,
         use_all_nodes=recipe.cluster.use_all_nodes,
     )
 

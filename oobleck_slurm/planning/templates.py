@@ -21,10 +21,12 @@ rest), which made it return plans up to 6% slower than the best. Here every cand
 considered, and for each the sum is minimised exactly, so the result is optimal; tests compare with
 brute-force enumeration.
 
-Device assignment: each stage runs on g devices of one node (g a power of two dividing
-devices_per_node, aligned), and every device of the pipeline holds one stage. `max_stage_devices`
-bounds g. The default, 1 (one stage per device), is what the engine runs today; g > 1 (a data split
-of each microbatch inside a stage) is modelled for planning large GPU jobs only.
+Device assignment: each stage runs on g consecutive devices of one node (g divides devices_per_node;
+`max_stage_devices` bounds it), and every device of the pipeline holds one stage. A stage of g > 1
+devices is sharded (ZeRO-3 inside the stage, see `cost`). Whether a stage of g devices fits in the
+current node, and its in-flight bound min(N_b, r - g + 1), depend only on r, so the DP stays exact
+over widths. The engine runs g = 1 only today: `submit` plans with the recipe's
+`cluster.max_stage_devices` (default 1).
 """
 
 from __future__ import annotations
@@ -108,13 +110,20 @@ class PipelineTemplate:
 
 
 def allowed_stage_devices(devices_per_node: int, max_stage_devices: int = 1) -> list[int]:
-    """Device counts a stage may have: powers of two that divide devices_per_node, up to the bound."""
-    out, g = [], 1
-    while g <= min(devices_per_node, max_stage_devices):
-        if devices_per_node % g == 0:
-            out.append(g)
-        g *= 2
-    return out
+    """Device counts a stage may have: the divisors of devices_per_node, up to the bound."""
+    return [g for g in range(1, min(devices_per_node, max_stage_devices) + 1) if devices_per_node % g == 0]
+
+
+def fits_in_node(devices_per_node: int, devices_left: int, g: int) -> bool:
+    """Whether a stage of g devices starting where `devices_left` devices of the pipeline remain stays
+    inside one node (devices are numbered node by node; the pipeline has whole nodes)."""
+    return g <= (devices_left % devices_per_node or devices_per_node)
+
+
+def stage_in_flight(num_microbatches: int, devices_left: int, g: int) -> int:
+    """The in-flight count the memory model charges a stage of g devices with `devices_left` devices
+    from its first to the pipeline's end (cost module doc: an upper bound on S - i)."""
+    return cost.in_flight(num_microbatches, devices_left - g + 1)
 
 
 def template_from_stages(
@@ -124,8 +133,8 @@ def template_from_stages(
     total = num_nodes * profile.devices_per_node
     out = []
     for start, stop, first, g in stages:
-        w = cost.stage_time(profile, start, stop, g, first, num_microbatches)
-        k = cost.in_flight(num_microbatches, total - first)
+        w = cost.stage_time(profile, start, stop, g, first)
+        k = stage_in_flight(num_microbatches, total - first, g)
         out.append(StageTemplate(start, stop, first, g, w, cost.stage_memory(profile, start, stop, g, k)))
     times = [s.time_s for s in out]
     return PipelineTemplate(
@@ -147,13 +156,17 @@ class _Tables:
             return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
 
         fb = prefix([x.forward_s + x.backward_s for x in layers])
-        grad = prefix([x.grad_bytes for x in layers])
         state = prefix([x.state_bytes for x in layers])
         act = prefix([x.activation_bytes for x in layers])
-        # ws[a, b] = the largest workspace of layers a..b-1 (for a < b)
-        ws = np.zeros((L + 1, L + 1))
-        for a in range(L):
-            ws[a, a + 1:] = np.maximum.accumulate(np.asarray([x.workspace_bytes for x in layers[a:]], dtype=np.float64))
+
+        def range_max(values: list[float]) -> np.ndarray:
+            """[a, b] -> the largest of values[a..b-1] (for a < b)."""
+            out = np.zeros((L + 1, L + 1))
+            for a in range(L):
+                out[a, a + 1:] = np.maximum.accumulate(np.asarray(values[a:], dtype=np.float64))
+            return out
+
+        ws = range_max([x.workspace_bytes for x in layers])
         span = lambda p: p[None, :] - p[:, None]  # noqa: E731  [a, b] -> sum over layers a..b-1
         valid = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)
         out = np.array([0.0] + [x.output_bytes for x in layers])  # out[a] = bytes entering layer a
@@ -167,23 +180,32 @@ class _Tables:
         # End boundary at stop b: the same transfer (out[b] is layer b-1's output), none after the last.
         end_boundary = [np.concatenate([v[:L], [0.0]]) for v in boundary]
         budget = cost.usable_memory(profile)
-        ar = profile.link("allreduce_intra")
+        coll = profile.link("allreduce_intra")
+        gathered = [cost.gathered_bytes(profile, x) for x in layers]
+        # A sharded stage's gather buffers (cost.stage_memory): two layers' gathered parameters, one's gradient.
+        gather_mem = 2 * range_max(gathered) + range_max([x.grad_bytes for x in layers])
         self.w: dict[tuple[int, int, int], np.ndarray] = {}
         self.kmax: dict[int, np.ndarray] = {}
         # Memory (cost.stage_memory): the stage's output (out[b], none after the last layer) is held per
         # microbatch in flight; the boundary gradients (out[b] + out[a]) and one layer's workspace once.
         end_out = np.concatenate([out[:L], [0.0]])
         for g in self.gs:
-            static = span(state) + (end_out[None, :] + out[:, None] + ws) / g
-            base = span(fb) / g
-            if g > 1:
-                k = g
-                base = base + (2 * (k - 1) * ar.latency_s + 2 * (k - 1) / k * span(grad) / ar.bandwidth_Bps) / num_microbatches
+            c = cost.work_fraction(profile, g)
+            static = span(state) / g + c * (end_out[None, :] + out[:, None] + ws)
+            base = c * span(fb)
+            if g > 1:  # cost.exposed_shard_time: per layer beyond its compute, plus the pass's ends
+                excess = prefix([max(0.0, cost.shard_comm_time(profile, x, g, coll) - c * (x.forward_s + x.backward_s))
+                                 for x in layers])
+                gath = np.array([cost.allgather_time(coll, v, g) for v in gathered] + [0.0])
+                scat = np.array([cost.allgather_time(coll, x.grad_bytes, g) for x in layers] + [0.0])
+                last = np.concatenate([[0.0], gath[:L]])  # last[b] = the gather of layer b-1
+                base = base + span(excess) + (gath + scat)[:, None] + last[None, :]
+                static = static + gather_mem
             for st in (0, 1):
                 for et in (0, 1):
                     w = base + boundary[st][:, None] + end_boundary[et][None, :]
                     self.w[g, st, et] = np.where(valid, w, INF)
-            per_mb = (span(act) + end_out[None, :]) / g
+            per_mb = c * (span(act) + end_out[None, :])
             with np.errstate(divide="ignore", invalid="ignore"):
                 kmax = np.floor((budget - static) / per_mb)
             kmax = np.where(per_mb <= 0, np.where(static <= budget, INF, -1.0), kmax)
@@ -202,8 +224,8 @@ class _Tables:
     def steps(self, r: int) -> list[tuple[int, int, int, int, int]]:
         """Transitions out of state (., r): (g, r - g, start kind, end kind, in-flight count)."""
         st = 1 if r % self.d == 0 else 0
-        k = min(self.nb, r)
-        return [(g, r - g, st, 1 if (r - g) % self.d == 0 else 0, k) for g in self.gs if r % g == 0]
+        return [(g, r - g, st, 1 if (r - g) % self.d == 0 else 0, stage_in_flight(self.nb, r, g))
+                for g in self.gs if fits_in_node(self.d, r, g)]
 
     def candidates(self) -> np.ndarray:
         vals = [t[np.isfinite(t)] for t in self.w.values()]
@@ -329,8 +351,9 @@ def generate_templates(
 def explain_infeasible(profile: Profile, num_microbatches: int, max_stage_devices: int = 1) -> str:
     """Why no template fits, in words: the layer that does not fit alone, or the device-count limit."""
     budget = cost.usable_memory(profile)
+    widest = max(allowed_stage_devices(profile.devices_per_node, max_stage_devices))
     for i, layer in enumerate(profile.layers):
-        need = cost.stage_memory(profile, i, i + 1, max_stage_devices, 1)
+        need = cost.stage_memory(profile, i, i + 1, widest, 1)
         if need > budget:
             return (
                 f"layer {i} ({layer.name}) alone needs {_size(need)} per device with one microbatch "

@@ -11,15 +11,18 @@ from oobleck_slurm.planning.profile import Profile
 from oobleck_slurm.planning.templates import PipelineTemplate, allowed_stage_devices, template_from_stages
 
 
-def _partitions(L: int, D: int, gs: list[int], a: int = 0, u: int = 0) -> Iterator[list[tuple[int, int, int, int]]]:
+def _partitions(L: int, D: int, d: int, gs: list[int], a: int = 0,
+                u: int = 0) -> Iterator[list[tuple[int, int, int, int]]]:
+    """Every (start, stop, first device, devices) sequence: contiguous layers, each stage on g
+    consecutive devices of one node (d devices per node), every device used."""
     if a == L or u == D:
         if a == L and u == D:
             yield []
         return
     for b in range(a + 1, L + 1):
         for g in gs:
-            if u % g == 0 and u + g <= D:
-                for rest in _partitions(L, D, gs, b, u + g):
+            if u % d + g <= d and u + g <= D:
+                for rest in _partitions(L, D, d, gs, b, u + g):
                     yield [(a, b, u, g), *rest]
 
 
@@ -30,7 +33,7 @@ def best_template_brute(
     gs = allowed_stage_devices(profile.devices_per_node, max_stage_devices)
     budget = cost.usable_memory(profile)
     best = None
-    for stages in _partitions(profile.num_layers, num_nodes * profile.devices_per_node, gs):
+    for stages in _partitions(profile.num_layers, num_nodes * profile.devices_per_node, profile.devices_per_node, gs):
         t = template_from_stages(profile, num_nodes, stages, num_microbatches)
         if t.max_memory_bytes > budget:
             continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from bruteforce import best_template_brute
@@ -25,13 +26,18 @@ from oobleck_slurm.planning.templates import (
 @given(
     seed=st.integers(0, 2**32 - 1),
     n_layers=st.integers(1, 6),
-    devices_per_node=st.sampled_from([1, 2, 4]),
-    max_stage_devices=st.sampled_from([1, 2, 4]),
+    devices_per_node=st.sampled_from([1, 2, 4, 6]),
+    max_stage_devices=st.sampled_from([1, 2, 3, 4, 6]),
     num_microbatches=st.integers(1, 9),
     tight=st.booleans(),
+    microbatch_size=st.sampled_from([1, 2, 3, 4]),
 )
-def test_same_optimum_as_brute_force(seed, n_layers, devices_per_node, max_stage_devices, num_microbatches, tight):
+def test_same_optimum_as_brute_force(seed, n_layers, devices_per_node, max_stage_devices, num_microbatches, tight,
+                                     microbatch_size):
+    """Widths included: sharded stages of every divisor of the node's devices (up to the bound), placed
+    anywhere inside a node, with microbatches that split evenly, unevenly or not at all."""
     profile = random_profile(random.Random(seed), n_layers, devices_per_node, tight)
+    profile = replace(profile, microbatch_size=microbatch_size)
     max_nodes = max(1, min(3, 6 // devices_per_node))
     found = {
         t.num_nodes: t
@@ -56,7 +62,7 @@ def test_templates_are_well_formed():
         for a, b in zip(t.stages, t.stages[1:]):
             assert a.stop == b.start  # contiguous layers
         for s in t.stages:
-            assert s.first_device == device and s.first_device % s.devices == 0
+            assert s.first_device == device and 4 % s.devices == 0
             assert s.first_device // 4 == (s.first_device + s.devices - 1) // 4  # within one node
             device += s.devices
         assert device == t.num_devices  # every device holds a stage
