@@ -171,3 +171,52 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
     assert not run.kind("checkpoint_fallback") and not run.kind("node_lost")
     assert [e["reason"] for e in run.kind("plan")][-1] == "takeover"
     assert_matches_reference(run)
+
+
+def test_a_supervisor_killed_during_a_straggler_rebalance_is_taken_over(tmp_path, templates_cache):
+    """node2 is slowed (the `slow` drill); the primary is killed -9 the moment it publishes the rebalanced
+    plan (its recovery under way: members leaving the old generation, groups forming): the standby takes
+    over from the durable state, and the job completes on the reference's trajectory with no checkpoint."""
+    import os
+    import signal
+    import time
+
+    import yaml
+    from jobrun import JobRun, events_path, prepare_job, read_events, start_local
+
+    from oobleck_slurm.cluster.lease import read_lease
+    from oobleck_slurm.recipe import load_recipe
+
+    recipe = tiny_recipe(steps=120)
+    recipe["drills"] = [{"step": 10, "node": "node2", "how": "slow"}]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    job = prepare_job(load_recipe(path), cache_dir=templates_cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs")
+    t0 = time.time()
+    primary = start_local(job)
+    events = events_path(job.path)
+
+    def wait_until(what, condition, seconds=240.0):
+        deadline = time.monotonic() + seconds
+        while not (found := condition()):
+            assert time.monotonic() < deadline, f"{what} not within {seconds:g} s"
+            time.sleep(0.01)
+        return found
+
+    try:
+        wait_until("a rebalance", lambda: [e for e in read_events(events, "plan") if e["reason"] == "rebalance"])
+        lease = read_lease(job)
+        assert lease is not None and lease.pid == primary.pid
+        os.kill(primary.pid, signal.SIGKILL)
+        killed_at = time.time()
+        primary.wait(30)
+        (finished,) = wait_until("the end", lambda: read_events(events, "job_finished"))
+    finally:
+        if primary.poll() is None:
+            os.killpg(primary.pid, signal.SIGKILL)
+    assert finished["status"] == "completed", finished
+    run = JobRun(job, 0, read_events(events), time.time() - t0)
+    assert [e["epoch"] for e in run.kind("takeover")] == [2]
+    assert [e for e in run.kind("resumed") if e["t"] > killed_at]
+    assert not run.kind("checkpoint_fallback") and not run.kind("node_lost")
+    assert_matches_reference(run)
