@@ -30,9 +30,10 @@ from oobleck_slurm.protocol.messages import (
 from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor import health
-from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig, NodeState
+from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
 from oobleck_slurm.supervisor.launchers import LocalLauncher
 from oobleck_slurm.supervisor.membership import LossCause
+from oobleck_slurm.supervisor.node_table import NodeState
 from oobleck_slurm.supervisor.observer import StoreObserver
 from oobleck_slurm.supervisor.server import connect
 

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from oobleck_slurm.supervisor import agent_nodes
-from oobleck_slurm.supervisor.agent_nodes import IllegalTransition, NodeEvent, NodeState, transition
+from oobleck_slurm.supervisor import node_table
+from oobleck_slurm.supervisor.node_table import IllegalTransition, NodeEvent, NodeState, transition
 
 S, E = NodeState, NodeEvent
 
@@ -42,9 +42,9 @@ def test_every_pair_is_allowed_or_refused_as_written(state: NodeState, event: No
 
 
 def test_the_docstring_shows_the_table() -> None:
-    assert agent_nodes.transition_table() in agent_nodes.__doc__, (
-        "supervisor/agent_nodes.py's docstring table differs from TRANSITIONS; paste:\n"
-        + agent_nodes.transition_table())
+    assert node_table.transition_table() in node_table.__doc__, (
+        "supervisor/node_table.py's docstring table differs from TRANSITIONS; paste:\n"
+        + node_table.transition_table())
 
 
 @pytest.mark.parametrize(("initial", "path"), [
@@ -77,7 +77,7 @@ def test_lost_is_final_and_reported_once() -> None:
 
 
 def test_workers_run_only_after_start_worker_and_only_a_running_node_finishes() -> None:
-    for (state, event), after in agent_nodes.TRANSITIONS.items():
+    for (state, event), after in node_table.TRANSITIONS.items():
         if after is S.RUNNING:  # started here, or adopted running after a takeover
             assert event is E.START_WORKER or (state, event) == (S.LAUNCHING, E.ADOPT), (state, event)
         if event is E.FINISH:
