@@ -10,8 +10,7 @@ know in `unknown_events`; neither takes the dashboard down.
 Recoveries are grouped by the coordinator's recovery id (`recovery`, on every event of one membership
 change): the first event with a new id opens one, `resumed`, `run_complete` and `checkpoint_fallback`
 close it, and a change whose event says `supersedes: <id>` marks that unfinished one interrupted.
-Logs of older versions carry no ids; for them (and only until an id is seen) recoveries are told
-apart by order: a `failure`, `reform` or phase opens one, `resumed` closes it.
+An event without an id belongs to no recovery (a joining node lost before it was used stops nothing).
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ class Recovery:
     from a checkpoint. Its facts come from its own events; `trigger` is derived from them."""
 
     t_start: float  # the fault (its detection time subtracted) or the change's first event
-    id: int | None = None  # the coordinator's recovery id; None in logs of older versions
+    id: int | None = None  # the coordinator's recovery id
     generation: int | None = None  # the generation that failed
     nodes: list[str] = field(default_factory=list)  # lost in it
     cause: str | None = None
@@ -243,11 +242,6 @@ class DashboardState:
 
     # -- recoveries ----------------------------------------------------------------------------
 
-    @property
-    def _by_order(self) -> bool:
-        """True for logs of older versions (no recovery id seen yet): recoveries are told apart by order."""
-        return not self._recovery_by_id
-
     def _recovery_of(self, e: ev.RecoveryEvent, start: float | None = None) -> Recovery | None:
         """The recovery of `e`'s id, opened by the first event that carries it (starting at `start`, a
         phase's beginning, else at `e.t`); None for an event without an id."""
@@ -263,16 +257,6 @@ class DashboardState:
         if e.phase is not None:
             rec.phase = e.phase
             rec.restarted = rec.restarted or e.phase == "restarting"
-        return rec
-
-    def _recovery_by_order(self, t_start: float, generation: int | None, new: bool = False) -> Recovery | None:
-        """Logs without ids: the open recovery, or (none open, or `new`) a new one."""
-        if not self._by_order:
-            return None
-        rec = None if new else self.current_recovery
-        if rec is None:
-            rec = Recovery(t_start, generation=generation)
-            self.recoveries.append(rec)
         return rec
 
     @staticmethod
@@ -315,7 +299,7 @@ class DashboardState:
             nodes = p.nodes or _unique(s.node for s in stages if s.node)
             pipelines.append(PipelineView(p.id if p.id is not None else len(pipelines), nodes, stages, p.microbatches))
         self.pipelines = pipelines
-        rec = self._recovery_of(e) or (self.current_recovery if self._by_order else None)
+        rec = self._recovery_of(e)
         if rec is not None:
             rec.plan_reason = e.reason
         for name in e.spares or []:
@@ -355,12 +339,6 @@ class DashboardState:
         self.samples_per_s = e.samples_per_s if e.samples_per_s is not None else self.samples_per_s
         self.step_time = e.seconds if e.seconds is not None else self.step_time
         self.history.append(StepPoint(e.t, e.step, e.loss, e.samples_per_s, e.seconds))
-        rec = self.current_recovery
-        if self._by_order and rec is not None and not rec.phases and rec.trigger == "failure" and e.t > rec.t_start:
-            # Logs without ids only: a failure that stopped nothing (a joining node died before it was
-            # used) opened a recovery by order, and training went on: it was none. (With ids, such a
-            # failure carries no id and opens nothing.)
-            self.recoveries.remove(rec)
         if self.status in ("waiting", "recovering") and self.current_recovery is None:
             self.status = "running"
         times = dict(enumerate(e.pipeline_seconds or []))
@@ -384,7 +362,7 @@ class DashboardState:
         for name in e.nodes:
             self._node(name).state = "lost"
             self._node(name).cause = self._node(name).cause or e.cause
-        rec = self._recovery_of(e) or self._recovery_by_order(e.t, e.generation)
+        rec = self._recovery_of(e)
         during = False
         if rec is not None:
             # A node lost while the change runs: the same recovery, now for one more node.
@@ -405,7 +383,7 @@ class DashboardState:
         self._log(e.t, e.kind, f"collective error on {', '.join(e.nodes) or '?'} at step {_fmt(e.step)}")
 
     def _reform(self, e: ev.Reform) -> None:
-        rec = self._recovery_of(e) or self._recovery_by_order(e.t, e.generation, new=True)
+        rec = self._recovery_of(e)
         if rec is not None:
             rec.reformed = True
             rec.cause = rec.cause or e.cause
@@ -416,8 +394,7 @@ class DashboardState:
 
     def _phase(self, e: ev.Detection | ev.Replan | ev.GroupRebuild | ev.StateCopy | ev.Replay) -> None:
         seconds = e.seconds
-        # Logs without ids: phases with no failure before them are a reconfiguration (a join, a replan).
-        rec = self._recovery_of(e, e.t - seconds) or self._recovery_by_order(e.t - seconds, self.generation)
+        rec = self._recovery_of(e, e.t - seconds)
         if rec is not None:
             if isinstance(e, ev.Detection):
                 rec.t_start = min(rec.t_start, e.t - seconds)
@@ -434,7 +411,7 @@ class DashboardState:
         self._log(e.t, e.kind, detail, seconds)
 
     def _resumed(self, e: ev.Resumed) -> None:
-        rec = self._recovery_of(e) or self._recovery_by_order(e.t, None)
+        rec = self._recovery_of(e)
         if rec is not None:
             self._close(rec, e.t, "resumed")
             rec.total_seconds = e.total_seconds

@@ -4,8 +4,6 @@ Nothing is guessed from event order: no trigger rewritten, no recovery dropped."
 
 from __future__ import annotations
 
-from dash_helpers import recorded
-
 from oobleck_slurm.dashboard.costs import time_split
 from oobleck_slurm.dashboard.state import DashboardState
 
@@ -134,31 +132,3 @@ def test_run_complete_closes_the_change():
                      finished=["a"])]
     (rec,) = DashboardState().apply_all(START + events).recoveries
     assert rec.outcome == "run_complete" and rec.t_end == 2.1
-
-
-def with_recovery_ids(events: list[dict]) -> list[dict]:
-    """A log recorded before recovery ids, with them added as the coordinator writes them: the id of a change
-    is the generation it publishes (the failed generation + 1 on the failure's events)."""
-    of_failed_generation = ("failure", "detection", "reform", "collective_error")
-    of_new_generation = ("replan", "plan", "group_rebuild", "state_copy", "replay", "resumed", "node_joined")
-    out = []
-    for e in events:
-        if e["kind"] in of_failed_generation:
-            e = {**e, "recovery": e["generation"] + 1, "phase": "collecting"}
-        elif e["kind"] in of_new_generation and e.get("reason") != "initial":
-            e = {**e, "recovery": e["generation"], "phase": "running" if e["kind"] == "resumed" else "rebuilding"}
-        out.append(e)
-    return out
-
-
-def test_recorded_runs_read_the_same_with_ids_as_by_order():
-    for name in ("failure", "join"):
-        by_order = DashboardState().apply_all(recorded(name))
-        by_id = DashboardState().apply_all(with_recovery_ids(recorded(name)))
-        assert [r.id for r in by_id.recoveries] == [1, 2][:len(by_order.recoveries)]
-        view = [(r.trigger, r.nodes, r.step, r.phases, r.t_start, r.t_end, r.seconds, r.state_bytes)
-                for r in by_order.recoveries]
-        assert [(r.trigger, r.nodes, r.step, r.phases, r.t_start, r.t_end, r.seconds, r.state_bytes)
-                for r in by_id.recoveries] == view
-        assert [line.text for line in by_id.log] == [line.text for line in by_order.log]
-        assert time_split(by_id) == time_split(by_order) and by_id.status == by_order.status

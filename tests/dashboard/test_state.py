@@ -73,11 +73,12 @@ def test_failure_then_replacement_joins():
 def test_a_second_loss_during_recovery_is_the_same_recovery():
     s = DashboardState().apply_all([
         {"t": 0.0, "kind": "job_started", "nodes": ["a", "b", "c", "d"], "steps": 10},
-        {"t": 1.0, "kind": "failure", "generation": 0, "nodes": ["a"], "cause": "process_exit", "step": 3},
-        {"t": 1.0, "kind": "detection", "seconds": 0.5},
-        {"t": 1.5, "kind": "failure", "generation": 0, "nodes": ["b"], "cause": "process exit during recovery", "step": None},
-        {"t": 1.6, "kind": "replan", "seconds": 0.1},
-        {"t": 2.0, "kind": "resumed", "step": 3, "total_seconds": 1.5, "generation": 1},
+        {"t": 1.0, "kind": "failure", "generation": 0, "nodes": ["a"], "cause": "process_exit", "step": 3, "recovery": 1},
+        {"t": 1.0, "kind": "detection", "seconds": 0.5, "recovery": 1},
+        {"t": 1.5, "kind": "failure", "generation": 0, "nodes": ["b"], "cause": "process exit during recovery", "step": None,
+         "recovery": 1},
+        {"t": 1.6, "kind": "replan", "seconds": 0.1, "recovery": 1},
+        {"t": 2.0, "kind": "resumed", "step": 3, "total_seconds": 1.5, "generation": 1, "recovery": 1},
     ])
     (rec,) = s.recoveries
     assert rec.nodes == ["a", "b"] and rec.step == 3 and rec.t_start == 0.5 and rec.seconds == 1.5
