@@ -23,6 +23,18 @@ from oobleck_slurm.protocol.timeouts import JobTimeouts
 TIMEOUTS = JobTimeouts(collective_timeout=120.0, step_timeout=300.0, connect_timeout=300.0, store_timeout=300.0)
 
 
+def coordinator_transfers(old: ExecPlan, new: ExecPlan) -> list[tuple[int, int, int]]:
+    """What the coordinator sends: (layer, src, dst) for each new stage's first rank that holds none of
+    the layer (every rank of an old stage reports its layers), from the first old holder."""
+    out = []
+    for p in new.pipelines:
+        for s in range(p.num_stages):
+            for layer in p.stage_layers(s):
+                if not any(p.ranks[s] in ranks for ranks in old.holder_stages(layer)):
+                    out.append((layer, old.holder_stages(layer)[0][-1], p.ranks[s]))
+    return out
+
+
 def main(out: Path, port: int, rank: int, world: int) -> None:
     torch.set_num_threads(1)
     job = JobSpec.from_json((out / "job.json").read_text())
@@ -30,10 +42,15 @@ def main(out: Path, port: int, rank: int, world: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUTS.td("store_timeout"))
     worker = Worker(job, rank)
     losses: dict[int, float] = {}
+    old: ExecPlan | None = None
     for g, entry in enumerate(plans):
         plan = ExecPlan.from_json(entry["plan"])
         gen = build_generation(store, g, rank, world, plan, TIMEOUTS)
-        worker.adopt(plan, gen, "seed")
+        if old is None:
+            worker.adopt(plan, gen, "seed")
+        else:  # a plan change: layers from their holders' memory, copies named as the coordinator names them
+            worker.adopt(plan, gen, "memory", coordinator_transfers(old, plan))
+        old = plan
         stop = plans[g + 1]["step"] if g + 1 < len(plans) else job.train.steps
         while worker.step < stop:
             result = worker.train_step()

@@ -37,7 +37,7 @@ from torch import nn
 from oobleck_slurm.engine.comm import Group
 from oobleck_slurm.engine.layout import SHARD_ALIGN
 from oobleck_slurm.engine.spec import OptimSpec
-from oobleck_slurm.optim import load_optimizer_state_tensors, optimizer_state_tensors
+from oobleck_slurm.optim import load_optimizer_state_tensors, optimizer_state_spec, optimizer_state_tensors
 from oobleck_slurm.optim.build import build_optimizer
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state, sharded like the parameters
@@ -96,12 +96,20 @@ def load_flat_state(module: nn.Module, opt: torch.optim.Optimizer, moments: dict
     """The inverse of `flat_state`: a whole layer's optimizer from flat moments (length >= n) and a step."""
     offsets = param_offsets(module)
     tensors: dict[str, torch.Tensor] = {}
+    step = _step_like(opt, step)
     for i, p in enumerate(_optimizer_params(opt)):
         off, k = offsets[id(p)]
         tensors[f"{i}.step"] = step
         for key in ADAMW_MOMENTS:
             tensors[f"{i}.{key}"] = moments[key][off : off + k].view_as(p)
     load_optimizer_state_tensors(opt, tensors)
+
+
+def _step_like(opt: torch.optim.Optimizer, step: torch.Tensor) -> torch.Tensor:
+    """A step counter in the dtype, shape and device the optimizer keeps it in (it crosses processes
+    as a 1-element tensor of the parameters' dtype)."""
+    shape, dtype, device = optimizer_state_spec(opt)["0.step"]
+    return step.reshape(shape).to(dtype=dtype, device=device)
 
 
 class ShardedLayer:
@@ -198,6 +206,7 @@ class ShardedLayer:
 
     def load_state_shards(self, moments: dict[str, torch.Tensor], step: torch.Tensor) -> None:
         tensors: dict[str, torch.Tensor] = {}
+        step = _step_like(self.opt, step)
         for i, p in enumerate(_optimizer_params(self.opt)):
             lo, hi = self._segment_range(p)
             tensors[f"{i}.step"] = step
@@ -240,3 +249,67 @@ class StageParams:
             del self.pending[i]
         for layer in self.layers:
             layer.release()
+
+
+# ---- copies between replicas of different widths (recovery) ----------------------------------------
+
+Holding = tuple[int, int]  # (width, index): a rank holds shard `index` of `width` of a layer
+Move = tuple[int, int, int, int, int]  # (layer, src rank, dst rank, first part, end part)
+PARTS = SHARD_ALIGN  # a layer's padded buffer in parts: shard j of width g is parts [j P/g, (j+1) P/g)
+
+
+def part_range(width: int, index: int) -> tuple[int, int]:
+    return index * PARTS // width, (index + 1) * PARTS // width
+
+
+def parts_to_elements(n: int, lo: int, hi: int) -> tuple[int, int]:
+    """Parts [lo, hi) of a layer of n elements as logical elements (clipped to n: maybe empty)."""
+    size = padded(n) // PARTS
+    return min(n, lo * size), min(n, hi * size)
+
+
+def _replica(holdings: dict[int, dict[int, Holding]], rank: int, layer: int) -> tuple[int, ...] | None:
+    """The ranks holding together the whole of `layer` with `rank` (its stage in the plan it was held
+    under: consecutive workers of one node, whose order a new generation keeps), if all of them do."""
+    held = holdings.get(rank, {}).get(layer)
+    if held is None:
+        return None
+    width, index = held
+    ranks = tuple(rank - index + k for k in range(width))
+    if any(holdings.get(r, {}).get(layer) != (width, k) for k, r in enumerate(ranks)):
+        return None
+    return ranks
+
+
+def slice_moves(stages: list[tuple[tuple[int, ...], range]], holdings: dict[int, dict[int, Holding]],
+                transfers: list[tuple[int, int, int]]) -> list[Move]:
+    """The copies that give every rank of the new plan's `stages` [(ranks, layers)] its shard of each
+    of its layers, as part ranges from holders (`holdings`: what each rank holds now, any width).
+
+    A rank whose holding covers its new shard keeps it (a move to itself). Otherwise its shard comes
+    from one whole replica: the one of the coordinator's sender for that layer and stage (`transfers`
+    [(layer, src, dst)], dst any rank of the stage), else the one this rank or its stage already belongs
+    to (a change of width on the same node); each of that replica's ranks sends the overlap of its
+    shard with the needed one. Deterministic: every rank computes the same list."""
+    moves: list[Move] = []
+    hint = {(layer, dst): src for layer, src, dst in transfers}
+    for ranks, layers in stages:
+        width = len(ranks)
+        for layer in layers:
+            src_hint = next((hint[(layer, r)] for r in ranks if (layer, r) in hint), None)
+            for j, rank in enumerate(ranks):
+                lo, hi = part_range(width, j)
+                own = holdings.get(rank, {}).get(layer)
+                if own is not None and part_range(*own)[0] <= lo and hi <= part_range(*own)[1]:
+                    moves.append((layer, rank, rank, lo, hi))
+                    continue
+                candidates = ([src_hint] if src_hint is not None else []) + [rank, *ranks]
+                replica = next((rep for c in candidates if (rep := _replica(holdings, c, layer)) is not None), None)
+                if replica is None:
+                    raise RuntimeError(f"layer {layer}: no whole replica to copy rank {rank}'s shard from "
+                                       f"(holders: {sorted(r for r, h in holdings.items() if layer in h)})")
+                for k, src in enumerate(replica):
+                    a, b = part_range(len(replica), k)
+                    if max(a, lo) < min(b, hi):
+                        moves.append((layer, src, rank, max(a, lo), min(b, hi)))
+    return moves

@@ -34,8 +34,20 @@ from oobleck_slurm.engine.comm import Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
 from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, reduce_pieces, sample_range
 from oobleck_slurm.engine.lr import lr_at
+from oobleck_slurm.engine.nccl_order import P2POp
 from oobleck_slurm.engine.schedule import one_f_one_b
-from oobleck_slurm.engine.shard import ShardedLayer, StageParams, flat_state, load_flat_state, piece_range
+from oobleck_slurm.engine.shard import (
+    ADAMW_MOMENTS,
+    ShardedLayer,
+    StageParams,
+    flat_numel,
+    flat_state,
+    load_flat_state,
+    parts_to_elements,
+    piece_range,
+    shard_range,
+    slice_moves,
+)
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
@@ -132,6 +144,7 @@ class Worker:
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.grads: dict[int, torch.Tensor] = {}  # layer -> the flat buffer its parameters' .grad view
         self.shards: dict[int, ShardedLayer] = {}  # layer -> this rank's shard, on a stage wider than one rank
+        self._held: dict[int, dict[int, tuple[int, int]]] | None = None  # every rank's holdings, during adopt
         self.pending: PendingStep | None = None  # a step finished everywhere but not yet applied here
         self.before_update: Callable[[int], None] | None = None  # called before each layer's update (faults)
         self.plan: ExecPlan | None = None
@@ -218,8 +231,8 @@ class Worker:
             for index in sorted(needed):
                 received += self._fresh_layer(index, role=role, checkpoint=checkpoint)
             self.step = checkpoint[1]
-        elif source == "memory" and (plan.sharded or self.shards):
-            raise NotImplementedError("copying layers between stages wider than one rank is not implemented yet")
+        elif source == "memory" and (plan.sharded or self._any_sharded(gen, plan.num_layers)):
+            received = self._adopt_slices(plan, gen, role, list(transfers))
         elif source == "memory":
             incoming = [layer for layer, _, dst in transfers if dst == self.rank]
             for index in incoming:
@@ -240,6 +253,127 @@ class Worker:
             raise RuntimeError(f"rank {self.rank} lacks layer(s) {sorted(missing)} after adopting the plan")
         self.plan, self.gen, self.role = plan, gen, role
         return received
+
+    def _holdings(self, gen: Generation, num_layers: int) -> dict[int, dict[int, tuple[int, int]]]:
+        """What every rank of `gen` holds now: rank -> layer -> (width, index), from one world
+        all-reduce (each rank fills its row). Ranks of a new generation keep their node's order."""
+        table = torch.zeros(gen.world_size, num_layers, 2, dtype=torch.int64, device=self.device)
+        for index in self.layers:
+            sharded = self.shards.get(index)
+            table[self.rank, index, 0] = sharded.width if sharded else 1
+            table[self.rank, index, 1] = (sharded.index if sharded else 0) + 1
+        with step_timeout_waits(gen):
+            gen.wait(gen.world.allreduce([table]))
+        rows = table.cpu().tolist()
+        return {r: {i: (w, k - 1) for i, (w, k) in enumerate(row) if w > 0} for r, row in enumerate(rows)}
+
+    def _any_sharded(self, gen: Generation, num_layers: int) -> bool:
+        """Whether some rank holds a layer sharded (every rank of `gen` calls this: a collective)."""
+        self._held = self._holdings(gen, num_layers)
+        return any(w > 1 for held in self._held.values() for w, _ in held.values())
+
+    def _flat_source(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int]:
+        """This rank's holding of layer `index` as flat buffers: parameters, AdamW moments, the step
+        counter, and the logical element at position 0 (a shard's first)."""
+        sharded = self.shards.get(index)
+        if sharded is not None:
+            moments, step = sharded.state_shards()
+            return sharded.shard, moments, step, sharded.base
+        layer = self.layers[index]
+        moments, step = flat_state(layer, self.optimizers[index])
+        return torch.cat([q.detach().reshape(-1) for q in layer.parameters()]), moments, step, 0
+
+    def _adopt_slices(self, plan: ExecPlan, gen: Generation, role: Role | None,
+                      transfers: list[tuple[int, int, int]]) -> int:
+        """Adopt `plan` from the holders' memory when a stage of it or a holding is wider than one
+        rank: every rank gets its new shard of each layer (the whole layer on a stage of one) as
+        element ranges of parameters and AdamW state from one whole replica (shard.slice_moves),
+        posted as one batch; then the old holdings are replaced. Returns the bytes received."""
+        if self.job.optim.name != "adamw":
+            raise NotImplementedError("copies between stages of different widths move AdamW state only")
+        held = getattr(self, "_held", None) or self._holdings(gen, plan.num_layers)
+        self._held = None
+        stages = [(p.stage_ranks(s), p.stage_layers(s)) for p in plan.pipelines for s in range(p.num_stages)]
+        moves = slice_moves(stages, held, transfers)
+        width = role.width if role else 1
+        index_in_stage = role.index if role else 0
+        numel: dict[int, int] = {}
+
+        def n_of(layer: int) -> int:
+            if layer not in numel:
+                meta = self.job.model.build(self.job.train.seed, layer, layer + 1, device="meta", initialise=False)[0]
+                numel[layer] = flat_numel(meta)
+            return numel[layer]
+
+        sources: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int]] = {}
+        targets: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int]] = {}
+        p2p = None if gen.backend == "gloo" else self.device  # NCCL moves the CPU step counter on the device
+        ops: list[P2POp] = []
+        step_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        received = 0
+        for k, (layer, src, dst, part_lo, part_hi) in enumerate(moves):
+            if self.rank not in (src, dst):
+                continue
+            n = n_of(layer)
+            lo, hi = parts_to_elements(n, part_lo, part_hi)
+            if lo >= hi:
+                continue  # padding only
+            if self.rank == src and layer not in sources:
+                sources[layer] = self._flat_source(layer)
+            if self.rank == dst and layer not in targets:
+                tlo, thi = shard_range(n, width, index_in_stage) if width > 1 else (0, n)
+                dtype = self.job.train.param_dtype
+                targets[layer] = (torch.empty(thi - tlo, dtype=dtype, device=self.device),
+                                  {key: torch.empty(thi - tlo, dtype=dtype, device=self.device) for key in ADAMW_MOMENTS},
+                                  torch.zeros(1, dtype=torch.float64 if dtype == torch.float64 else torch.float32), tlo)
+            if src == dst:  # kept: from the old holding to the new one
+                (sp, sm, sstep, sbase), (tp, tm, tstep, tbase) = sources[layer], targets[layer]
+                tp[lo - tbase : hi - tbase] = sp[lo - sbase : hi - sbase]
+                for key in ADAMW_MOMENTS:
+                    tm[key][lo - tbase : hi - tbase] = sm[key][lo - sbase : hi - sbase]
+                tstep.copy_(sstep.reshape(1))
+                continue
+            tag = 4 * k
+            if self.rank == src:
+                sp, sm, sstep, sbase = sources[layer]
+                tensors = [sp[lo - sbase : hi - sbase].clone()] + [sm[key][lo - sbase : hi - sbase].clone()
+                                                                    for key in ADAMW_MOMENTS]
+                tensors.append(sstep.reshape(1).to(tensors[0].dtype).to(p2p or "cpu"))
+                ops += [P2POp("send", t, dst, tag + i) for i, t in enumerate(tensors)]
+            else:
+                tp, tm, tstep, tbase = targets[layer]
+                bufs = [tp[lo - tbase : hi - tbase]] + [tm[key][lo - tbase : hi - tbase] for key in ADAMW_MOMENTS]
+                step_buf = torch.zeros(1, dtype=tp.dtype, device=p2p or "cpu")
+                step_copies.append((tstep, step_buf))
+                ops += [P2POp("recv", t, src, tag + i) for i, t in enumerate([*bufs, step_buf])]
+                received += sum(t.numel() * t.element_size() for t in bufs)
+        with step_timeout_waits(gen):
+            for work in gen.exchange(ops) if ops else []:
+                gen.wait(work)
+        for tstep, buf in step_copies:
+            tstep.copy_(buf.cpu())
+        self._clear_layers()
+        for layer, (tp, tm, tstep, _) in sorted(targets.items()):
+            self._install(layer, role, tp, tm, tstep.reshape(()))
+        return received
+
+    def _install(self, index: int, role: Role | None, params: torch.Tensor, moments: dict[str, torch.Tensor],
+                 step: torch.Tensor) -> None:
+        """Layer `index` from its new shard's flat parameters, moments and step (the whole layer on a
+        stage of one). Built from the seed first: its non-persistent buffers are the models' constants."""
+        self._fresh_layer(index, role=role)
+        sharded = self.shards.get(index)
+        with torch.no_grad():
+            if sharded is not None:
+                sharded.shard.zero_()
+                sharded.shard[: params.numel()] = params
+                sharded.load_state_shards({k: _padded_slice(v, 0, sharded.size) for k, v in moments.items()}, step)
+                return
+            offset = 0
+            for q in self.layers[index].parameters():
+                q.copy_(params[offset : offset + q.numel()].view_as(q))
+                offset += q.numel()
+        load_flat_state(self.layers[index], self.optimizers[index], moments, step)
 
     # ---- one step -----------------------------------------------------------------------------
 

@@ -95,3 +95,17 @@ def test_wide_stages_roles_pieces_and_json():
         ExecPlan(6, 8, (PipelineSpec((0,), (0, 6), 0, 8, (3,)),))
     with pytest.raises(PlanError, match="already used"):
         ExecPlan(6, 8, (PipelineSpec((0,), (0, 6), 0, 4, (2,)), PipelineSpec((1,), (0, 6), 4, 4)))
+
+
+def test_slice_moves_recut_shards_on_a_node_and_copy_whole_replicas_across():
+    from oobleck_slurm.engine.shard import slice_moves
+
+    # layer 0 held at width 4 on ranks 0-3 and at width 1 on rank 4
+    held = {0: {0: (4, 0)}, 1: {0: (4, 1)}, 2: {0: (4, 2)}, 3: {0: (4, 3)}, 4: {0: (1, 0)}}
+    # ranks 0, 1 take it at width 2 (no copy named: the same node re-cuts), rank 6 at width 1 from rank 4
+    moves = slice_moves([((0, 1), range(0, 1)), ((6,), range(0, 1))], held, [(0, 4, 6)])
+    assert moves == [(0, 0, 0, 0, 16), (0, 1, 0, 16, 32), (0, 2, 1, 32, 48), (0, 3, 1, 48, 64), (0, 4, 6, 0, 64)]
+    # a shard already held whole stays (a move to itself); a lost replica part is refused
+    assert slice_moves([((4,), range(0, 1))], held, []) == [(0, 4, 4, 0, 64)]
+    with pytest.raises(RuntimeError, match="no whole replica"):
+        slice_moves([((5,), range(0, 1))], {0: {0: (2, 0)}}, [(0, 0, 5)])

@@ -88,3 +88,12 @@ def test_sharded_stages_match_the_reference(tmp_path, plan):
     job = tiny_job()
     losses, layers = run_plans(tmp_path, job, [(0, plan)])
     assert_exact(job, losses, layers)
+
+
+def test_plan_changes_between_widths_copy_named_slices_exactly(tmp_path):
+    # widths 4 | 2,1,1  ->  2,2 | 1,1,1,1  ->  1 stage of 4 on node 1 alone, node 0 spare: shards
+    # re-cut on the same node, layers sent across nodes, and a width-1 layer re-sharded
+    job = tiny_job(steps=4)
+    alone = ExecPlan(6, 4, (PipelineSpec((4,), (0, 6), 0, 4, (4,)),))
+    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, TWO_WIDE_AND_NARROW), (3, alone)])
+    assert_exact(job, losses, layers)
