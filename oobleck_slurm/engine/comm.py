@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_slurm.engine import nccl_order
-from oobleck_slurm.engine.layout import ExecPlan, layer_groups
+from oobleck_slurm.engine.layout import ExecPlan, edge_pieces, reduce_groups
 from oobleck_slurm.engine.nccl_order import OrderedGroup, P2POp
 from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.protocol import keys
@@ -117,6 +117,8 @@ class Group(Protocol):
     NCCL's ordering rules, nccl_order.py)."""
 
     def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work: ...
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]]) -> dist.Work: ...
     def barrier(self) -> dist.Work: ...
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
@@ -131,9 +133,14 @@ class Generation:
                 share, so 1F1B's crossing sends (a sends activation m+k while b sends gradient m)
                 cannot wait on each other on NCCL, where a communicator runs its operations in order
                 and a large send completes only once the peer has posted its receive (docs/nccl.md).
-    pipeline:   this rank's pipeline, if it has more than one stage (gradient-norm sum)
-    layers:     for each set of ranks holding the same layers, one group (gradient all-reduce);
-                `layer_group[layer]` = that group
+                Between wide stages: one pair per overlap of the two stages' sample ranges
+                (layout.edge_pieces).
+    stage:      this rank's stage, if wider than one rank (parameter all-gathers, gradient
+                reduce-scatters, checkpoint gathers)
+    pipeline:   every rank of this rank's pipeline, if more than one (gradient-norm sum)
+    layers:     for each set of ranks all-reducing the same layer pieces, one group (gradient
+                all-reduce); `piece_group[(layer, piece)]` = that group, `layer_group[layer]` the
+                group of the layer's piece this rank holds first
 
     Every group is warmed up with one small operation when it is built, in the build's common order:
     NCCL connects its transports at a communicator's first operation, and that must not happen in the
@@ -156,12 +163,19 @@ class Generation:
         timeout = dt.timedelta(seconds=max(timeouts.collective_timeout, timeouts.step_timeout))
         wanted: dict[str, tuple[int, ...]] = {"world": tuple(range(world_size))}
         for p in plan.pipelines:
-            if p.num_stages > 1:
-                wanted["pipe/" + "-".join(map(str, p.ranks))] = tuple(p.ranks)
-            for a, b in zip(p.ranks, p.ranks[1:]):
-                wanted[edge_name("act", a, b)] = (a, b)
-                wanted[edge_name("grad", a, b)] = (a, b)
-        by_members = layer_groups(plan)
+            if len(p.all_ranks) > 1:
+                wanted["pipe/" + "-".join(map(str, p.all_ranks))] = p.all_ranks
+            for s in range(p.num_stages):
+                if p.widths[s] > 1:
+                    wanted["stage/" + "-".join(map(str, p.stage_ranks(s)))] = p.stage_ranks(s)
+                if s + 1 < p.num_stages:
+                    sender, receiver = p.stage_ranks(s), p.stage_ranks(s + 1)
+                    # which ranks' sample ranges overlap is the same for every microbatch size both
+                    # widths divide, the largest width included
+                    for a, b, _, _ in edge_pieces(max(len(sender), len(receiver)), sender, receiver):
+                        wanted[edge_name("act", a, b)] = (a, b)
+                        wanted[edge_name("grad", a, b)] = (a, b)
+        by_members = reduce_groups(plan)
         for members in by_members:
             wanted["layers/" + "-".join(map(str, members))] = members
         ordered = backend == "gloo" and nccl_order.enabled()
@@ -177,13 +191,19 @@ class Generation:
         self.world = self.groups["world"]
         role = plan.role(rank)
         self.pipeline: Group | None = None
-        if role is not None and role.num_stages > 1:
-            self.pipeline = self.groups["pipe/" + "-".join(map(str, role.pipeline_ranks))]
+        if role is not None and len(role.pipeline_all_ranks) > 1:
+            self.pipeline = self.groups["pipe/" + "-".join(map(str, role.pipeline_all_ranks))]
+        self.stage: Group | None = None
+        if role is not None and role.width > 1:
+            self.stage = self.groups["stage/" + "-".join(map(str, role.stage_ranks))]
         self.layer_group: dict[int, Group] = {}
-        for members, layers in by_members.items():
+        self.piece_group: dict[tuple[int, int], Group] = {}
+        for members, entries in by_members.items():
             if rank in members:
-                for layer in layers:
-                    self.layer_group[layer] = self.groups["layers/" + "-".join(map(str, members))]
+                for layer, piece, _ in entries:
+                    group = self.groups["layers/" + "-".join(map(str, members))]
+                    self.piece_group[(layer, piece)] = group
+                    self.layer_group.setdefault(layer, group)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -253,7 +273,8 @@ class Generation:
         groups = list(self.groups.values())
         self.groups.clear()
         self.layer_group.clear()
-        self.pipeline = None
+        self.piece_group.clear()
+        self.pipeline = self.stage = None
 
         def reap() -> None:
             abort_groups(groups)

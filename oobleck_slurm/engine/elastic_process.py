@@ -41,7 +41,7 @@ import torch
 from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE, JobDir
 from oobleck_slurm.cluster.lease import PublishedEpoch, read_lease
 from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation, clone_store
-from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_payload
+from oobleck_slurm.engine.checkpoint import CheckpointWriter
 from oobleck_slurm.engine.comm import connect_store, is_collective_error
 from oobleck_slurm.engine.faults import FaultHooks
 from oobleck_slurm.engine.layout import ExecPlan
@@ -333,22 +333,29 @@ class ElasticWorker:
             if self.writer is not None:
                 self.writer.flush()
             self.writer = CheckpointWriter(root)
-        for i in sorted(w.layers):
-            if w.plan.holders(i)[0] == w.rank:
-                self.writer.submit(w.step, w.keys[i], layer_payload(w.layers[i], w.optimizers[i], w.step))
+        for i in self._first_held(w):
+            if (payload := w.layer_payload(i)) is not None:
+                self.writer.submit(w.step, w.keys[i], payload)
         self.writer.flush()
+
+    @staticmethod
+    def _first_held(w: Worker) -> list[int]:
+        """The layers this worker helps write: those whose first pipeline's stage it is part of (a
+        wide stage gathers them, its first rank writes)."""
+        return [i for i in sorted(w.layers) if w.plan is not None and w.rank in w.plan.holder_stages(i)[0]]
 
     def _maybe_checkpoint(self) -> None:
         w = self.worker
         if self.checkpoint_interval <= 0 or w.step % self.checkpoint_interval or w.step >= self.job.train.steps:
             return
-        mine = [i for i in sorted(w.layers) if w.plan is not None and w.plan.holders(i)[0] == w.rank]
+        mine = self._first_held(w)
         if not mine:
             return
         if self.writer is None:
             self.writer = CheckpointWriter(self.checkpoint_root)
         for i in mine:  # clone now (the next step changes the tensors), serialise in the background
-            self.writer.submit(w.step, w.keys[i], layer_payload(w.layers[i], w.optimizers[i], w.step))
+            if (payload := w.layer_payload(i)) is not None:
+                self.writer.submit(w.step, w.keys[i], payload)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,8 +79,8 @@ def _done(work: dist.Work) -> None:
 class OrderedGroup:
     """A gloo group whose operations run in posting order, with rendezvous sends (module doc).
 
-    It offers the operations the engine uses on a group: allreduce, barrier, send, recv, and
-    `exchange` (a batch of sends and receives that start together). After a failed operation every
+    It offers the operations the engine uses on a group: allreduce, allgather, reduce_scatter, barrier,
+    send, recv, and `exchange` (a batch of sends and receives that start together). After a failed operation every
     later one fails with the same error, as on a broken NCCL communicator."""
 
     def __init__(self, pg: dist.ProcessGroup, name: str) -> None:
@@ -95,6 +95,12 @@ class OrderedGroup:
 
     def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work:
         return self._post(lambda: _done(self.pg.allreduce(tensors)))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work:
+        return self._post(lambda: _done(self.pg.allgather(outputs, inputs)))
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]]) -> dist.Work:
+        return self._post(lambda: _done(self.pg.reduce_scatter(outputs, inputs)))
 
     def barrier(self) -> dist.Work:
         return self._post(lambda: _done(self.pg.barrier()))

@@ -5,6 +5,9 @@ backward runs one layer at a time from the last to the first: the arithmetic is 
 autograd pass over the stage, but the caller learns the moment a layer's gradient is complete and can
 start that layer's all-reduce while earlier layers are still in backward. Other microbatches run one
 autograd pass over the stage (one backward call, not one per layer).
+
+A sharded stage (`params`, shard.py) runs every microbatch layer by layer: each layer's parameters are
+gathered just before its forward and again before its backward, and freed after each.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from oobleck_slurm.engine.shard import StageParams
+
 
 class Stage:
     def __init__(self, layers: list[nn.Module], first_layer: int, is_last: bool, device: torch.device,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], bf16: bool = False,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, params: StageParams | None = None) -> None:
         self.layers = layers
+        self.params = params
         self.loss = loss
         # Recompute: a layer's forward keeps only its input; its backward runs the forward again (under
         # the same autocast) to rebuild what it needs.
@@ -48,8 +54,11 @@ class Stage:
         `split`: layer by layer, so that backward can report each layer as it completes."""
         saved = []
         h = x
+        split = split or self.params is not None
         with self._autocast():
             for index, layer in enumerate(self.layers):
+                if self.params is not None:
+                    self.params.before(index, 1)
                 if split or index == 0:
                     inp = h.detach().requires_grad_(h.is_floating_point())
                     h = self._run(layer, inp)
@@ -57,6 +66,8 @@ class Stage:
                 else:
                     h = self._run(layer, h)
                     saved[-1] = (saved[-1][0], h)
+                if self.params is not None:
+                    self.params.after(index)
             if self.is_last:
                 if targets is None:
                     raise ValueError("Stage.forward: the last stage needs the targets")
@@ -85,10 +96,14 @@ class Stage:
         grad = grad_out
         for i in range(len(saved) - 1, -1, -1):
             inp, out = saved[i]
+            if self.params is not None:
+                self.params.before(i, -1)
             if grad is None:  # the loss
                 out.backward()
             else:
                 out.backward(grad)
+            if self.params is not None:
+                self.params.after(i)
             grad = inp.grad if inp.requires_grad else None
             if on_layer_done is not None:
                 on_layer_done(self.first_layer + i)

@@ -29,12 +29,25 @@ import torch
 from torch import nn
 
 from oobleck_slurm.engine.batches import StepBatches, open_dataset, open_validation
-from oobleck_slurm.engine.checkpoint import load_layer
+from oobleck_slurm.engine.checkpoint import layer_payload, load_layer
 from oobleck_slurm.engine.comm import Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
-from oobleck_slurm.engine.layout import ExecPlan, Role
+from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, reduce_pieces, sample_range
 from oobleck_slurm.engine.lr import lr_at
+from oobleck_slurm.engine.nccl_order import P2POp
 from oobleck_slurm.engine.schedule import one_f_one_b
+from oobleck_slurm.engine.shard import (
+    ADAMW_MOMENTS,
+    ShardedLayer,
+    StageParams,
+    flat_numel,
+    flat_state,
+    load_flat_state,
+    parts_to_elements,
+    piece_range,
+    shard_range,
+    slice_moves,
+)
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
@@ -53,6 +66,14 @@ def attach_grad_buffer(layer: nn.Module) -> torch.Tensor:
         p.grad = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
     return flat
+
+
+def _padded_slice(flat: torch.Tensor, base: int, size: int) -> torch.Tensor:
+    """Elements [base, base + size) of `flat`, zeros past its end (a shard of a padded buffer)."""
+    out = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+    part = flat[base : base + size]
+    out[: part.numel()] = part
+    return out
 
 
 def peer(rank: int | None) -> int:
@@ -122,6 +143,8 @@ class Worker:
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.grads: dict[int, torch.Tensor] = {}  # layer -> the flat buffer its parameters' .grad view
+        self.shards: dict[int, ShardedLayer] = {}  # layer -> this rank's shard, on a stage wider than one rank
+        self._held: dict[int, dict[int, tuple[int, int]]] | None = None  # every rank's holdings, during adopt
         self.pending: PendingStep | None = None  # a step finished everywhere but not yet applied here
         self.before_update: Callable[[int], None] | None = None  # called before each layer's update (faults)
         self.plan: ExecPlan | None = None
@@ -135,19 +158,38 @@ class Worker:
 
     # ---- plan changes -------------------------------------------------------------------------
 
-    def _fresh_layer(self, index: int, initialise: bool = True) -> None:
+    def _fresh_layer(self, index: int, initialise: bool = True, role: Role | None = None,
+                     checkpoint: tuple[str, int] | None = None) -> int:
         """Layer `index` with a new optimizer and gradient buffer: as the seed makes it, or, when its
         state is about to be received (`initialise=False`), built on the meta device and only then
         allocated on the worker's device, uninitialised (no time spent on an initialisation that the
-        copy overwrites)."""
+        copy overwrites). With `checkpoint` (root, step) its state is read from there; returns the
+        bytes read. On a stage wider than one rank (`role`) the whole layer is built (or read), then
+        this rank keeps its shard (shard.py)."""
         seed, dtype = self.job.train.seed, self.job.train.param_dtype
         layer = self.job.model.build(seed, index, index + 1, device=self.device, initialise=initialise)[0].to(dtype)
+        opt = make_layer_optimizer(layer, self.job.optim)
+        read = 0
+        if checkpoint is not None:
+            read = load_layer(checkpoint[0], checkpoint[1], self.keys[index], layer, opt)
         self.layers[index] = layer
-        self.optimizers[index] = make_layer_optimizer(layer, self.job.optim)
-        self.grads[index] = attach_grad_buffer(layer)
+        if role is None or role.width == 1:
+            self.optimizers[index] = opt
+            self.grads[index] = attach_grad_buffer(layer)
+            return read
+        moments, step = flat_state(layer, opt) if checkpoint is not None else ({}, None)
+        sharded = ShardedLayer(layer, role.width, role.index, self.job.optim)
+        if step is not None:
+            base, size = sharded.base, sharded.size
+            sharded.load_state_shards({k: _padded_slice(v, base, size) for k, v in moments.items()}, step)
+        self.shards[index] = sharded
+        self.optimizers[index] = sharded.opt
+        self.grads[index] = sharded.grad_shard
+        return read
 
     def _drop_layer(self, index: int) -> None:
         del self.layers[index], self.optimizers[index], self.grads[index]
+        self.shards.pop(index, None)
 
     def _clear_layers(self) -> None:
         for index in list(self.layers):
@@ -175,19 +217,22 @@ class Worker:
         needed = set(role.layers) if role else set()
         received = 0
         self.pending = None  # a plan change starts at a step boundary (recovery.reach_step ran before)
+        if role is not None and self.job.train.microbatch_size % role.width:
+            raise ValueError(f"a stage of {role.width} ranks splits each microbatch between them: the "
+                             f"microbatch size {self.job.train.microbatch_size} must be a multiple of {role.width}")
         if source == "seed":
             self._clear_layers()
             for index in sorted(needed):
-                self._fresh_layer(index)
+                self._fresh_layer(index, role=role)
         elif source == "checkpoint":
             if checkpoint is None:
                 raise ValueError("adopt from a checkpoint needs its (root, step)")
-            root, step = checkpoint
             self._clear_layers()
             for index in sorted(needed):
-                self._fresh_layer(index)
-                received += load_layer(root, step, self.keys[index], self.layers[index], self.optimizers[index])
-            self.step = step
+                received += self._fresh_layer(index, role=role, checkpoint=checkpoint)
+            self.step = checkpoint[1]
+        elif source == "memory" and (plan.sharded or self._any_sharded(gen, plan.num_layers)):
+            received = self._adopt_slices(plan, gen, role, list(transfers))
         elif source == "memory":
             incoming = [layer for layer, _, dst in transfers if dst == self.rank]
             for index in incoming:
@@ -209,13 +254,166 @@ class Worker:
         self.plan, self.gen, self.role = plan, gen, role
         return received
 
+    def _holdings(self, gen: Generation, num_layers: int) -> dict[int, dict[int, tuple[int, int]]]:
+        """What every rank of `gen` holds now: rank -> layer -> (width, index), from one world
+        all-reduce (each rank fills its row). Ranks of a new generation keep their node's order."""
+        table = torch.zeros(gen.world_size, num_layers, 2, dtype=torch.int64, device=self.device)
+        for index in self.layers:
+            sharded = self.shards.get(index)
+            table[self.rank, index, 0] = sharded.width if sharded else 1
+            table[self.rank, index, 1] = (sharded.index if sharded else 0) + 1
+        with step_timeout_waits(gen):
+            gen.wait(gen.world.allreduce([table]))
+        rows = table.cpu().tolist()
+        return {r: {i: (w, k - 1) for i, (w, k) in enumerate(row) if w > 0} for r, row in enumerate(rows)}
+
+    def _any_sharded(self, gen: Generation, num_layers: int) -> bool:
+        """Whether some rank holds a layer sharded (every rank of `gen` calls this: a collective)."""
+        self._held = self._holdings(gen, num_layers)
+        return any(w > 1 for held in self._held.values() for w, _ in held.values())
+
+    def _flat_source(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int]:
+        """This rank's holding of layer `index` as flat buffers: parameters, AdamW moments, the step
+        counter, and the logical element at position 0 (a shard's first)."""
+        sharded = self.shards.get(index)
+        if sharded is not None:
+            moments, step = sharded.state_shards()
+            return sharded.shard, moments, step, sharded.base
+        layer = self.layers[index]
+        moments, step = flat_state(layer, self.optimizers[index])
+        return torch.cat([q.detach().reshape(-1) for q in layer.parameters()]), moments, step, 0
+
+    def _adopt_slices(self, plan: ExecPlan, gen: Generation, role: Role | None,
+                      transfers: list[tuple[int, int, int]]) -> int:
+        """Adopt `plan` from the holders' memory when a stage of it or a holding is wider than one
+        rank: every rank gets its new shard of each layer (the whole layer on a stage of one) as
+        element ranges of parameters and AdamW state from one whole replica (shard.slice_moves),
+        posted as one batch; then the old holdings are replaced. Returns the bytes received."""
+        if self.job.optim.name != "adamw":
+            raise NotImplementedError("copies between stages of different widths move AdamW state only")
+        held = getattr(self, "_held", None) or self._holdings(gen, plan.num_layers)
+        self._held = None
+        stages = [(p.stage_ranks(s), p.stage_layers(s)) for p in plan.pipelines for s in range(p.num_stages)]
+        moves = slice_moves(stages, held, transfers)
+        width = role.width if role else 1
+        index_in_stage = role.index if role else 0
+        numel: dict[int, int] = {}
+
+        def n_of(layer: int) -> int:
+            if layer not in numel:
+                meta = self.job.model.build(self.job.train.seed, layer, layer + 1, device="meta", initialise=False)[0]
+                numel[layer] = flat_numel(meta)
+            return numel[layer]
+
+        sources: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int]] = {}
+        targets: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int]] = {}
+        p2p = None if gen.backend == "gloo" else self.device  # NCCL moves the CPU step counter on the device
+        ops: list[P2POp] = []
+        step_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        received = 0
+        for k, (layer, src, dst, part_lo, part_hi) in enumerate(moves):
+            if self.rank not in (src, dst):
+                continue
+            n = n_of(layer)
+            lo, hi = parts_to_elements(n, part_lo, part_hi)
+            if lo >= hi:
+                continue  # padding only
+            if self.rank == src and layer not in sources:
+                sources[layer] = self._flat_source(layer)
+            if self.rank == dst and layer not in targets:
+                tlo, thi = shard_range(n, width, index_in_stage) if width > 1 else (0, n)
+                dtype = self.job.train.param_dtype
+                targets[layer] = (torch.empty(thi - tlo, dtype=dtype, device=self.device),
+                                  {key: torch.empty(thi - tlo, dtype=dtype, device=self.device) for key in ADAMW_MOMENTS},
+                                  torch.zeros(1, dtype=torch.float64 if dtype == torch.float64 else torch.float32), tlo)
+            if src == dst:  # kept: from the old holding to the new one
+                (sp, sm, sstep, sbase), (tp, tm, tstep, tbase) = sources[layer], targets[layer]
+                tp[lo - tbase : hi - tbase] = sp[lo - sbase : hi - sbase]
+                for key in ADAMW_MOMENTS:
+                    tm[key][lo - tbase : hi - tbase] = sm[key][lo - sbase : hi - sbase]
+                tstep.copy_(sstep.reshape(1))
+                continue
+            tag = 4 * k
+            if self.rank == src:
+                sp, sm, sstep, sbase = sources[layer]
+                tensors = [sp[lo - sbase : hi - sbase].clone()] + [sm[key][lo - sbase : hi - sbase].clone()
+                                                                    for key in ADAMW_MOMENTS]
+                tensors.append(sstep.reshape(1).to(tensors[0].dtype).to(p2p or "cpu"))
+                ops += [P2POp("send", t, dst, tag + i) for i, t in enumerate(tensors)]
+            else:
+                tp, tm, tstep, tbase = targets[layer]
+                bufs = [tp[lo - tbase : hi - tbase]] + [tm[key][lo - tbase : hi - tbase] for key in ADAMW_MOMENTS]
+                step_buf = torch.zeros(1, dtype=tp.dtype, device=p2p or "cpu")
+                step_copies.append((tstep, step_buf))
+                ops += [P2POp("recv", t, src, tag + i) for i, t in enumerate([*bufs, step_buf])]
+                received += sum(t.numel() * t.element_size() for t in bufs)
+        with step_timeout_waits(gen):
+            for work in gen.exchange(ops) if ops else []:
+                gen.wait(work)
+        for tstep, buf in step_copies:
+            tstep.copy_(buf.cpu())
+        self._clear_layers()
+        for layer, (tp, tm, tstep, _) in sorted(targets.items()):
+            self._install(layer, role, tp, tm, tstep.reshape(()))
+        return received
+
+    def _install(self, index: int, role: Role | None, params: torch.Tensor, moments: dict[str, torch.Tensor],
+                 step: torch.Tensor) -> None:
+        """Layer `index` from its new shard's flat parameters, moments and step (the whole layer on a
+        stage of one). Built from the seed first: its non-persistent buffers are the models' constants."""
+        self._fresh_layer(index, role=role)
+        sharded = self.shards.get(index)
+        with torch.no_grad():
+            if sharded is not None:
+                sharded.shard.zero_()
+                sharded.shard[: params.numel()] = params
+                sharded.load_state_shards({k: _padded_slice(v, 0, sharded.size) for k, v in moments.items()}, step)
+                return
+            offset = 0
+            for q in self.layers[index].parameters():
+                q.copy_(params[offset : offset + q.numel()].view_as(q))
+                offset += q.numel()
+        load_flat_state(self.layers[index], self.optimizers[index], moments, step)
+
     # ---- one step -----------------------------------------------------------------------------
 
-    def _boundary_buffer(self, index: int) -> torch.Tensor:
-        """A receive buffer for the tensor entering layer `index` (or its gradient)."""
+    def _boundary_buffer(self, index: int, samples: int | None = None) -> torch.Tensor:
+        """A receive buffer for the tensor entering layer `index` (or its gradient), for `samples`
+        samples (default: a whole microbatch)."""
         shape = self.job.model.config.boundary_shape(index)
-        return torch.empty(self.job.train.microbatch_size, *shape, device=self.device,
-                           dtype=self.job.train.param_dtype)
+        return torch.empty(self.job.train.microbatch_size if samples is None else samples, *shape,
+                           device=self.device, dtype=self.job.train.param_dtype)
+
+    def _edge(self, b: int, senders: tuple[int, ...], receivers: tuple[int, ...],
+              sender: bool) -> list[tuple[int, int, int, int]]:
+        """This rank's pieces of a pipeline edge (layout.edge_pieces): those it sends (`sender`) or
+        receives. Width 1 on both sides: the whole microbatch, to or from the neighbour."""
+        return [e for e in edge_pieces(b, senders, receivers) if e[0 if sender else 1] == self.rank]
+
+    def _numel(self, index: int) -> int:
+        sharded = self.shards.get(index)
+        return sharded.n if sharded is not None else self.grads[index].numel()
+
+    def _holds(self, index: int, lo: int, hi: int) -> bool:
+        """Whether this rank holds the logical elements [lo, hi) of layer `index`'s flat buffer."""
+        sharded = self.shards.get(index)
+        return sharded is None or (sharded.lo <= lo and hi <= sharded.hi)
+
+    def _grad_view(self, index: int, lo: int, hi: int) -> torch.Tensor:
+        sharded = self.shards.get(index)
+        return sharded.grad_view(lo, hi) if sharded is not None else self.grads[index][lo:hi]
+
+    def _my_pieces(self, index: int) -> list[tuple[int, int, int, int]]:
+        """(piece, pieces, lo, hi) of layer `index`'s cross-pipeline all-reduce that this rank holds."""
+        if self.plan is None:
+            return []
+        n = self._numel(index)
+        out = []
+        for piece, pieces, members in reduce_pieces(self.plan, index):
+            if self.rank in members:
+                lo, hi = piece_range(n, pieces, piece)
+                out.append((piece, pieces, lo, hi))
+        return out
 
     def train_step(self) -> StepResult:
         """Run step `self.step` on the current plan, then advance `self.step`.
@@ -231,80 +429,127 @@ class Worker:
         self.pending = None
         for flat in self.grads.values():
             flat.zero_()
-        # Sends in flight, per direction, with their buffers. At most as many as 1F1B keeps
-        # microbatches in flight at this stage: the oldest is waited for before one more is posted,
-        # so a stage holds O(stages) send buffers, not one per microbatch. That wait cannot deadlock:
-        # the peer's thread never waits for a send of ours that is not yet posted.
-        sends: dict[str, collections.deque[tuple[torch.distributed.Work, torch.Tensor]]] = {
-            "act": collections.deque(), "grad": collections.deque()}
+        for sharded in self.shards.values():
+            sharded.zero_grad()
+        # Sends in flight, per direction, with their buffers (one entry per microbatch: its pieces). At
+        # most as many as 1F1B keeps microbatches in flight at this stage: the oldest is waited for
+        # before one more is posted, so a stage holds O(stages) send buffers, not one per microbatch.
+        # That wait cannot deadlock: the peer's thread never waits for a send of ours that is not yet posted.
+        Sent = list[tuple[torch.distributed.Work, torch.Tensor]]
+        sends: dict[str, collections.deque[Sent]] = {"act": collections.deque(), "grad": collections.deque()}
         in_flight = max(1, min(role.num_stages - role.stage, role.mb_count)) if role is not None else 1
+        b = self.job.train.microbatch_size
 
-        def post_send(direction: str, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        def post_send(direction: str, tensor: torch.Tensor, receivers: tuple[int, ...], tag: int) -> None:
+            """Send this rank's slice of a microbatch's boundary tensor to the overlapping ranks of
+            the neighbour stage (`receivers`)."""
             queue = sends[direction]
             while len(queue) >= in_flight:
-                gen.wait(queue.popleft()[0])
-            queue.append((gen.send(tensor, dst, tag), tensor))
+                for work, _ in queue.popleft():
+                    gen.wait(work)
+            posted = []
+            for _, dst, lo, hi in self._edge(b, role.stage_ranks, receivers, sender=True):  # type: ignore[union-attr]
+                piece = tensor[lo - my_lo : hi - my_lo].contiguous()
+                posted.append((gen.send(piece, dst, tag), piece))
+            queue.append(posted)
+
+        def receive(buf: torch.Tensor, senders: tuple[int, ...], tag: int) -> None:
+            works = [gen.recv(buf[lo - my_lo : hi - my_lo], src, tag)
+                     for src, _, lo, hi in self._edge(b, senders, role.stage_ranks, sender=False)]  # type: ignore[union-attr]
+            for work in works:
+                gen.wait(work)
+
         reductions: list[torch.distributed.Work] = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         clock = ComputeClock(self.device)
         schedule_s = 0.0
 
-        def reduce_layer(index: int) -> None:  # in place, on the layer's flat gradient buffer
-            group = gen.layer_group.get(index)
-            if group is not None:
-                reductions.append(group.allreduce([self.grads[index]]))
+        def reduce_layer(index: int) -> None:
+            """All-reduce the layer's gradient across the pipelines, in place: whole, or (a wide stage
+            holds or a wide replica exists) piece by piece, after the stage's reduce-scatter."""
+            sharded = self.shards.get(index)
+            if sharded is not None and gen.stage is not None:
+                gen.wait(sharded.reduce_scatter(gen.stage))  # the pieces below read its result
+            for piece, pieces, lo, hi in self._my_pieces(index):
+                group = gen.piece_group.get((index, piece))
+                if group is not None and lo < hi:
+                    view = self.grads[index] if pieces == 1 and sharded is None else self._grad_view(index, lo, hi)
+                    reductions.append(group.allreduce([view]))
 
         if role is not None:
+            my_lo, my_hi = sample_range(b, role.width, role.index)
             held = [self.layers[i] for i in role.layers]
+            gather = None
+            if role.width > 1:
+                if gen.stage is None:
+                    raise RuntimeError(f"rank {self.rank}: a stage of {role.width} ranks without its group")
+                gather = StageParams([self.shards[i] for i in role.layers], gen.stage, gen.wait)
             stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
-                          bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute)
-            scale = 1.0 / plan.num_microbatches
+                          bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute,
+                          params=gather)
+            # each rank of a wide stage takes the mean over its 1/width of the samples: the stage's
+            # sum over its ranks is the microbatch's mean
+            scale = 1.0 / plan.num_microbatches / role.width
             last_mb = role.mb_count - 1
             for op, m in one_f_one_b(role.stage, role.num_stages, role.mb_count):
                 if op == "F":
                     y = None
                     if role.is_first or role.is_last:
                         tokens, y = self.batches.microbatch(self.step, role.mb_start + m)
-                        tokens, y = tokens.to(self.device), y.to(self.device)
+                        tokens, y = tokens[my_lo:my_hi].to(self.device), y[my_lo:my_hi].to(self.device)
                     if role.is_first:
                         x = tokens
                     else:
-                        x = self._boundary_buffer(role.layers.start)
-                        gen.wait(gen.recv(x, peer(role.prev_rank), 2 * m))
+                        x = self._boundary_buffer(role.layers.start, my_hi - my_lo)
+                        receive(x, role.prev_ranks, 2 * m)
                     with clock.span():
                         out = stage.forward(m, x, y, scale, split=m == last_mb)
                     if role.is_last:
                         loss_sum += out.double()  # on the device: no host sync per microbatch
                     else:
-                        post_send("act", out, peer(role.next_rank), 2 * m)
+                        post_send("act", out, role.next_ranks, 2 * m)
                 else:
                     grad = None
                     if not role.is_last:
-                        grad = self._boundary_buffer(role.layers.stop)
-                        gen.wait(gen.recv(grad, peer(role.next_rank), 2 * m + 1))
+                        grad = self._boundary_buffer(role.layers.stop, my_hi - my_lo)
+                        receive(grad, role.next_ranks, 2 * m + 1)
                     with clock.span():
                         grad_in = stage.backward(m, grad, reduce_layer if m == last_mb else None)
                     if not role.is_first:
                         if grad_in is None:
                             raise RuntimeError("a stage after the first returned no input gradient")
-                        post_send("grad", grad_in, peer(role.prev_rank), 2 * m + 1)
+                        post_send("grad", grad_in, role.prev_ranks, 2 * m + 1)
+            if gather is not None:
+                gather.finish()
             if role.mb_count == 0:  # no microbatch: still take part in every layer's all-reduce
                 for index in reversed(role.layers):
                     reduce_layer(index)
             for queue in sends.values():
-                for work, _ in queue:
-                    gen.wait(work)
+                for posted in queue:
+                    for work, _ in posted:
+                        gen.wait(work)
             schedule_s = time.perf_counter() - t0
 
-        # Gradients: wait for every layer's all-reduce; the layers' squared norms, summed over the pipeline.
+        # Gradients: wait for every layer's all-reduce; the squared norms of the plan's finest pieces
+        # of each layer (one piece per layer when no stage is wide), summed over the pipeline's ranks:
+        # each piece has one holder there, so the sum adds zeros, and every pipeline gets the same bits.
         for reduction in reductions:
             gen.wait(reduction)
-        sq = torch.zeros(plan.num_layers, dtype=torch.float64, device=self.device)  # nccl: on the GPU
-        for index, flat in self.grads.items():
-            sq[index] = torch.linalg.vector_norm(flat, dtype=torch.float64).square()
+        pieces = plan.max_width
+        sq = torch.zeros(plan.num_layers, pieces, dtype=torch.float64, device=self.device)  # nccl: on the GPU
+        for index in self.grads:
+            if pieces == 1 and index not in self.shards:
+                sq[index, 0] = torch.linalg.vector_norm(self.grads[index], dtype=torch.float64).square()
+                continue
+            n = self._numel(index)
+            for piece in range(pieces):
+                lo, hi = piece_range(n, pieces, piece)
+                if lo < hi and self._holds(index, lo, hi):
+                    sq[index, piece] = torch.linalg.vector_norm(self._grad_view(index, lo, hi),
+                                                                dtype=torch.float64).square()
         if gen.pipeline is not None:
             gen.wait(gen.pipeline.allreduce([sq]))
-        total_sq = sum(sq.tolist())  # fixed order: every pipeline gets the same bits
+        total_sq = sum(sq.flatten().tolist())  # fixed order: every pipeline gets the same bits
         if role is not None:
             self.pending = PendingStep(self.step, total_sq)
 
@@ -349,6 +594,13 @@ class Worker:
             raise RuntimeError("Worker.evaluate: the job has no validation samples (training.eval_interval 0)")
         n, b = self.validation.num_samples, self.job.train.microbatch_size
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if role is not None and role.width > 1 and gen.stage is not None:
+            # A wide stage gathers its layers whole and its first rank alone evaluates (validation
+            # microbatches need not split evenly); the others take part in the gathers only.
+            for index in role.layers:
+                gen.wait(self.shards[index].gather(gen.stage))
+            if role.index > 0:
+                role = None
         if role is not None:
             count = -(-n // b)  # validation microbatches, the last one possibly smaller
             lo = count * role.mb_start // plan.num_microbatches
@@ -372,8 +624,37 @@ class Worker:
                         total += self.job.model.config.loss(h, y).double() * len(ids)
                 if not role.is_last:
                     gen.wait(gen.send(h.to(self.job.train.param_dtype).contiguous(), peer(role.next_rank), 2 * m))
+        for sharded in self.shards.values():
+            sharded.release()
         gen.wait(gen.world.allreduce([total]))
         return float(total.cpu()) / n, n
+
+    def layer_payload(self, index: int) -> dict[str, torch.Tensor] | None:
+        """The whole of layer `index` (checkpoint.layer_payload: parameters, buffers, optimizer
+        state), as CPU copies. A layer sharded over a wide stage is gathered first: every rank of the
+        stage must call this for the same layers in the same order; its first rank gets the payload,
+        the others None."""
+        sharded = self.shards.get(index)
+        if sharded is None:
+            return layer_payload(self.layers[index], self.optimizers[index], self.step)
+        gen = self.gen
+        if gen is None or gen.stage is None:
+            raise RuntimeError(f"rank {self.rank}: layer {index} is sharded but the stage has no group")
+        gen.wait(sharded.gather(gen.stage))
+        moments, step = sharded.state_shards()
+        whole = {}
+        for key, t in moments.items():
+            full = torch.empty(sharded.size * sharded.width, dtype=t.dtype, device=t.device)
+            gen.wait(gen.stage.allgather([[full[j * sharded.size : (j + 1) * sharded.size]
+                                           for j in range(sharded.width)]], [t]))
+            whole[key] = full
+        payload = None
+        if sharded.index == 0:
+            opt = make_layer_optimizer(sharded.module, self.job.optim)
+            load_flat_state(sharded.module, opt, whole, step)
+            payload = layer_payload(sharded.module, opt, self.step)
+        sharded.release()
+        return payload
 
     def lr(self) -> float:
         """The learning rate of step `self.step`."""

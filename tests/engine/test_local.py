@@ -28,3 +28,21 @@ def test_planner_plan_maps_to_ranks(tmp_path):
     job = job_from_recipe(recipe, tmp_path / "tokens.bin")
     assert job.train.global_batch_size == recipe.training.global_batch_size
     assert job.backend == "gloo"
+
+
+def test_stages_of_several_devices_map_to_consecutive_ranks_of_their_node():
+    from oobleck_slurm.planning.instantiate import PipelinePlan, Plan
+    from oobleck_slurm.planning.templates import PipelineTemplate, StageTemplate
+
+    def stage(start: int, stop: int, first: int, devices: int) -> StageTemplate:
+        return StageTemplate(start, stop, first, devices, 1.0, 1.0)
+
+    wide = PipelineTemplate(1, 4, 4, (stage(0, 6, 0, 4),), 1.0)  # one stage on the node's 4 workers
+    mixed = PipelineTemplate(1, 4, 4, (stage(0, 3, 0, 2), stage(3, 5, 2, 1), stage(5, 6, 3, 1)), 1.0)
+    plan = Plan((PipelinePlan(wide, ("b",), 4, 0), PipelinePlan(mixed, ("a",), 4, 4)), (), 8, 2, 0.0)
+    ep = exec_plan(plan, ["a", "b"], 4)
+    assert [(p.ranks, p.widths) for p in ep.pipelines] == [((4,), (4,)), ((0, 2, 3), (2, 1, 1))]
+    assert ep.holder_stages(0) == ((4, 5, 6, 7), (0, 1))
+    overflow = PipelineTemplate(1, 4, 4, (stage(0, 6, 2, 4),), 1.0)
+    with pytest.raises(PlanError, match="does not fit a node of 4 devices"):
+        exec_plan(Plan((PipelinePlan(overflow, ("a",), 8, 0),), (), 8, 2, 0.0), ["a"], 4)

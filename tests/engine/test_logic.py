@@ -7,7 +7,7 @@ from exec_plans import make_plan
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec, PlanError, layer_groups
+from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec, PlanError, edge_pieces, layer_groups, reduce_pieces
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.schedule import one_f_one_b
 
@@ -72,3 +72,40 @@ def test_lr_warmup_then_cosine_to_min():
     assert lr_at(9, **kw, decay="constant") == 1.0
     with pytest.raises(ValueError, match="decay must be one of"):
         lr_at(0, lr=1.0, warmup_steps=0, total_steps=1, decay="step")
+
+
+def test_wide_stages_roles_pieces_and_json():
+    # pipeline 0: one stage of 4 ranks (0-3); pipeline 1: a stage of 2 ranks (4, 5), then 2 of 1 (6, 7)
+    plan = ExecPlan(6, 8, (PipelineSpec((0,), (0, 6), 0, 4, (4,)), PipelineSpec((4, 6, 7), (0, 3, 5, 6), 4, 4, (2, 1, 1))))
+    assert plan.ranks == list(range(8)) and plan.sharded and plan.max_width == 4
+    r = plan.role(5)
+    assert (r.stage, r.stage_ranks, r.index, r.width, r.next_ranks, r.prev_ranks) == (0, (4, 5), 1, 2, (6,), ())
+    assert plan.role(6).prev_ranks == (4, 5) and plan.role(2).index == 2
+    assert plan.holders(1) == (0, 4) and plan.holder_stages(1) == ((0, 1, 2, 3), (4, 5))
+    # layer 1: cut at the 4-wide stage's shards; shards 0-1 of it lie in shard 0 of the 2-wide stage
+    assert reduce_pieces(plan, 1) == [(0, 4, (0, 4)), (1, 4, (1, 4)), (2, 4, (2, 5)), (3, 4, (3, 5))]
+    assert reduce_pieces(plan, 5) == [(i, 4, (i, 7)) for i in range(4)]
+    assert edge_pieces(4, (4, 5), (6,)) == [(4, 6, 0, 2), (5, 6, 2, 4)]
+    assert edge_pieces(8, (0, 1), (2, 3, 4, 5)) == [(0, 2, 0, 2), (0, 3, 2, 4), (1, 4, 4, 6), (1, 5, 6, 8)]
+    assert ExecPlan.from_json(plan.to_json()) == plan
+    one = make_plan(6, [[0, 6]], [8])
+    assert "widths" not in one.to_json()["pipelines"][0]  # width-1 plans keep their JSON
+    assert one.pipelines[0] == PipelineSpec((0,), (0, 6), 0, 8, (1,))
+    with pytest.raises(PlanError, match="powers of two"):
+        ExecPlan(6, 8, (PipelineSpec((0,), (0, 6), 0, 8, (3,)),))
+    with pytest.raises(PlanError, match="already used"):
+        ExecPlan(6, 8, (PipelineSpec((0,), (0, 6), 0, 4, (2,)), PipelineSpec((1,), (0, 6), 4, 4)))
+
+
+def test_slice_moves_recut_shards_on_a_node_and_copy_whole_replicas_across():
+    from oobleck_slurm.engine.shard import slice_moves
+
+    # layer 0 held at width 4 on ranks 0-3 and at width 1 on rank 4
+    held = {0: {0: (4, 0)}, 1: {0: (4, 1)}, 2: {0: (4, 2)}, 3: {0: (4, 3)}, 4: {0: (1, 0)}}
+    # ranks 0, 1 take it at width 2 (no copy named: the same node re-cuts), rank 6 at width 1 from rank 4
+    moves = slice_moves([((0, 1), range(0, 1)), ((6,), range(0, 1))], held, [(0, 4, 6)])
+    assert moves == [(0, 0, 0, 0, 16), (0, 1, 0, 16, 32), (0, 2, 1, 32, 48), (0, 3, 1, 48, 64), (0, 4, 6, 0, 64)]
+    # a shard already held whole stays (a move to itself); a lost replica part is refused
+    assert slice_moves([((4,), range(0, 1))], held, []) == [(0, 4, 4, 0, 64)]
+    with pytest.raises(RuntimeError, match="no whole replica"):
+        slice_moves([((5,), range(0, 1))], {0: {0: (2, 0)}}, [(0, 0, 5)])

@@ -1,0 +1,315 @@
+"""A layer sharded across the g ranks of a wide stage, ZeRO-3 style, by the engine itself.
+
+Layout (pure, `padded` / `shard_range` / `piece_range`): a layer's parameters, in `parameters()` order,
+form one flat buffer of n elements, padded with zeros to C = n rounded up to SHARD_ALIGN. Shard j of
+width g is [j C/g, (j+1) C/g): since widths are powers of two up to SHARD_ALIGN, the shards of a
+narrower stage are unions of a wider stage's, so a layer held at different widths by different
+pipelines is all-reduced in pieces at the widest holder's boundaries (layout.reduce_pieces), each
+piece held whole by one rank per pipeline. Logical ranges are clipped to n: the padding is storage
+only, never reduced, sent or normed.
+
+What a rank holds (`ShardedLayer`): its parameter shard (the master copy), the layer module whose
+parameters are views into a full-size buffer that is allocated only while gathered (its storage is
+resized to 0 otherwise, as FSDP does), a full-size gradient buffer for the step (the module's `.grad`
+views: autograd accumulates the rank's samples over the step's microbatches), the gradient shard,
+and an optimizer over the shard: one parameter per (original parameter, shard) overlap, views into the
+shard, weight decay as the original parameter's (matrices only). AdamW is elementwise, so stepping the
+pieces is the same arithmetic as stepping the whole layer. CAME's factored statistics span whole
+rows/columns: not sharded yet (refused at adopt).
+
+When: before a layer runs (forward, and again before its backward: the gathered copy is freed after
+each use, so a rank never holds more than two layers' full parameters, the current and the prefetched
+next) its parameters are all-gathered inside the stage group, and the next layer's gather is posted
+first (`StageParams`). Gradients accumulate at full size through the step and are reduce-scattered
+once, when the last microbatch's backward has passed the layer; each shard's pieces are then
+all-reduced across the pipelines. Every collective is posted by the engine on its own groups and waited
+on through the generation's abortable waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from oobleck_slurm.engine.comm import Group
+from oobleck_slurm.engine.layout import SHARD_ALIGN
+from oobleck_slurm.engine.spec import OptimSpec
+from oobleck_slurm.optim import load_optimizer_state_tensors, optimizer_state_spec, optimizer_state_tensors
+from oobleck_slurm.optim.build import build_optimizer
+
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state, sharded like the parameters
+
+
+def padded(n: int) -> int:
+    """The flat buffer's length once padded: every width's shards are equal and nest."""
+    return -(-n // SHARD_ALIGN) * SHARD_ALIGN
+
+
+def shard_range(n: int, width: int, index: int) -> tuple[int, int]:
+    """The logical elements [lo, hi) of a flat buffer of n that shard `index` of `width` holds."""
+    size = padded(n) // width
+    return min(n, index * size), min(n, (index + 1) * size)
+
+
+def piece_range(n: int, pieces: int, piece: int) -> tuple[int, int]:
+    """Logical elements of piece `piece` of `pieces` (the shards of the widest holder)."""
+    return shard_range(n, pieces, piece)
+
+
+def param_offsets(module: nn.Module) -> dict[int, tuple[int, int]]:
+    """id(parameter) -> (offset, numel) in the layer's flat buffer (`parameters()` order)."""
+    out, offset = {}, 0
+    for p in module.parameters():
+        out[id(p)] = (offset, p.numel())
+        offset += p.numel()
+    return out
+
+
+def flat_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def flat_state(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A whole layer's AdamW moments as flat buffers of n (module order), and its step counter."""
+    n = flat_numel(module)
+    offsets = param_offsets(module)
+    named = optimizer_state_tensors(opt)
+    params = _optimizer_params(opt)
+    out = {key: torch.zeros(n, dtype=params[0].dtype, device=params[0].device) for key in ADAMW_MOMENTS}
+    step = named["0.step"].clone()
+    for i, p in enumerate(params):
+        off, k = offsets[id(p)]
+        for key in ADAMW_MOMENTS:
+            out[key][off : off + k] = named[f"{i}.{key}"].reshape(-1)
+    return out, step
+
+
+def load_flat_state(module: nn.Module, opt: torch.optim.Optimizer, moments: dict[str, torch.Tensor],
+                    step: torch.Tensor) -> None:
+    """The inverse of `flat_state`: a whole layer's optimizer from flat moments (length >= n) and a step."""
+    offsets = param_offsets(module)
+    tensors: dict[str, torch.Tensor] = {}
+    step = _step_like(opt, step)
+    for i, p in enumerate(_optimizer_params(opt)):
+        off, k = offsets[id(p)]
+        tensors[f"{i}.step"] = step
+        for key in ADAMW_MOMENTS:
+            tensors[f"{i}.{key}"] = moments[key][off : off + k].view_as(p)
+    load_optimizer_state_tensors(opt, tensors)
+
+
+def _step_like(opt: torch.optim.Optimizer, step: torch.Tensor) -> torch.Tensor:
+    """A step counter in the dtype, shape and device the optimizer keeps it in (it crosses processes
+    as a 1-element tensor of the parameters' dtype)."""
+    shape, dtype, device = optimizer_state_spec(opt)["0.step"]
+    return step.reshape(shape).to(dtype=dtype, device=device)
+
+
+class ShardedLayer:
+    """Rank `index` of `width`'s share of one layer (module doc). `module` is the whole layer as built
+    (its values are the layer's parameters); the shard is cut from it and its buffer then freed."""
+
+    def __init__(self, module: nn.Module, width: int, index: int, spec: OptimSpec) -> None:
+        if spec.name != "adamw":
+            raise NotImplementedError(f"stages wider than one device shard AdamW's state; {spec.name!r} keeps "
+                                      f"factored row/column statistics that are not sharded yet")
+        params = list(module.parameters())
+        self.module, self.width, self.index = module, width, index
+        self.n = flat_numel(module)
+        self.size = padded(self.n) // width
+        self.base = index * self.size  # the shard's first element, padded coordinates
+        self.lo, self.hi = shard_range(self.n, width, index)
+        dtype, device = params[0].dtype, params[0].device
+        self.full = torch.zeros(padded(self.n), dtype=dtype, device=device)
+        self.grad_full = torch.zeros_like(self.full)
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                k = p.numel()
+                self.full[offset : offset + k].copy_(p.reshape(-1))
+                p.data = self.full[offset : offset + k].view_as(p)
+                p.grad = self.grad_full[offset : offset + k].view_as(p)
+                offset += k
+        self.shard = self.full[self.base : self.base + self.size].clone()
+        self.grad_shard = torch.zeros_like(self.shard)
+        # one optimizer parameter per overlap of an original parameter with the shard
+        self.segments: list[tuple[int, int, nn.Parameter]] = []  # (logical lo, hi, parameter)
+        decay: list[nn.Parameter] = []
+        plain: list[nn.Parameter] = []
+        offset = 0
+        for p in params:
+            lo, hi = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if lo < hi:
+                seg = nn.Parameter(self.shard[lo - self.base : hi - self.base])
+                seg.grad = self.grad_shard[lo - self.base : hi - self.base]
+                self.segments.append((lo, hi, seg))
+                (decay if p.dim() >= 2 else plain).append(seg)
+            offset += p.numel()
+        groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+        self.opt = build_optimizer(spec.name, [g for g in groups if g["params"]], lr=spec.lr,
+                                   weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
+        self.gathered = True
+        self.release()
+
+    # ---- parameters --------------------------------------------------------------------------
+
+    def _chunks(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t[j * self.size : (j + 1) * self.size] for j in range(self.width)]
+
+    def gather(self, group: Group) -> dist.Work:
+        """Post the all-gather of the shards into the full buffer (allocated again first)."""
+        storage = self.full.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.full.numel() * self.full.element_size())
+        self.gathered = True
+        return group.allgather([self._chunks(self.full)], [self.shard])
+
+    def release(self) -> None:
+        """Free the gathered parameters (the module's views stay, pointing at an empty storage)."""
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    # ---- gradients ---------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        self.grad_full.zero_()
+        self.grad_shard.zero_()
+
+    def reduce_scatter(self, group: Group) -> dist.Work:
+        """Post the SUM reduce-scatter of the stage's full gradients into this rank's shard."""
+        return group.reduce_scatter([self.grad_shard], [self._chunks(self.grad_full)])
+
+    def grad_view(self, lo: int, hi: int) -> torch.Tensor:
+        """The reduced gradient's logical elements [lo, hi), inside this shard."""
+        return self.grad_shard[lo - self.base : hi - self.base]
+
+    # ---- optimizer state as flat shards (checkpoints, copies between widths) -------------------
+
+    def state_shards(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The shard's AdamW moments as buffers of the shard's size (padding zero), and the step."""
+        named = optimizer_state_tensors(self.opt)
+        out = {key: torch.zeros_like(self.shard) for key in ADAMW_MOMENTS}
+        step = named["0.step"].clone()
+        for i, p in enumerate(_optimizer_params(self.opt)):
+            lo, hi = self._segment_range(p)
+            for key in ADAMW_MOMENTS:
+                out[key][lo - self.base : hi - self.base] = named[f"{i}.{key}"]
+        return out, step
+
+    def load_state_shards(self, moments: dict[str, torch.Tensor], step: torch.Tensor) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        step = _step_like(self.opt, step)
+        for i, p in enumerate(_optimizer_params(self.opt)):
+            lo, hi = self._segment_range(p)
+            tensors[f"{i}.step"] = step
+            for key in ADAMW_MOMENTS:
+                tensors[f"{i}.{key}"] = moments[key][lo - self.base : hi - self.base]
+        load_optimizer_state_tensors(self.opt, tensors)
+
+    def _segment_range(self, p: torch.Tensor) -> tuple[int, int]:
+        for lo, hi, seg in self.segments:
+            if seg is p:
+                return lo, hi
+        raise RuntimeError("an optimizer parameter that is no segment of the shard")
+
+
+class StageParams:
+    """Gathers a wide stage's layers around their use (module doc): `before(i, step)` makes layer i's
+    parameters whole, posting the gather of layer i + step (the next to run) first; `after(i)` frees
+    them. Every rank of the stage runs the same sequence, so the stage group's collectives match."""
+
+    def __init__(self, layers: list[ShardedLayer], group: Group, wait: Callable[[dist.Work], None]) -> None:
+        self.layers, self.group, self.wait = layers, group, wait
+        self.pending: dict[int, dist.Work] = {}
+
+    def before(self, i: int, step: int) -> None:
+        if i not in self.pending:
+            self.pending[i] = self.layers[i].gather(self.group)
+        nxt = i + step
+        if 0 <= nxt < len(self.layers) and nxt not in self.pending:
+            self.pending[nxt] = self.layers[nxt].gather(self.group)
+        self.wait(self.pending.pop(i))
+
+    def after(self, i: int) -> None:
+        if i not in self.pending:  # a prefetched gather is kept
+            self.layers[i].release()
+
+    def finish(self) -> None:
+        """Wait for a prefetch nobody used and free everything (end of a schedule)."""
+        for i, work in list(self.pending.items()):
+            self.wait(work)
+            del self.pending[i]
+        for layer in self.layers:
+            layer.release()
+
+
+# ---- copies between replicas of different widths (recovery) ----------------------------------------
+
+Holding = tuple[int, int]  # (width, index): a rank holds shard `index` of `width` of a layer
+Move = tuple[int, int, int, int, int]  # (layer, src rank, dst rank, first part, end part)
+PARTS = SHARD_ALIGN  # a layer's padded buffer in parts: shard j of width g is parts [j P/g, (j+1) P/g)
+
+
+def part_range(width: int, index: int) -> tuple[int, int]:
+    return index * PARTS // width, (index + 1) * PARTS // width
+
+
+def parts_to_elements(n: int, lo: int, hi: int) -> tuple[int, int]:
+    """Parts [lo, hi) of a layer of n elements as logical elements (clipped to n: maybe empty)."""
+    size = padded(n) // PARTS
+    return min(n, lo * size), min(n, hi * size)
+
+
+def _replica(holdings: dict[int, dict[int, Holding]], rank: int, layer: int) -> tuple[int, ...] | None:
+    """The ranks holding together the whole of `layer` with `rank` (its stage in the plan it was held
+    under: consecutive workers of one node, whose order a new generation keeps), if all of them do."""
+    held = holdings.get(rank, {}).get(layer)
+    if held is None:
+        return None
+    width, index = held
+    ranks = tuple(rank - index + k for k in range(width))
+    if any(holdings.get(r, {}).get(layer) != (width, k) for k, r in enumerate(ranks)):
+        return None
+    return ranks
+
+
+def slice_moves(stages: list[tuple[tuple[int, ...], range]], holdings: dict[int, dict[int, Holding]],
+                transfers: list[tuple[int, int, int]]) -> list[Move]:
+    """The copies that give every rank of the new plan's `stages` [(ranks, layers)] its shard of each
+    of its layers, as part ranges from holders (`holdings`: what each rank holds now, any width).
+
+    A rank whose holding covers its new shard keeps it (a move to itself). Otherwise its shard comes
+    from one whole replica: the one of the coordinator's sender for that layer and stage (`transfers`
+    [(layer, src, dst)], dst any rank of the stage), else the one this rank or its stage already belongs
+    to (a change of width on the same node); each of that replica's ranks sends the overlap of its
+    shard with the needed one. Deterministic: every rank computes the same list."""
+    moves: list[Move] = []
+    hint = {(layer, dst): src for layer, src, dst in transfers}
+    for ranks, layers in stages:
+        width = len(ranks)
+        for layer in layers:
+            src_hint = next((hint[(layer, r)] for r in ranks if (layer, r) in hint), None)
+            for j, rank in enumerate(ranks):
+                lo, hi = part_range(width, j)
+                own = holdings.get(rank, {}).get(layer)
+                if own is not None and part_range(*own)[0] <= lo and hi <= part_range(*own)[1]:
+                    moves.append((layer, rank, rank, lo, hi))
+                    continue
+                candidates = ([src_hint] if src_hint is not None else []) + [rank, *ranks]
+                replica = next((rep for c in candidates if (rep := _replica(holdings, c, layer)) is not None), None)
+                if replica is None:
+                    raise RuntimeError(f"layer {layer}: no whole replica to copy rank {rank}'s shard from "
+                                       f"(holders: {sorted(r for r, h in holdings.items() if layer in h)})")
+                for k, src in enumerate(replica):
+                    a, b = part_range(len(replica), k)
+                    if max(a, lo) < min(b, hi):
+                        moves.append((layer, src, rank, max(a, lo), min(b, hi)))
+    return moves

@@ -1,0 +1,100 @@
+"""One worker process of a hand-planned job (tests/engine/test_sharded.py): `python sharded_run.py
+OUT_DIR PORT RANK WORLD`. It reads OUT_DIR/job.json (a JobSpec) and OUT_DIR/plans.json (one ExecPlan per
+generation, with the step each one starts at), trains through them on real gloo groups built on the
+test's store, and writes its per-step losses (rank 0) and the layers it gathers whole (first pipeline)
+to OUT_DIR. A generation may name ranks to kill -9 at a wait of a step (`kill`): the test then plays
+the coordinator (the failed key, the survivors' reports, the step to resume at: tests/engine/test_sharded.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from oobleck_slurm.engine.abort import GenerationAborted, build_generation
+from oobleck_slurm.engine.comm import is_collective_error
+from oobleck_slurm.engine.layout import ExecPlan
+from oobleck_slurm.engine.recovery import can_complete, reach_step
+from oobleck_slurm.engine.spec import JobSpec
+from oobleck_slurm.engine.worker import Worker
+from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol.timeouts import JobTimeouts
+
+# generous: the machine is shared, and nothing here should time out
+TIMEOUTS = JobTimeouts(collective_timeout=120.0, step_timeout=300.0, connect_timeout=300.0, store_timeout=300.0)
+
+
+def coordinator_transfers(old: ExecPlan, new: ExecPlan) -> list[tuple[int, int, int]]:
+    """What the coordinator sends: (layer, src, dst) for each new stage's first rank that holds none of
+    the layer (every rank of an old stage reports its layers), from the first old holder."""
+    out = []
+    for p in new.pipelines:
+        for s in range(p.num_stages):
+            for layer in p.stage_layers(s):
+                if not any(p.ranks[s] in ranks for ranks in old.holder_stages(layer)):
+                    out.append((layer, old.holder_stages(layer)[0][-1], p.ranks[s]))
+    return out
+
+
+def main(out: Path, port: int, rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    job = JobSpec.from_json((out / "job.json").read_text())
+    plans = json.loads((out / "plans.json").read_text())
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUTS.td("store_timeout"))
+    worker = Worker(job, rank)
+    store.set(f"pid/{rank}", str(os.getpid()))
+    losses: dict[int, float] = {}
+    old: ExecPlan | None = None
+    for g, entry in enumerate(plans):
+        plan = ExecPlan.from_json(entry["plan"])
+        world = entry.get("world", world)
+        kill = entry.get("kill")
+        waits = [0]
+
+        def on_wait(kill: dict | None = kill, waits: list[int] = waits) -> None:
+            """A node's loss: its first rank, at wait number kill["wait"] of step kill["step"], kills -9
+            every worker of the node (itself last): they fail together."""
+            if kill and rank == kill["ranks"][0] and worker.step == kill["step"]:
+                waits[0] += 1
+                if waits[0] == kill["wait"]:
+                    for r in kill["ranks"][1:]:
+                        os.kill(int(store.get(f"pid/{r}")), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        gen = build_generation(store, g, rank, world, plan, TIMEOUTS, on_wait=on_wait)
+        if old is None:
+            worker.adopt(plan, gen, "seed")
+        else:  # a plan change: layers from their holders' memory, copies named as the coordinator names them
+            worker.adopt(plan, gen, "memory", coordinator_transfers(old, plan))
+        old = plan
+        gen.align()
+        stop = plans[g + 1]["step"] if g + 1 < len(plans) and not kill else job.train.steps
+        try:
+            while worker.step < stop:
+                result = worker.train_step()
+                losses[result.step] = result.loss
+        except Exception as e:
+            if not kill or not (isinstance(e, GenerationAborted) or is_collective_error(e)):
+                raise
+            store.wait([keys.failed(g)])  # the test saw the node's processes exit
+            store.set(f"report/{g}/{rank}", f"{worker.step} {int(can_complete(worker))}")
+            reach_step(worker, int(store.get(f"resume/{g}")))
+    payloads = {worker.keys[i]: p for i in sorted(worker.layers) if rank in plan.holder_stages(i)[0]
+                and (p := worker.layer_payload(i)) is not None}
+    torch.save(payloads, out / f"layers{rank}.pt")
+    if rank == 0:
+        (out / "losses.json").write_text(json.dumps(losses))
+    gen.wait(gen.world.barrier())
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    sys.stdout.flush()
+    # as the real worker does (elastic_process.main): the failed generation's groups still hold stuck
+    # gloo operations whose threads must not be joined by the interpreter's exit
+    os._exit(0)
