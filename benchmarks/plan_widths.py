@@ -45,7 +45,7 @@ def plan_row(name: str, nodes: int) -> dict:
     for label, width in (("wide", profile.devices_per_node), ("one_device", 1)):
         t0 = time.perf_counter()
         templates = generate_templates(profile, nodes, num_microbatches=request.num_microbatches,
-                                       max_stage_devices=width)
+                                       microbatches_by_nodes=request.microbatches_by_nodes, max_stage_devices=width)
         try:
             plan = instantiate(templates, nodes, request.failures, request.global_microbatches,
                                microbatch_size=request.microbatch_size, profile=profile)

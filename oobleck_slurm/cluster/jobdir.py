@@ -146,6 +146,10 @@ class JobDir:
         return self.path / CHECKPOINTS_DIR
 
     @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
     def logs(self) -> Path:
         return self.path / LOGS_DIR
 

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     show(profile, source, request, templates, plan, status)
     console.print(f"data-parallel bound (FSDP over the plan's {bound['devices']} devices, no bubble, "
                   f"cost.data_parallel_step): {bound['step_time_s']:.4f} s, {bound['samples_per_s']:,.1f} "
-                  f"samples/s; this plan reaches {plan.samples_per_s / bound['samples_per_s']:.0%} of it")
+                  f"samples/s; this plan reaches {plan.samples_per_s / bound['samples_per_s']:.1%} of it")
     return EXIT_OK
 
 
@@ -100,14 +100,16 @@ def show(profile: Profile, source: str, request: PlanRequest, templates: list[Pi
     # The device name comes from a profile file: text, never markup.
     console.print(f"profile: {escape(profile.device_name)} ({escape(source)}), {profile.num_layers} layers, "
                   f"{profile.devices_per_node} devices per node; templates cache: {status}")
-    table = Table(title=f"pipeline templates (optimised for {request.num_microbatches} microbatches)")
-    for col in ("nodes", "stages", "layers per stage", "devices per stage", "iteration s", "bottleneck ms",
-                "max memory GiB"):
+    table = Table(title=f"pipeline templates (each optimised for the microbatches it runs; memory for "
+                        f"{request.num_microbatches} in flight)")
+    for col in ("nodes", "stages", "layers per stage", "devices per stage", "microbatches", "iteration s",
+                "bottleneck ms", "max memory GiB"):
         table.add_column(col, justify="right")
     for t in templates:
         ranges = " ".join(f"{s.start}-{s.stop - 1}" if s.num_layers > 1 else str(s.start) for s in t.stages)
         devices = " ".join(str(s.devices) for s in t.stages)
-        table.add_row(str(t.num_nodes), str(t.num_stages), ranges, devices, f"{t.iteration_time_s:.4f}",
+        table.add_row(str(t.num_nodes), str(t.num_stages), ranges, devices, str(t.num_microbatches),
+                      f"{t.iteration_time_s:.4f}",
                       f"{t.bottleneck_s * 1e3:.2f}", f"{t.max_memory_bytes / gib:.2f}")
     console.print(table)
     ptable = Table(title=f"plan: {request.max_nodes} nodes, survives {request.failures} failures, "
@@ -121,4 +123,4 @@ def show(profile: Profile, source: str, request: PlanRequest, templates: list[Pi
     console.print(ptable)
     spares = f", spare nodes: {list(plan.spare_nodes)}" if plan.spare_nodes else ""
     console.print(f"predicted step {plan.step_time_s:.4f} s (pipelines {plan.pipeline_time_s:.4f} s + gradient "
-                  f"all-reduce {plan.sync_time_s:.4f} s): [bold]{plan.samples_per_s:,.1f} samples/s[/]{spares}")
+                  f"all-reduce not hidden by the last backward {plan.sync_time_s:.4f} s): [bold]{plan.samples_per_s:,.1f} samples/s[/]{spares}")

@@ -77,14 +77,32 @@ backward it allocates, for a moment, more than it keeps (gradients of its interm
 attention scores): its workspace_bytes, at most one layer's at a time. What the worker holds besides
 (the framework's own buffers, the allocator's slack) is what USABLE_MEMORY_FRACTION leaves room for.
 
-Data-parallel gradient synchronisation across pipelines (after the last backward, not overlapped):
-each device all-reduces its shard of its stage's gradients (grad bytes / g) with the P - 1 devices
-holding the same shard in the other pipelines, ring all-reduce over the inter-node links (each
-device's own share of the node's network):
+Data-parallel gradient synchronisation across pipelines, layer by layer, overlapped with the last
+microbatch's backward as the engine does it (engine/worker.py, stage.py): the last microbatch's
+backward runs one layer at a time, and as soon as layer l's gradient is complete the stage issues its
+all-reduce, asynchronously, on the group of the devices holding l (one group per set of holders, so
+a device's all-reduces run one after another, in the order issued: its stage's last layer first).
+Each device all-reduces its shard of the layer's gradient (grad bytes / g, after the layer's
+reduce-scatter when g > 1) with the P - 1 devices holding the same shard in the other pipelines, ring
+all-reduce over the inter-node links (each device's own share of the node's network):
 
     allreduce(bytes, k) = 2 (k - 1) alpha + 2 (k - 1) / k * bytes / bw
-    step_time(plan)     = max_p latency_p(nb_p) + max_{p, i} allreduce(grad bytes of p's stage i / g, P)
     latency_p(nb)       = sum_i w_i + (nb - 1) * max_i w_i
+
+Layer l's gradient is complete, in pipeline p, no later than latency_p minus the work that must still
+follow it on the pipeline's critical path: the last microbatch's backward of the layers before l
+(c_i * backward_s each) and the gradient transfers of the stage boundaries before l (one direction,
+p2p), the backward chain down to the first layer. Only compute and transfers are counted there (not a
+sharded stage's exposed gathers), so the hidden window is never overestimated. Then, with layers taken
+from the last to the first:
+
+    ready_l  = max_p (latency_p - tail_{p,l}) + reduce_scatter(grad bytes of l, g)    (g > 1 only)
+    end_l    = max(ready_l, end_{l+1} if some pipeline holds l and l+1 in one stage) + a_l
+    a_l      = max_p allreduce(grad bytes of l / g_{p,l}, P)
+    step_time(plan) = max(max_p latency_p(nb_p), max_l end_l)
+
+and the plan's `sync_time_s` is what the all-reduces add beyond the slowest pipeline (`exposed_sync`).
+A device's compute is not slowed by its all-reduces in flight (NCCL runs them on their own stream).
 
 The data-parallel (FSDP / ZeRO-3) bound, `data_parallel_step`: N devices, each holding 1/N of every
 layer's state and running 1/N of the global batch, no pipeline and so no bubble. Per layer it
@@ -230,6 +248,46 @@ def sync_time(profile: Profile, stage_grad_bytes: Sequence[float], num_pipelines
     """Cross-pipeline gradient all-reduce: the slowest device's share (`sync_bytes` of each stage)."""
     link = profile.link("allreduce_inter")
     return max((allreduce_time(link, b, num_pipelines) for b in stage_grad_bytes), default=0.0)
+
+
+def sync_end(profile: Profile, pipelines: Sequence[tuple[Sequence[tuple[int, int, int, int]], float]],
+             num_pipelines: int) -> float:
+    """When the last cross-pipeline all-reduce ends, from the step's start (module doc: max_l end_l).
+
+    `pipelines`: the distinct (stages as (start, stop, first device, devices), latency_p) of the plan;
+    `num_pipelines`: P, all pipelines counted (each takes part in every layer's all-reduce)."""
+    L = profile.num_layers
+    inter, intra = profile.link("allreduce_inter"), profile.link("allreduce_intra")
+    ready = [-math.inf] * L
+    cost_of = [0.0] * L
+    queued_after_next = [False] * L  # some device all-reduces l right after l + 1 (same stage)
+    for stages, latency in pipelines:
+        tail = 0.0  # work on the critical path after the point reached, walking from layer 0 upwards
+        for start, stop, first, g in stages:
+            if start > 0:  # the gradient sent back over this stage's first boundary
+                tail += p2p_time(boundary_link(profile, first), profile.layers[start - 1].output_bytes)
+            c = work_fraction(profile, g)
+            for index in range(start, stop):
+                layer = profile.layers[index]
+                scatter = allgather_time(intra, layer.grad_bytes, g)
+                ready[index] = max(ready[index], latency - tail + scatter)
+                cost_of[index] = max(cost_of[index], allreduce_time(inter, layer.grad_bytes / g, num_pipelines))
+                queued_after_next[index] = queued_after_next[index] or index + 1 < stop
+                tail += c * layer.backward_s
+    end, last = -math.inf, -math.inf
+    for index in reversed(range(L)):
+        begin = max(ready[index], last) if queued_after_next[index] else ready[index]
+        last = begin + cost_of[index]
+        end = max(end, last)
+    return end
+
+
+def exposed_sync(profile: Profile, pipelines: Sequence[tuple[Sequence[tuple[int, int, int, int]], float]],
+                 num_pipelines: int) -> float:
+    """The all-reduce time not hidden behind the slowest pipeline (module doc; 0 for one pipeline)."""
+    if num_pipelines <= 1 or not pipelines:
+        return 0.0
+    return max(0.0, sync_end(profile, pipelines, num_pipelines) - max(lat for _, lat in pipelines))
 
 
 def data_parallel_step(profile: Profile, num_devices: int, global_microbatches: int) -> float:

@@ -13,7 +13,8 @@ minimise B + sum_t x_t (fill_t / m_t - lambda / m_t), a knapsack over node count
 u = nodes used and the pipeline count, polynomial: O(N * |templates| * C)); repeat with lambda =
 tau(new x) until no x beats lambda. The gradient all-reduce across pipelines is not part of the
 choice (it hardly varies between plans: ring all-reduce moves ~2x the stage's gradients whatever the
-number of pipelines); it is added to the plan's predicted step time.
+number of pipelines); what of it the last microbatch's backward does not hide (`cost.exposed_sync`)
+is added to the plan's predicted step time.
 
 Batch distribution is then exact over the integers: nb_p >= 1, sum nb_p = B, minimising
 max_p latency_p(nb_p) (water-filling from a lower bound, see `distribute_batch`).
@@ -72,7 +73,7 @@ class Plan:
     spare_nodes: tuple[NodeId, ...]
     global_microbatches: int
     microbatch_size: int
-    sync_time_s: float  # cross-pipeline gradient all-reduce (0 when no profile was given)
+    sync_time_s: float  # cross-pipeline gradient all-reduce beyond the slowest pipeline (0 without a profile)
 
     @property
     def num_pipelines(self) -> int:
@@ -249,7 +250,7 @@ def instantiate(
 
     `nodes` is a count (nodes are then 0..N-1) or the node ids; pipelines take consecutive nodes,
     largest templates first, spares last. With `profile`, the predicted step time includes the
-    cross-pipeline gradient all-reduce.
+    cross-pipeline gradient all-reduce's exposed part.
     """
     ids = tuple(range(nodes)) if isinstance(nodes, int) else tuple(nodes)
     n = len(ids)
@@ -279,8 +280,13 @@ def instantiate(
         pipelines.append(PipelinePlan(t, ids[node_pos:node_pos + t.num_nodes], nb, mb_pos))
         node_pos += t.num_nodes
         mb_pos += nb
-    sync = 0.0
-    if profile is not None:
-        grads = [cost.sync_bytes(profile, s.start, s.stop, s.devices) for t in set(chosen) for s in t.stages]
-        sync = cost.sync_time(profile, grads, len(chosen))
+    sync = 0.0 if profile is None else exposed_sync_time(profile, pipelines)
     return Plan(tuple(pipelines), ids[node_pos:], global_microbatches, microbatch_size, sync)
+
+
+def exposed_sync_time(profile: Profile, pipelines: Sequence[PipelinePlan]) -> float:
+    """The cross-pipeline gradient all-reduce that the last microbatch's backward leaves exposed
+    (`cost.exposed_sync`), for these pipelines with their microbatch counts."""
+    distinct = {(p.template, p.microbatches) for p in pipelines}
+    shapes = [([(s.start, s.stop, s.first_device, s.devices) for s in t.stages], t.latency(nb)) for t, nb in distinct]
+    return cost.exposed_sync(profile, shapes, len(pipelines))

@@ -1,7 +1,10 @@
 """From a recipe to a profile and templates, through templates_cache/ (what `submit` and `plan` call).
 
-Templates are optimised for N_b = ceil(B / (f + 1)) microbatches, B the global microbatches: the
-share of a pipeline in the smallest plan that survives f failures. The node range is 1 .. the
+A template of n nodes is optimised for the microbatches its pipelines run: in a job planned on N nodes
+with B global microbatches, about N / n pipelines of n nodes share the batch, max(1, ceil(B n / N))
+each (`PlanRequest.template_microbatches`). Its memory is checked with N_b = ceil(B / (f + 1)) in
+flight, B the global microbatches: the share of a pipeline in the smallest plan that survives f
+failures (more than it runs at first: after failures pipelines take more). The node range is 1 .. the
 allocation (nodes + spares); sizes that cannot hold the model are left out, so the smallest
 template is n0 and, whenever the allocation allows f >= 1, every size n0 .. 2 n0 - 1 that fits is
 generated (the coverage guarantee in `instantiate`).
@@ -28,7 +31,8 @@ from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, ex
 # per microbatch in flight, boundary gradients).
 # 3: stages of g > 1 devices are sharded (ZeRO-3 inside the stage: state / g, gathers and scatters on the
 # intra-node link), any divisor of the node's devices, placed anywhere inside one node.
-PLANNER_VERSION = 3
+# 4: each template optimised for its own microbatch count (B n / N), memory still for ceil(B / (f + 1)).
+PLANNER_VERSION = 4
 # Bump when what a measured profile counts changes (planning/measure.py): cached profiles become stale.
 # 2: layers in the parameter dtype under autocast for bf16; the loss counted with the last layer.
 MEASURE_VERSION = 2
@@ -49,7 +53,17 @@ class PlanRequest:
 
     @property
     def num_microbatches(self) -> int:
+        """N_b the memory model counts in flight (module doc)."""
         return max(1, math.ceil(self.global_microbatches / (self.failures + 1)))
+
+    def template_microbatches(self, num_nodes: int) -> int:
+        """N_b a template of `num_nodes` nodes is optimised for: its pipelines' share of the batch when
+        the max_nodes nodes run pipelines of that size."""
+        return max(1, math.ceil(self.global_microbatches * num_nodes / self.max_nodes))
+
+    @property
+    def microbatches_by_nodes(self) -> dict[int, int]:
+        return {n: self.template_microbatches(n) for n in range(1, self.max_nodes + 1)}
 
 
 def plan_request(recipe: Any, *, nodes: int | None = None, failures: int | None = None) -> PlanRequest:
@@ -150,6 +164,7 @@ def cached_templates(
     inputs = {
         "planner_version": PLANNER_VERSION, "profile_key": profile.key, "profile_content": profile.content_hash(),
         "min_nodes": 1, "max_nodes": request.max_nodes, "num_microbatches": request.num_microbatches,
+        "template_microbatches": [request.template_microbatches(n) for n in range(1, request.max_nodes + 1)],
         "max_stage_devices": request.max_stage_devices,
     }
 
@@ -157,7 +172,7 @@ def cached_templates(
         report = (lambda done, total: progress("generating templates", done, total)) if progress else None
         templates = generate_templates(
             profile, request.max_nodes, 1, num_microbatches=request.num_microbatches,
-            max_stage_devices=request.max_stage_devices, progress=report,
+            microbatches_by_nodes=request.microbatches_by_nodes, max_stage_devices=request.max_stage_devices, progress=report,
         )
         return {"templates": [t.to_dict() for t in templates]}
 

@@ -14,6 +14,9 @@ Exact for the cost model in `cost` (T = sum_i w_i + (N_b - 1) max_i w_i, memory 
    so the next cap worth trying is the largest candidate below m. We stop when even the least
    possible bottleneck (a min-max DP, one pass) cannot beat the best T with a sum >= s. Each
    evaluation serves every node count that is waiting for a cap it covers.
+3. Each node count n has its own N_b (`microbatches_by_nodes`: what a pipeline of n nodes runs in the
+   plan, pregenerate.py), used in step 2's objective only. The memory check (the DP's tables in
+   step 1) counts one N_b for every n, the most a pipeline may run: so one DP pass still serves all n.
 
 Why not the original's divide and conquer: it keeps one locally best sub-plan per sub-problem, but
 T is not decomposable that way (whether a sub-plan's sum or its bottleneck matters depends on the
@@ -32,7 +35,7 @@ over widths. The engine runs g = 1 only today: `submit` plans with the recipe's
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,10 +72,13 @@ class PipelineTemplate:
 
     num_nodes: int
     devices_per_node: int
-    num_microbatches: int  # N_b the template was optimised for
+    num_microbatches: int  # N_b the template was optimised for: what each of its pipelines runs in the plan
     stages: tuple[StageTemplate, ...]
     iteration_time_s: float  # T at num_microbatches
     profile_key: str = ""
+    # N_b the memory check counted in flight (None: num_microbatches). May exceed num_microbatches:
+    # memory is checked for the most a pipeline may run after failures, not for what it runs at first.
+    memory_microbatches: int | None = None
 
     @property
     def num_stages(self) -> int:
@@ -127,19 +133,23 @@ def stage_in_flight(num_microbatches: int, devices_left: int, g: int) -> int:
 
 
 def template_from_stages(
-    profile: Profile, num_nodes: int, stages: list[tuple[int, int, int, int]], num_microbatches: int
+    profile: Profile, num_nodes: int, stages: list[tuple[int, int, int, int]], num_microbatches: int,
+    memory_microbatches: int | None = None,
 ) -> PipelineTemplate:
-    """Build a template from (start, stop, first_device, devices) tuples with the scalar cost model."""
+    """Build a template from (start, stop, first_device, devices) tuples with the scalar cost model:
+    T at `num_microbatches`, memory with `memory_microbatches` (default: the same) in flight."""
     total = num_nodes * profile.devices_per_node
+    k_nb = num_microbatches if memory_microbatches is None else memory_microbatches
     out = []
     for start, stop, first, g in stages:
         w = cost.stage_time(profile, start, stop, g, first)
-        k = stage_in_flight(num_microbatches, total - first, g)
+        k = stage_in_flight(k_nb, total - first, g)
         out.append(StageTemplate(start, stop, first, g, w, cost.stage_memory(profile, start, stop, g, k)))
     times = [s.time_s for s in out]
     return PipelineTemplate(
         num_nodes=num_nodes, devices_per_node=profile.devices_per_node, num_microbatches=num_microbatches,
         stages=tuple(out), iteration_time_s=cost.pipeline_time(times, num_microbatches), profile_key=profile.key,
+        memory_microbatches=None if k_nb == num_microbatches else k_nb,
     )
 
 
@@ -292,20 +302,29 @@ def generate_templates(
     min_nodes: int = 1,
     *,
     num_microbatches: int,
+    microbatches_by_nodes: Mapping[int, int] | None = None,
     max_stage_devices: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[PipelineTemplate]:
     """The optimal template for every feasible node count in [min_nodes, max_nodes], smallest first.
 
+    Memory is checked with `num_microbatches` in flight; the template of n nodes minimises T for
+    `microbatches_by_nodes[n]` microbatches (default: `num_microbatches`), what its pipelines will run.
     Sizes that cannot hold the model (memory) or have more devices than stages can fill are left out;
     an empty list means none fits (see `explain_infeasible`).
     """
     if num_microbatches < 1:
         raise PlanningError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    by_nodes = dict(microbatches_by_nodes or {})
+    if any(v < 1 for v in by_nodes.values()):
+        raise PlanningError(f"microbatches per template must be >= 1, got {by_nodes}")
     if min_nodes < 1 or max_nodes < min_nodes:
         raise PlanningError(f"node range [{min_nodes}, {max_nodes}] is empty or starts below 1")
     tab = _Tables(profile, num_microbatches, max_stage_devices)
-    d, nb = tab.d, num_microbatches
+    d = tab.d
+
+    def nb_of(n: int) -> int:
+        return by_nodes.get(n, num_microbatches)
     # Every device holds >= 1 layer of a stage of <= max g devices: more devices cannot be filled.
     top = min(max_nodes, (tab.L * max(tab.gs)) // d)
     sizes = list(range(min_nodes, top + 1))
@@ -321,7 +340,9 @@ def generate_templates(
 
     def absorb(res: _Pass, n: int) -> None:
         """Take the partition `res` gives for n; queue the next cap worth trying, or finish n."""
-        s, m = res.value[n * d, 0], res.peak[n * d, 0]
+        # Only the objective depends on n's count: the DP's tables (memory) are shared by every n, and
+        # the cap walk below is exact for any count (every cap in [m, c] has the same minsum).
+        s, m, nb = res.value[n * d, 0], res.peak[n * d, 0], nb_of(n)
         t = s + (nb - 1) * m
         if t < best.get(n, INF):
             best[n], chosen[n] = t, _extract(tab, res, n)
@@ -345,7 +366,7 @@ def generate_templates(
                 absorb(res, n)
     if progress:
         progress(len(sizes), len(sizes))
-    return [template_from_stages(profile, n, chosen[n], nb) for n in sizes if n in chosen]
+    return [template_from_stages(profile, n, chosen[n], nb_of(n), num_microbatches) for n in sizes if n in chosen]
 
 
 def explain_infeasible(profile: Profile, num_microbatches: int, max_stage_devices: int = 1) -> str:

@@ -92,10 +92,15 @@ class EventTail:
     Keeps a partial last line until its newline arrives, so a record is returned once and whole.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], offset: int = 0) -> None:
         self.path = Path(path)
-        self._offset = 0
+        self._offset = offset  # bytes read so far; `offset`: start there (a whole record's end)
         self._partial = b""
+
+    @property
+    def offset(self) -> int:
+        """Bytes of the log returned so far, as whole records (what a later reader may start from)."""
+        return self._offset - len(self._partial)
 
     def poll(self) -> list[dict[str, Any]]:
         try:

@@ -4,7 +4,8 @@ At each failure the simulator calls `planning.reconfigure.reconfigure` on the cu
 the coordinator does, with the layer sizes (parameters + optimizer state) so the returned transfers
 are the real copies. It then charges the calibrated recovery time (`Calibration.recovery_s`) for the
 largest number of bytes one device sends or receives, and trains on at the new plan's predicted step
-time (the cost model: slowest pipeline for its share of the batch + cross-pipeline all-reduce).
+time (the cost model: slowest pipeline for its share of the batch + the cross-pipeline all-reduce that
+its last backward does not hide).
 When `reconfigure` raises RecoveryImpossible (a layer lost every replica, or fewer than f + 1
 pipelines fit), and only then, the run falls back to its last checkpoint: work since then is lost,
 the job restarts (`Calibration.restart_s`) on a fresh `instantiate` of the live nodes.
@@ -23,11 +24,11 @@ loaded holders by node name, so on a cache hit the sender of a copy may differ f
 from __future__ import annotations
 
 import bisect
+import collections
 from collections.abc import Sequence
 from typing import Any
 
-from oobleck_slurm.planning import cost
-from oobleck_slurm.planning.instantiate import PipelinePlan, Plan, distribute_batch, instantiate
+from oobleck_slurm.planning.instantiate import PipelinePlan, Plan, distribute_batch, exposed_sync_time, instantiate
 from oobleck_slurm.planning.reconfigure import RecoveryImpossible, plan_holders, reconfigure
 from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError
 from oobleck_slurm.simulate.calibration import Calibration
@@ -82,12 +83,11 @@ class OobleckSystem:
         return Plan(tuple(out), tuple(spares), self.sc.global_microbatches, self.sc.microbatch_size, 0.0)
 
     def sync_s(self, pipes: Pipes) -> float:
-        key = (frozenset(self.rank[id(t)] for t, _ in pipes), len(pipes))
+        """The exposed cross-pipeline all-reduce, as `instantiate` predicts it: it depends on the
+        pipelines' templates and microbatch counts, so on the multiset of templates."""
+        key = tuple(sorted(collections.Counter(self.rank[id(t)] for t, _ in pipes).items()))
         if key not in self._sync:
-            layers = self.sc.profile.layers
-            grads = [sum(layer.grad_bytes for layer in layers[s.start:s.stop]) / s.devices
-                     for t in {id(t): t for t, _ in pipes}.values() for s in t.stages]
-            self._sync[key] = cost.sync_time(self.sc.profile, grads, len(pipes))
+            self._sync[key] = exposed_sync_time(self.sc.profile, self._make_plan(pipes, ()).pipelines)
         return self._sync[key]
 
     def _checkpoint_s(self, pipes: Pipes, step_s: float) -> float:

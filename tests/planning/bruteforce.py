@@ -27,14 +27,16 @@ def _partitions(L: int, D: int, d: int, gs: list[int], a: int = 0,
 
 
 def best_template_brute(
-    profile: Profile, num_nodes: int, num_microbatches: int, max_stage_devices: int = 1
+    profile: Profile, num_nodes: int, num_microbatches: int, max_stage_devices: int = 1,
+    memory_microbatches: int | None = None,
 ) -> PipelineTemplate | None:
-    """The template with the least iteration time among all that fit in memory, or None."""
+    """The template with the least iteration time at `num_microbatches` among all that fit in memory
+    with `memory_microbatches` (default: the same) in flight, or None."""
     gs = allowed_stage_devices(profile.devices_per_node, max_stage_devices)
     budget = cost.usable_memory(profile)
     best = None
     for stages in _partitions(profile.num_layers, num_nodes * profile.devices_per_node, profile.devices_per_node, gs):
-        t = template_from_stages(profile, num_nodes, stages, num_microbatches)
+        t = template_from_stages(profile, num_nodes, stages, num_microbatches, memory_microbatches)
         if t.max_memory_bytes > budget:
             continue
         if best is None or t.iteration_time_s < best.iteration_time_s:

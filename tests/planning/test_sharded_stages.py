@@ -65,7 +65,10 @@ def test_each_device_all_reduces_its_shard_across_pipelines():
     assert cost.sync_bytes(profile, 0, 4, 4) == cost.sync_bytes(profile, 0, 4, 1) / 4
     (t,) = [template_from_stages(profile, 1, [(0, 4, 0, 4)], 4)]
     plan = instantiate([t], 2, 1, 8, profile=profile)
-    assert math.isclose(plan.sync_time_s, cost.sync_time(profile, [1000.0], 2))  # 4 x 1000 grad bytes / 4
+    # Every layer's shard (1000 / 4 bytes) all-reduces behind the backward of the layers before it but the
+    # first layer's, which starts once its gradient is reduce-scattered inside the stage.
+    scatter = cost.allgather_time(profile.link("allreduce_intra"), 1000, 4)
+    assert math.isclose(plan.sync_time_s, scatter + cost.allreduce_time(profile.link("allreduce_inter"), 250, 2))
 
 
 def test_one_node_of_eight_devices_can_be_one_stage():
