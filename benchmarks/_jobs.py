@@ -135,11 +135,17 @@ def drop_warmup(values: Sequence[float], drop: int) -> list[float]:
     return list(values[drop:]) if len(values) >= drop + 2 else list(values[-1:] if values else [])
 
 
+def _workers(stage: dict[str, Any]) -> str:
+    """'0' for a stage on worker 0, '0-3' for a stage sharded over workers 0 to 3."""
+    workers = stage.get("workers") or [stage["worker"]]
+    return str(workers[0]) if len(workers) == 1 else f"{workers[0]}-{workers[-1]}"
+
+
 def plan_summary(plan_event: dict[str, Any]) -> str:
     """'2 x [n1 0-3 | n2 3-6]'-style text of a `plan` event."""
     parts = []
     for p in plan_event["pipelines"]:
-        stages = " | ".join(f"{s['node']}.{s['worker']} {s['layers'][0]}-{s['layers'][1]}" for s in p["stages"])
+        stages = " | ".join(f"{s['node']}.{_workers(s)} {s['layers'][0]}-{s['layers'][1]}" for s in p["stages"])
         parts.append(f"({stages}) x{p['microbatches']}mb")
     spares = f" spares ({', '.join(plan_event['spares'])})" if plan_event.get("spares") else ""
     return " ".join(parts) + spares

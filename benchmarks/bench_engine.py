@@ -21,6 +21,9 @@ processes (gloo, one thread each on CPU):
 3. The embedded default recipe (measured profile): the planner's predicted step time vs the measured
    median; with `--loss-steps` steps, the loss at the start and at the end.
 4. Optimizer-state bytes per parameter, AdamW vs CAME, on the real per-layer optimizers after one step.
+5. engine_wide (issue 23): 2 nodes x 4 workers, `cluster.max_stage_devices: 4`, planned with the
+   measured profile of this machine (the planner's own choice of stage widths), against DDP on the
+   same 8 worker processes, run one after the other in this run; `--only wide` runs just this.
 Writes benchmarks/results/bench_engine.json.
 
 `--device cuda` (NOT RUN ON A GPU YET: written and checked on a CPU-only machine, where it stops with
@@ -273,6 +276,21 @@ def state_bytes_per_param(name: str) -> float:
     return total_bytes / total_params
 
 
+def wide_vs_ddp(common: dict[str, Any], root: Path, cache: Path, drop: int, timeout: float, steps: int,
+                gbs: int, console: Console) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """engine_wide (2 nodes x 4 workers, stages up to a node wide, the measured profile: what the
+    planner picks for this machine) and DDP on the same 8 processes."""
+    d = recipe_dict(nodes=2, workers=4, name="eng-wide", **common)
+    d["cluster"]["max_stage_devices"] = 4
+    console.print("  engine_wide: 2 nodes x 4 workers, max_stage_devices 4, measured profile ...")
+    wide = engine_job("engine_wide", d, root, cache, None, drop, timeout)
+    spec = wide.pop("spec")
+    console.print(f"    plan: {wide['partition']}")
+    console.print("  ddp_8: 8 processes ...")
+    ddp8 = reference("ddp_8", run_baseline("ddp", spec, 8, steps, "cpu"), gbs, drop, "8 x 1 stage", 8)
+    return [wide, ddp8], {"engine_wide_over_ddp_8": wide["samples_per_s"] / ddp8["samples_per_s"]}
+
+
 def predicted_vs_measured(steps: int, root: Path, cache: Path, drop: int, timeout: float) -> dict[str, Any]:
     """The embedded default recipe with `steps` steps, planned with the measured profile (as `submit`)."""
     d = default_recipe_dict(steps=steps)
@@ -335,6 +353,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per job before it is killed")
     ap.add_argument("--keep-jobs", action="store_true")
     ap.add_argument("--json", default=str(RESULTS))
+    ap.add_argument("--only", choices=["all", "wide"], default="all",
+                    help="wide: only engine_wide against DDP on 8 processes (CPU)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -380,6 +400,12 @@ def main() -> None:
             ratios = {"engine_dp_over_ddp": dp["samples_per_s"] / ddp["samples_per_s"],
                       "engine_dp_over_single_gpu": dp["samples_per_s"] / single["samples_per_s"]}
             out["mfu"] = {"gpu": gpu_name, "peak_flops_per_gpu": peak, "parameters": params, "seq_len": seq}
+        elif args.only == "wide":
+            if m % 8 or mbs % 4:
+                ap.error(f"--only wide: --microbatches {m} must be a multiple of 8 (DDP on 8 processes) and "
+                         f"--microbatch-size {mbs} of 4 (a 4-wide stage splits each microbatch)")
+            console.print(f"[bold]sharded stages vs DDP[/]: {args.preset}, {m} x {mbs} samples/step, {precision}")
+            rows, ratios = wide_vs_ddp(common, root, cache, args.drop, args.timeout, args.steps, gbs, console)
         else:
             w = args.workers
             if m % w or m % 4:
@@ -407,6 +433,10 @@ def main() -> None:
             ratios = {f"engine_dp_over_ddp_{w}": dp["samples_per_s"] / ddp_runs[w]["samples_per_s"],
                       "engine_span_over_ddp_4": span["samples_per_s"] / ddp_runs[4]["samples_per_s"],
                       "engine_span_over_pipelining_1f1b": span["samples_per_s"] / pp["samples_per_s"]}
+            if m % 8 == 0 and mbs % 4 == 0:
+                wide_rows, wide_ratios = wide_vs_ddp(common, root, cache, args.drop, args.timeout, args.steps, gbs, console)
+                rows += wide_rows
+                ratios.update(wide_ratios)
         table = Table(title=f"samples/s (median of rank 0's steps, first {args.drop} dropped)")
         for col in ("run", "ranks", "partition", "median step s", "samples/s") + (("MFU",) if cuda else ()):
             table.add_column(col)
@@ -425,15 +455,16 @@ def main() -> None:
                    throughput={r["name"]: {k: v for k, v in r.items() if k not in ("recipe",)} for r in rows},
                    ratios=ratios)
 
-        state = {name: state_bytes_per_param(name) for name in ("adamw", "came")}
-        t_state = Table(title="optimizer state bytes per parameter (mini, fp32, after one step)")
-        for col in ("adamw", "came", "came / adamw"):
-            t_state.add_column(col)
-        t_state.add_row(f"{state['adamw']:.3f}", f"{state['came']:.3f}", f"{state['came'] / state['adamw']:.3f}")
-        console.print(t_state)
-        out["optimizer_state_bytes_per_param"] = state
+        if args.only == "all":
+            state = {name: state_bytes_per_param(name) for name in ("adamw", "came")}
+            t_state = Table(title="optimizer state bytes per parameter (mini, fp32, after one step)")
+            for col in ("adamw", "came", "came / adamw"):
+                t_state.add_column(col)
+            t_state.add_row(f"{state['adamw']:.3f}", f"{state['came']:.3f}", f"{state['came'] / state['adamw']:.3f}")
+            console.print(t_state)
+            out["optimizer_state_bytes_per_param"] = state
 
-        if args.loss_steps > 0 and not cuda:
+        if args.loss_steps > 0 and not cuda and args.only == "all":
             console.print(f"[bold]embedded default[/] (measured profile), {args.loss_steps} steps ...")
             pvm = predicted_vs_measured(args.loss_steps, root, cache, args.drop, args.timeout)
             t2 = Table(title="predicted vs measured (default recipe)")

@@ -205,6 +205,8 @@ def _pipeline_lines(p: PipelineView) -> Text:
             text.append(" │ ", "dim")
         layers = f"L{stage.layers[0]}-{stage.layers[1] - 1}" if stage.layers else "L?"
         text.append(stage.node or "?").append(f" {layers}", "cyan")
+        if stage.width > 1:  # sharded over several workers of the node
+            text.append(f" x{stage.width}", "yellow")
     return text
 
 

@@ -54,6 +54,7 @@ class StageView:
     layers: tuple[int, int] | None
     node: str | None
     rank: int | None
+    width: int = 1  # devices of the stage (a sharded stage: several workers of its node)
 
 
 @dataclass
@@ -295,7 +296,7 @@ class DashboardState:
         self.plan_reason = e.reason
         pipelines: list[PipelineView] = []
         for p in e.pipelines:
-            stages = [StageView(s.layers, s.node, s.rank) for s in p.stages or []]
+            stages = [StageView(s.layers, s.node, s.rank, len(s.workers or ()) or 1) for s in p.stages or []]
             nodes = p.nodes or _unique(s.node for s in stages if s.node)
             pipelines.append(PipelineView(p.id if p.id is not None else len(pipelines), nodes, stages, p.microbatches))
         self.pipelines = pipelines

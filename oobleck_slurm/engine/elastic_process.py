@@ -220,8 +220,10 @@ class ElasticWorker:
     def _report(self, g: int) -> None:
         """This worker's step and valid layers after leaving generation g: what the next plan starts from."""
         self.faults.before_report(self.worker.step)
+        shards = tuple((i, s.width, s.index) for i, s in sorted(self.worker.shards.items()) if i in self.worker.layers)
         records.put(self.store, WorkerReport(step=self.worker.step, layers=tuple(sorted(self.worker.layers)),
-                                             completable=can_complete(self.worker), last_step=self.last_step),
+                                             completable=can_complete(self.worker), last_step=self.last_step,
+                                             shards=shards),
                     g, self.name)
 
     def _store_alive(self) -> bool:

@@ -73,8 +73,11 @@ class RecoveryEvent(Event):
 class PlanStage:
     layers: tuple[int, int] | None = optional("half-open layer range [start, stop)")
     node: str | None = optional("the node that runs the stage")
-    worker: int | None = optional("the worker (device) on that node")
-    rank: int | None = optional("the global rank")
+    worker: int | None = optional("the worker (device) on that node (a stage of several: its first)")
+    rank: int | None = optional("the global rank (a stage of several: its first)")
+    workers: list[int] | None = optional("every worker of the stage on that node (consecutive; several for a "
+                                         "sharded stage)")
+    ranks: list[int] | None = optional("every global rank of the stage")
     memory_bytes: int | None = optional("the planner's memory model of the stage")
 
 
@@ -180,7 +183,7 @@ class Plan(RecoveryEvent):
     kind = "plan"
     pipelines: list[PlanPipeline] = required(
         "each pipeline: `id`, `nodes`, `microbatches`, `stages`: [{`layers` [start, stop), `node`, `worker`, "
-        "`rank`, `memory_bytes`}]; a pipeline's template is its stage count")
+        "`rank`, `workers`, `ranks`, `memory_bytes`}]; a pipeline's template is its stage count")
     generation: int | None = optional("from 0")
     reason: str | None = optional('"initial", "requeue", "failure", "reform", "join", "rebalance" or "takeover"')
     workers_per_node: int | None = optional("workers (devices) per node")

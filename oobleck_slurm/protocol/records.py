@@ -115,6 +115,9 @@ class WorkerReport(Record):
     layers: tuple[int, ...] = ()
     completable: bool = False
     last_step: LastStep | None = None
+    # (layer, width, index) of each layer held as a shard of a stage of `width` workers: the
+    # coordinator counts a layer held only where its whole stage reports it (decisions.whole_holders)
+    shards: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,6 +85,7 @@ from oobleck_slurm.supervisor.decisions import (
     resume_step,
     transition,
     unreachable,
+    whole_holders,
 )
 from oobleck_slurm.supervisor.membership import Loss
 from oobleck_slurm.supervisor.observer import StoreObserver, StoreView
@@ -149,8 +150,12 @@ def str_nodes(plan: Plan) -> Plan:
 
 
 def plan_event(plan: Plan, generation: int, reason: str, members: list[str], workers_per_node: int = 1) -> dict[str, Any]:
-    """The `plan` event: each pipeline's stages with their node, worker (device) and rank."""
+    """The `plan` event: each pipeline's stages with their node, first worker (device) and rank, and all
+    of the stage's workers and ranks (a stage of several devices: consecutive workers of its node)."""
     index = {n: i for i, n in enumerate(members)}
+
+    def first_rank(dev: Device) -> int:
+        return index[str(dev[0])] * workers_per_node + dev[1]
     return {
         "generation": generation, "reason": reason, "workers_per_node": workers_per_node,
         "ranks": len(members) * workers_per_node,
@@ -158,8 +163,10 @@ def plan_event(plan: Plan, generation: int, reason: str, members: list[str], wor
             {"id": i, "nodes": list(p.nodes), "microbatches": p.microbatches,
              # memory_bytes: the planner's memory model of the stage, to set against the measured peak
              # (the step event's peak_memory on GPUs)
-             "stages": [{"layers": [ls.start, ls.stop], "node": dev[0], "worker": dev[1],
-                         "rank": index[str(dev[0])] * workers_per_node + dev[1], "memory_bytes": stage.memory_bytes}
+             "stages": [{"layers": [ls.start, ls.stop], "node": dev[0], "worker": dev[1], "rank": first_rank(dev),
+                         "workers": list(range(dev[1], dev[1] + stage.devices)),
+                         "ranks": list(range(first_rank(dev), first_rank(dev) + stage.devices)),
+                         "memory_bytes": stage.memory_bytes}
                         for (dev, ls), stage in zip(stage_devices(p), p.template.stages)]}
             for i, p in enumerate(plan.pipelines)
         ],
@@ -448,6 +455,9 @@ class Coordinator:
         holders: dict[Device, frozenset[int]] = {(n, local): frozenset(reports[keys.worker_id(n, local)].layers)
                    for n in self.members if n not in lost_set
                    for local in range(self.cfg.devices_per_node) if keys.worker_id(n, local) in reports}
+        shards = {dev: {layer: (w, k) for layer, w, k in reports[keys.worker_id(str(dev[0]), dev[1])].shards}
+                  for dev in holders}
+        holders = whole_holders(holders, shards)
         steps = {w: r.step for w, r in reports.items() if r.layers}
         completable = frozenset(w for w, r in reports.items() if r.layers and r.completable)
         collected = Collected(self.plan, lost_set, tuple(joined), steps, holders, completable=completable,

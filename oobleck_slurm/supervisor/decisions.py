@@ -205,6 +205,30 @@ def resume_step(steps: Collection[int]) -> int:
     return max(steps) if steps else 0
 
 
+def whole_holders(layers: Mapping[Device, frozenset[int]],
+                  shards: Mapping[Device, Mapping[int, tuple[int, int]]]) -> dict[Device, frozenset[int]]:
+    """The layers each device holds as part of a whole replica. `shards`: the layers a device holds as
+    shard `index` of `width` (a stage of several devices: consecutive devices of one node, the shard's
+    index its position). A shard counts only if every device of its stage reports its own shard of
+    the same width: a wide stage holds its layers only all together. A node's workers fail together,
+    so this only drops a layer whose copy failed on part of a stage."""
+    out: dict[Device, frozenset[int]] = {}
+    for (node, d), held in layers.items():
+        mine = shards.get((node, d), {})
+        kept = set()
+        for layer in held:
+            if layer not in mine:
+                kept.add(layer)
+                continue
+            width, index = mine[layer]
+            stage = [(node, d - index + j) for j in range(width)]
+            if all(layer in layers.get(dev, frozenset()) and shards.get(dev, {}).get(layer) == (width, j)
+                   for j, dev in enumerate(stage)):
+                kept.add(layer)
+        out[(node, d)] = frozenset(kept)
+    return out
+
+
 def unreachable(steps: Mapping[str, int], completable: Collection[str]) -> list[str]:
     """Workers that cannot reach `resume_step`: behind it without the step pending, or further behind
     (none, if the engine's commit rule holds)."""

@@ -127,3 +127,23 @@ def test_scroll_and_pause():
 def test_waiting_for_events():
     screen = render(DashboardState(), 100, 30)
     assert screen.count("waiting for events") == 4 and "WAITING" in screen
+
+
+def test_a_sharded_stage_shows_its_width():
+    # a plan event of issue 23's shape: a 2-node pipeline of 2-wide stages, a 1-node one of one 4-wide stage
+    def stage(node: str, layers: list[int], workers: list[int], first_rank: int) -> dict:
+        return {"layers": layers, "node": node, "worker": workers[0], "rank": first_rank + workers[0],
+                "workers": workers, "ranks": [first_rank + w for w in workers]}
+
+    plan = {"t": 1.0, "kind": "plan", "generation": 0, "reason": "initial", "workers_per_node": 4, "ranks": 12,
+            "pipelines": [{"id": 0, "nodes": ["node1", "node2"], "microbatches": 3,
+                           "stages": [stage("node1", [0, 3], [0, 1], 0), stage("node1", [3, 4], [2, 3], 0),
+                                      stage("node2", [4, 6], [0, 1, 2, 3], 4)]},
+                          {"id": 1, "nodes": ["node3"], "microbatches": 1,
+                           "stages": [stage("node3", [0, 6], [0], 8)]}]}
+    state = DashboardState()
+    state.apply(plan)
+    assert [s.width for p in state.pipelines for s in p.stages] == [2, 2, 4, 1]
+    pipelines = panel(render(state, 160, 48), "pipelines")
+    assert "node1 L0-2 x2" in pipelines and "node2 L4-5 x4" in pipelines
+    assert "node3 L0-5 x" not in pipelines  # a one-worker stage shows no width

@@ -250,3 +250,21 @@ def test_a_straggler_gives_its_pipeline_fewer_microbatches_on_the_same_nodes(set
     assert action.change.transfers == ()  # every device keeps its layers
     assert new.global_microbatches == plan.global_microbatches
     assert new.pipelines[0].microbatches < plan.pipelines[0].microbatches
+
+
+def test_a_wide_stage_holds_its_layers_only_all_together():
+    from oobleck_slurm.supervisor.decisions import whole_holders
+
+    # node a: a stage of 2 (devices 0, 1) holding layers 0-2 as shards, device 2 a whole layer 3;
+    # node b: a stage of 2 whose device 1 lost its shard of layer 4 (a failed copy), and whose device 0
+    # reports layer 5 as shard 0 of 4 (its stage-mates do not)
+    layers = {("a", 0): frozenset({0, 1, 2}), ("a", 1): frozenset({0, 1, 2}), ("a", 2): frozenset({3}),
+              ("b", 0): frozenset({4, 5}), ("b", 1): frozenset()}
+    shards = {("a", 0): {0: (2, 0), 1: (2, 0), 2: (2, 0)}, ("a", 1): {0: (2, 1), 1: (2, 1), 2: (2, 1)},
+              ("b", 0): {4: (2, 0), 5: (4, 0)}}
+    held = whole_holders(layers, shards)
+    assert held[("a", 0)] == held[("a", 1)] == {0, 1, 2} and held[("a", 2)] == {3}
+    assert held[("b", 0)] == frozenset() and held[("b", 1)] == frozenset()
+    # shard indices must match the devices' positions in the stage
+    swapped = {("a", 0): shards[("a", 1)], ("a", 1): shards[("a", 0)]}
+    assert whole_holders({k: layers[k] for k in swapped}, swapped) == {("a", 0): frozenset(), ("a", 1): frozenset()}

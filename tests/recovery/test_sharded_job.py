@@ -1,0 +1,79 @@
+"""Sharded stages (stages of several workers of one node, engine/shard.py) through the production path:
+`submit`'s supervisor, agents and workers as real processes, 4 workers per node, real gloo groups. The
+plan event names each stage's workers; a node killed -9 (its workers fail together) and a replacement
+join change the stages' widths between plans, and the losses and final layers equal the fp64
+single-process reference with no checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from jobrun import JobRun, assert_matches_reference, run_job, tiny_recipe
+
+pytestmark = pytest.mark.slow
+WORKERS = 4
+JOB_TIMEOUT_S = 600.0  # 12 worker processes on a shared 2-core machine
+
+
+def sharded_recipe(nodes: int, steps: int, **fault_tolerance: Any) -> dict[str, Any]:
+    """The tiny GPT on `nodes` x 4 workers, stages up to a node wide. 8MB per worker does not hold a
+    1-node pipeline of 1-worker stages, so the planner shards (widths 2 and 4); microbatches of 4 split
+    evenly over a stage of 4."""
+    recipe = tiny_recipe(nodes=nodes, workers=WORKERS, steps=steps, memory="8MB", **fault_tolerance)
+    recipe["cluster"]["max_stage_devices"] = WORKERS
+    recipe["training"]["microbatch_size"] = 4
+    return recipe
+
+
+def widths(plan: dict[str, Any]) -> list[list[int]]:
+    """Each pipeline's stage widths, from the plan event (each stage lists its workers)."""
+    return [[len(s["workers"]) for s in p["stages"]] for p in plan["pipelines"]]
+
+
+def assert_plan_events_name_every_worker(run: JobRun) -> None:
+    """Every plan event's stages cover their pipeline's workers once, each stage on one node, its
+    ranks consecutive from the stage's first."""
+    for plan in run.kind("plan"):
+        for p in plan["pipelines"]:
+            ranks = [r for s in p["stages"] for r in s["ranks"]]
+            assert len(ranks) == len(set(ranks)) == WORKERS * len(p["nodes"]), plan
+            for s in p["stages"]:
+                assert s["ranks"] == list(range(s["rank"], s["rank"] + len(s["workers"])))
+                assert s["workers"] == list(range(s["worker"], s["worker"] + len(s["workers"])))
+
+
+def test_kill_9_of_a_node_with_sharded_stages_keeps_the_trajectory(tmp_path, templates_cache):
+    # 3 nodes: a 2-node pipeline of four 2-wide stages (node0, node1) and a 1-node pipeline of one
+    # 4-wide stage (node2). node1's worker is killed -9 and its agent kills the node's other workers;
+    # the survivors (half of the first pipeline, the whole second) regroup at other widths, copying
+    # named slices between replicas of different widths
+    recipe = sharded_recipe(3, steps=8)
+    recipe["drills"] = [{"step": 3, "node": "node1", "how": "worker"}]
+    run = run_job(tmp_path, recipe, templates_cache, timeout=JOB_TIMEOUT_S)
+    first, last = run.kind("plan")[0], run.kind("plan")[-1]
+    assert any(w > 1 for ws in widths(first) for w in ws), widths(first)
+    assert run.kind("failure")[0]["nodes"] == ["node1"]
+    assert "node1" not in {n for p in last["pipelines"] for n in p["nodes"]}
+    assert widths(first) != widths(last)
+    assert_plan_events_name_every_worker(run)
+    assert run.kind("resumed") and not run.kind("checkpoint_fallback")
+    assert not (run.job.checkpoints / "step3").exists()  # recovered from memory, not a checkpoint
+    assert_matches_reference(run)
+
+
+def test_a_replacement_joins_and_the_widths_change_between_plans(tmp_path, templates_cache):
+    # node1 (half of the 2-node pipeline of 2-wide stages) is killed -9 at step 3 and a replacement
+    # asked for; each plan change re-cuts the stages' shards from the replicas in memory
+    recipe = sharded_recipe(3, steps=40, replacement="request")
+    recipe["drills"] = [{"step": 3, "node": "node1", "how": "worker"}]
+    run = run_job(tmp_path, recipe, templates_cache, timeout=JOB_TIMEOUT_S)
+    assert [e["node"] for e in run.kind("node_joined")] == ["r1"]
+    plans = run.kind("plan")
+    assert [p["reason"] for p in plans] == ["initial", "failure", "join"], [p["reason"] for p in plans]
+    # the failure regroups node2 as one 4-wide stage, the join grows its pipeline with r1 (2-wide stages)
+    assert "r1" in {n for p in plans[-1]["pipelines"] for n in p["nodes"]}
+    assert widths(plans[0]) != widths(plans[1]) != widths(plans[2]), [widths(p) for p in plans]
+    assert_plan_events_name_every_worker(run)
+    assert not run.kind("checkpoint_fallback")
+    assert_matches_reference(run)
