@@ -122,6 +122,19 @@ def check(fn: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class SupervisorConfig:
+    """The supervisors under Slurm (docs/failover.md, "Under Slurm"). With `failover`, the primary and a
+    standby supervisor each run as the batch step of their own small one-node job (not exclusive: they
+    may share a node), and every training node is its own one-node job whose batch step is its agent, so
+    that no node's loss ends the job. The local backend always runs a standby."""
+
+    failover: bool = False
+    partition: str | None = None  # default: cluster.partition
+    cpus: int = field(default=1, metadata=check(positive))
+    mem: str | None = None  # default: Slurm's
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """Where the job runs: a real Slurm allocation or virtual nodes as local processes."""
 
@@ -152,6 +165,7 @@ class ClusterConfig:
     sbatch: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), metadata=check(sbatch_options))
     setup: tuple[str, ...] = ()  # shell lines run before the agents start (module load ..., conda activate ...)
     job_root: str = "jobs"
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     @property
     def devices_per_node(self) -> int:

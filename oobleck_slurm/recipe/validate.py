@@ -204,8 +204,8 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
             add(("drills",), f"drill node {drill.node!r} is not a node of this job (node1 .. node{c.nodes + c.spare_nodes})")
         if drill.step >= recipe.training.steps:
             add(("drills",), f"drill at step {drill.step} never fires: training.steps is {recipe.training.steps}")
-        if drill.how == "supervisor" and c.backend != "local":
-            add(("drills",), "a supervisor drill needs the local backend: on Slurm its standby is not built yet "
+        if drill.how == "supervisor" and c.backend == "slurm" and not c.supervisor.failover:
+            add(("drills",), "a supervisor drill on Slurm needs a standby: set cluster.supervisor.failover: true "
                              "(docs/failover.md)")
         if drill.how in ("worker", "hang") and drill.worker >= c.devices_per_node:
             add(("drills",), f"drill worker {drill.worker} does not exist: {c.devices_per_node} worker(s) per node")
