@@ -124,6 +124,9 @@ class JobTimeouts:
     warm_up_poll: float = 0.001
     # The batch step's main thread waits on the supervisor thread in slices: signals arrive between them.
     join_poll: float = 0.2
+    # The supervisor exports new events to TensorBoard this often (`logging.tensorboard`): a few reads and
+    # writes per period, however many steps it covers.
+    tensorboard_poll: float = 2.0
     # Agents and workers look at the job folder's published supervisor epoch this often (a stat, and a
     # read when it changed): a frozen supervisor keeps their connections open, so only a higher epoch
     # tells them that a standby took over. Bounds how late they follow it.

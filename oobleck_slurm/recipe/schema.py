@@ -321,6 +321,15 @@ def metric_weights(value: Mapping[str, float]) -> str | None:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    """Where the job's metrics go besides its event log (which always holds everything)."""
+
+    # TensorBoard scalars in JOB/tensorboard, written live by the supervisor (dashboard/tensorboard.py);
+    # needs the `tensorboard` extra.
+    tensorboard: bool = False
+
+
+@dataclass(frozen=True)
 class DetectionConfig:
     """Gray failures from monitoring metrics (Minder-style) and stragglers (MegaScale-style).
 
@@ -373,5 +382,6 @@ class Recipe:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     detection: DetectionConfig = field(default_factory=DetectionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     drills: tuple[DrillConfig, ...] = ()  # off with `submit --no-drills`
     source: str = field(default="", metadata={"internal": True})  # the file it was loaded from

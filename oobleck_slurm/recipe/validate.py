@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import re
 import typing
@@ -182,6 +183,9 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     add = lambda path, msg: issues.append(source.issue(path, msg))  # noqa: E731
     c, m, t, ft = recipe.cluster, recipe.model, recipe.training, recipe.fault_tolerance
 
+    if recipe.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        add(("logging", "tensorboard"), "the `tensorboard` package is not installed (pip install "
+            "'oobleck-slurm[tensorboard]'), or set it to false")
     if t.global_batch_size % t.microbatch_size:
         add(("training", "microbatch_size"),
             f"global_batch_size {t.global_batch_size} is not divisible by microbatch_size {t.microbatch_size}")

@@ -309,6 +309,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         signal.signal(signal.SIGCONT, lambda signum, frame: lease.check())
     standby = start_standby(job, backend, exclude=[h for h in (host, previous_host) if h]) if failover else None
     observer.start()
+    tensorboard = TensorBoardThread(job, timeouts.tensorboard_poll, lease.check) if recipe.logging.tensorboard else None
     try:
         t0 = time.time()
         if takeover is None:
@@ -322,6 +323,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
             coordinator.take_over(takeover.state)
         coordinator.run()
     finally:
+        if tensorboard is not None:
+            tensorboard.stop()
         lease.stop(done=True)
         if standby is not None and current_epoch(job) == epoch:  # not one that took over from this process
             standby()
@@ -354,6 +357,32 @@ def _check_data(spec: Any) -> None:
             open_validation(spec.data, spec.model.seq_len, spec.model.vocab_size, spec.train.eval_samples)
     except ValueError as err:
         raise BadInputError(str(err)) from err
+
+
+class TensorBoardThread:
+    """The job's metrics to TensorBoard while it runs (`logging.tensorboard`, dashboard/tensorboard.py):
+    new events exported every `poll` seconds, the rest at `stop`. `fence` first: a primary thawed after
+    a takeover exports nothing (the new one goes on from the exported offset)."""
+
+    def __init__(self, job: JobDir, poll: float, fence: Callable[[], None]) -> None:
+        from oobleck_slurm.dashboard.tensorboard import TensorBoardExporter
+
+        self.exporter = TensorBoardExporter(job.events, job.tensorboard)
+        self.poll, self.fence = poll, fence
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tensorboard", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            self.fence()
+            self.exporter.export()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.fence()
+        self.exporter.close()
 
 
 class LeaseKeeper:
