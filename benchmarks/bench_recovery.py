@@ -23,6 +23,13 @@ rebuild, state copy, replay) is the coordinator's events. Throughput: samples/s 
 times; the first step of each generation dropped) before the failure, after recovery (degraded /
 after restart) and after the replacement joined: medians, to investigate e.g. the 100m slowdown
 after a join that the README quotes.
+Warm start (supervisor/warm.py: workers forked from their agent's warm server): `start->ready` is the
+time from an agent being told to start its workers (the Start message) to the slowest worker ready to
+join (its log's "ready" line: engine/elastic_process.py), at the job's first start and at a restart on
+the same node (checkpoint mode's fallback); for the replacement, `join: start->ready`
+and `join: start->training`, from its agent's Start to the first step it trained in (the node_joined
+event); `join` is the join's recovery (from the join's replan to that step). The JSON also has the
+replacement's health check (join_health_check_s).
 Writes benchmarks/results/bench_recovery.json.
 """
 
@@ -32,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -83,9 +91,34 @@ def phases(run: Any) -> dict[str, Any]:
     if resumed is not None:
         out["resumed_total_s"] = resumed["total_seconds"]
     joined = run.first("node_joined")
+    starts = worker_starts(run.job.path)
+    joiner = f"{joined['node']}:" if joined is not None else None
+    first = [s for w, s, t in starts if t < failure["t"] and not (joiner and w.startswith(joiner))]
+    if first:
+        out["start_to_ready_s"] = max(first)  # the job's first start, its slowest worker
+    restart = [s for w, s, t in starts if t > failure["t"] and not (joiner and w.startswith(joiner))]
+    if restart:
+        out["restart_start_to_ready_s"] = max(restart)  # workers restarted on their node (checkpoint mode)
     if joined is not None:
         out["join_s"] = joined["seconds"]
+        check = next((e for e in run.kind("health_check") if e["node"] == joined["node"]), None)
+        if check is not None:
+            out["join_health_check_s"] = check["seconds"]
+        mine = [(s, t) for w, s, t in starts if joiner and w.startswith(joiner)]
+        if mine:
+            out["join_start_to_ready_s"] = max(s for s, _ in mine)
+            out["join_start_to_training_s"] = joined["t"] - min(t for _, t in mine)
     return out
+
+
+READY_LINE = re.compile(r"worker (\S+): ready ([0-9.]+) s after its agent's start at ([0-9.]+)")
+
+
+def worker_starts(job_dir: Path) -> list[tuple[str, float, float]]:
+    """Every start of a worker: (its name, seconds from its agent's Start to ready, the Start's time),
+    from the line its main writes in its log (engine/elastic_process.py)."""
+    return [(m.group(1), float(m.group(2)), float(m.group(3)))
+            for log in sorted((job_dir / "logs").glob("worker-*")) for m in READY_LINE.finditer(log.read_text(errors="replace"))]
 
 
 def throughput(run: Any, fallback: bool) -> dict[str, Any]:
@@ -172,7 +205,8 @@ def fmt(v: Any, spec: str = ".3f") -> str:
 def print_tables(results: list[dict[str, Any]], console: Console) -> None:
     t = Table(title="recovery from a SIGKILL mid-step (seconds)")
     for col in ("model", "params", "mode", "recovery (minus one step)", "detection", "replan", "group rebuild",
-                "state copy (MB)", "replay", "resumed total", "join"):
+                "state copy (MB)", "replay", "resumed total", "start->ready (first; restart)", "join",
+                "join: start->ready", "join: start->training"):
         t.add_column(col)
     for r in results:
         for mode in [x for x in ("memory", "checkpoint") if x in r]:
@@ -181,9 +215,11 @@ def print_tables(results: list[dict[str, Any]], console: Console) -> None:
             t.add_row(r["model"], f"{r['parameters'] / 1e6:.1f}M", mode,
                       f"{m['recovery_s']:.2f} ({m['overhead_s']:.2f})", fmt(m.get("detection_s")),
                       fmt(m.get("replan_s")), fmt(m.get("group_rebuild_s")), copy, fmt(m.get("replay_s")),
-                      fmt(m.get("resumed_total_s"), ".2f"), fmt(m.get("join_s"), ".2f"))
+                      fmt(m.get("resumed_total_s"), ".2f"), f"{fmt(m.get('start_to_ready_s'), '.2f')}; {fmt(m.get('restart_start_to_ready_s'), '.2f')}",
+                      fmt(m.get("join_s"), ".2f"), fmt(m.get("join_start_to_ready_s"), ".2f"),
+                      fmt(m.get("join_start_to_training_s"), ".2f"))
         if "speedup" in r:
-            t.add_row(r["model"], "", "ratio", f"checkpoint-restart / memory = {r['speedup']:.1f}x", *[""] * 7)
+            t.add_row(r["model"], "", "ratio", f"checkpoint-restart / memory = {r['speedup']:.1f}x", *[""] * 10)
     console.print(t)
     t2 = Table(title="samples/s, medians (first step of each generation dropped; steps counted)")
     for col in ("model", "mode", "before failure", "after recovery", "after join", "plan before", "plan after"):

@@ -5,7 +5,9 @@
     start_local    the supervisor as a local process in its own session; it starts one agent per
                    virtual node and the agents start the workers (the embedded default)
     submit_slurm   the supervisor as the batch step of a Slurm allocation (submitit); it starts one
-                   `srun` step per node running an agent, and the agents start the workers
+                   `srun` step per node running an agent, and the agents start the workers. With
+                   supervisor failover: the supervisor as its own one-node job, which submits one job
+                   per training node (an agent) and a standby supervisor's job
 
 Both backends run the same supervisor, agents and workers (supervisor/main.py).
 """
@@ -68,10 +70,17 @@ def start_local(job: JobDir) -> subprocess.Popen:
 
 def submit_slurm(job: JobDir, recipe: Recipe) -> str:
     """Submit the allocation through submitit (`--no-kill`, the recipe's time limit, the supervisor in
-    the batch step); returns the Slurm job id. sbatch's refusal raises SlurmError (the caller reports it)."""
-    from oobleck_slurm.cluster.slurm import allocation_parameters, submit
+    the batch step); returns the Slurm job id. sbatch's refusal raises SlurmError (the caller reports it).
+    With `cluster.supervisor.failover` only the primary supervisor's small one-node job is submitted: it
+    submits the training nodes' jobs and its standby's (docs/failover.md, "Under Slurm")."""
+    from oobleck_slurm.cluster.slurm import allocation_parameters, submit, supervisor_parameters
     from oobleck_slurm.supervisor.main import SupervisorJob
 
+    if recipe.cluster.supervisor.failover:
+        slurm_job_id = submit(job.submitit, supervisor_parameters(recipe.cluster, recipe.name, "primary"),
+                              SupervisorJob(str(job.path)))
+        job.update_meta(slurm_job_id=slurm_job_id, supervisor_jobs=[slurm_job_id])
+        return slurm_job_id
     slurm_job_id = submit(job.submitit, allocation_parameters(recipe.cluster, recipe.name),
                           SupervisorJob(str(job.path)))
     job.update_meta(slurm_job_id=slurm_job_id)

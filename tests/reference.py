@@ -44,7 +44,16 @@ def train_reference(job: JobSpec, steps: int | None = None
     steps = job.train.steps if steps is None else steps
     key = _trajectory_key(job, steps)
     if key not in _TRAINED:
-        _TRAINED[key] = _train(job, steps)
+        # One thread, whatever the calling test set: the same reduction order in every run. A test
+        # process's thread count (2 by default here, changed by fixtures) otherwise decides the last
+        # bits of every sum, and a lab test once saw its reference differ by more than the tolerance
+        # from the same computation in a fresh process.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _TRAINED[key] = _train(job, steps)
+        finally:
+            torch.set_num_threads(threads)
     losses, params, _ = _TRAINED[key]
     return list(losses), {k: {n: p.clone() for n, p in tensors.items()} for k, tensors in params.items()}
 

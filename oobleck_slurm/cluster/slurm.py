@@ -1,8 +1,9 @@
 """Slurm, in one module: every Slurm command this package runs (srun, sbatch through submitit, scontrol,
 squeue, sacct, scancel) is run from here, and the parameters of the jobs it submits are built here.
 
-Parsing and parameters are pure (`parse_scontrol_records`, `node_health`, `srun_argv`,
-`allocation_parameters`, `replacement_parameters`), so they are tested without Slurm; the functions
+Parsing and parameters are pure (`parse_scontrol_records`, `parse_squeue_jobs`, `node_health`,
+`srun_argv`, `allocation_parameters`, `replacement_parameters`, `node_job_parameters`,
+`supervisor_parameters`), so they are tested without Slurm; the functions
 that call Slurm's clients name every timeout and raise `SlurmError` with the client's message.
 """
 
@@ -76,6 +77,49 @@ def replacement_parameters(cluster: ClusterConfig, job_name: str, token: str) ->
     the running job. submitit's USR2 notice reaches only steps, and this job has none: the
     replacement's own time limit ends it like a lost node, as the allocation's ends the job."""
     return _job_parameters(cluster, f"{job_name}-{token}", 1, {"exclusive": True})
+
+
+def node_job_parameters(cluster: ClusterConfig, job_name: str, index: int) -> dict[str, Any]:
+    """submitit `update_parameters` for a training node under supervisor failover: a one-node
+    `--exclusive` job (two training nodes never share a machine, nor does a supervisor) named
+    `<job>-train<index>`, whose batch step is the node's agent. Its loss ends only this job; the
+    recipe's sbatch options apply as to the allocation."""
+    additional: dict[str, Any] = {key: True if value == "" else value for key, value in cluster.sbatch.items()}
+    additional["exclusive"] = True
+    return _job_parameters(cluster, f"{job_name}-train{index}", 1, additional)
+
+
+def supervisor_parameters(cluster: ClusterConfig, job_name: str, role: str,
+                          exclude: Sequence[str] = ()) -> dict[str, Any]:
+    """submitit `update_parameters` for a supervisor under failover (`role`: primary or standby): a
+    small one-node job, not exclusive (supervisors may share a node with other jobs), with
+    `cluster.supervisor`'s partition, CPUs and memory, and no GPU; `exclude` keeps a standby off the
+    primary's node (one machine's loss must not take both)."""
+    sup = cluster.supervisor
+    params: dict[str, Any] = {
+        "name": f"{job_name}-{role}",
+        "nodes": 1,
+        "tasks_per_node": 1,
+        "cpus_per_task": sup.cpus,
+        "timeout_min": slurm_time_minutes(cluster.time),
+        "slurm_use_srun": False,
+        "slurm_additional_parameters": {"exclude": ",".join(exclude)} if exclude else {},
+        "slurm_setup": list(cluster.setup),
+    }
+    optional = {"slurm_partition": sup.partition or cluster.partition, "slurm_account": cluster.account,
+                "slurm_qos": cluster.qos, "slurm_mem": sup.mem}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def parse_squeue_jobs(text: str) -> dict[str, tuple[str, str]]:
+    """`squeue -h -o '%i %T %N'` lines -> job id -> (state, node list; "" while pending)."""
+    jobs = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            jobs[parts[0]] = (parts[1], parts[2] if len(parts) > 2 else "")
+    return jobs
 
 
 def srun_argv(node: str, command: Sequence[str], cpus: int, gpus: int = 0) -> list[str]:
@@ -155,6 +199,13 @@ def start_step(node: str, command: Sequence[str], cpus: int, gpus: int, output: 
     with open(output, "ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(srun_argv(node, command, cpus, gpus), stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
+
+
+def queued_jobs(job_ids: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """The state and node list of those of `job_ids` still in the queue (see `parse_squeue_jobs`)."""
+    if not job_ids:
+        return {}
+    return parse_squeue_jobs(_run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i %T %N"]))
 
 
 def expand_hostnames(nodelist: str) -> list[str]:

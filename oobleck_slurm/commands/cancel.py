@@ -37,8 +37,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def slurm_job_ids(meta: dict, events: list[dict]) -> list[str]:
-    """The job's allocation and every replacement job it asked for (pure)."""
+    """The job's allocation and every replacement job it asked for (pure); under supervisor failover
+    also its supervisors' and training nodes' jobs (docs/failover.md, "Under Slurm")."""
     ids = [str(meta["slurm_job_id"])] if meta.get("slurm_job_id") else []
+    ids += [str(i) for i in [*meta.get("supervisor_jobs", []), *meta.get("node_jobs", [])]]
     ids += [str(e["slurm_job"]) for e in events
             if e["kind"] == "replacement_requested" and e.get("how") == "request" and e.get("slurm_job")]
     return list(dict.fromkeys(ids))

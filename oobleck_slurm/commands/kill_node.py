@@ -12,9 +12,10 @@ detection times are measured from the injection), then:
     freeze   every process of this job on the node is SIGSTOPped (a frozen machine: heartbeats stop)
     node     every process of this job on the node is SIGKILLed (a crashed machine)
 
-`kill-node JOB supervisor [--how process]` kills the job's primary supervisor (its pid in the job
-folder's lease) with SIGKILL; its standby takes over (local backend only; docs/failover.md). A frozen
-supervisor is not survived yet: its agents and workers stay connected to it.
+`kill-node JOB supervisor [--how process|freeze|node]` acts on the job's primary supervisor (its pid
+and host in the job folder's lease): SIGKILL (`process`), SIGSTOP (`freeze`, left stopped), or, under
+Slurm, every process of the job on the supervisor's node SIGKILLed (`node`). Its standby takes over
+(the local backend, or Slurm with `cluster.supervisor.failover`; docs/failover.md).
 
 `freeze` and `node` act on the processes they can see: under Slurm, the job's processes on the node
 (by their Slurm environment: run on the node itself, or on a lab where every virtual node runs on
@@ -129,24 +130,53 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+SUPERVISOR_HOWS = ("process", "node", "freeze")
+
+
 def _kill_supervisor(job: JobDir, how: str, local: bool) -> int:
-    """SIGKILL the job's primary supervisor; its standby takes over."""
+    """Fault injection into the job's primary supervisor (the pid and host in its lease): `process`
+    SIGKILLs it, `freeze` SIGSTOPs it (it is left stopped: a frozen machine), `node` (Slurm) SIGKILLs
+    every process of the job on its node. Its standby takes over (docs/failover.md)."""
     import os
+    import socket
 
     from oobleck_slurm.cluster.lease import read_lease
+    from oobleck_slurm.commands.cancel import slurm_job_ids
+    from oobleck_slurm.protocol.events import events_path, read_events
 
-    if how != "process":
-        return fail(f"kill-node {SUPERVISOR}: only --how process is supported (a frozen supervisor is not "
-                    f"survived yet), got {how}")
-    if not local:
-        return fail(f"{job.job_id}: a supervisor drill needs the local backend (on Slurm its standby is not built yet)")
+    if how not in SUPERVISOR_HOWS:
+        return fail(f"kill-node {SUPERVISOR}: --how must be one of {', '.join(SUPERVISOR_HOWS)}, got {how}")
+    meta = job.meta()
+    if not local and not meta.get("supervisor_jobs"):
+        return fail(f"{job.job_id}: its supervisor has no standby (it runs in the allocation's batch step): "
+                    f"set cluster.supervisor.failover: true (docs/failover.md)")
     lease = read_lease(job)
     if lease is None or lease.done:
         return fail(f"{job.job_id}: no running supervisor (no live lease in {job.supervisor_lease})", EXIT_FAILED)
-    try:
-        os.kill(lease.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return fail(f"{job.job_id}: the supervisor (pid {lease.pid}) is gone", EXIT_FAILED)
-    console.print(f"{how}: supervisor (pid {lease.pid}, epoch {lease.epoch}) of {job.job_id}", markup=False,
-                  highlight=False)
+    what = f"supervisor (pid {lease.pid}, epoch {lease.epoch})"
+    if how == "node":
+        if local:
+            return fail(f"{job.job_id}: on the local backend the supervisor has no node of its own; use "
+                        f"--how process or --how freeze")
+        node = (meta.get("supervisor") or {}).get("host")
+        ids = set(slurm_job_ids(meta, read_events(events_path(job.path), "replacement_requested")))
+        procs = job_processes(node, ids) if node else []
+        if not procs:
+            return fail(f"no process of job(s) {sorted(ids)} on the supervisor's node {node} is visible from here",
+                        EXIT_FAILED)
+        for sig in (signal.SIGSTOP, signal.SIGKILL):  # all stopped first: none sees another die
+            for proc in procs:
+                try:
+                    proc.send_signal(sig)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        what += f" and every process of the job on {node} ({len(procs)})"
+    else:
+        if lease.host != socket.gethostname():
+            return fail(f"{job.job_id}: the supervisor runs on {lease.host}: run kill-node there", EXIT_FAILED)
+        try:
+            os.kill(lease.pid, signal.SIGKILL if how == "process" else signal.SIGSTOP)
+        except ProcessLookupError:
+            return fail(f"{job.job_id}: the supervisor (pid {lease.pid}) is gone", EXIT_FAILED)
+    console.print(f"{how}: {what} of {job.job_id}", markup=False, highlight=False)
     return EXIT_OK

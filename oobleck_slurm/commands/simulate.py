@@ -4,7 +4,7 @@ A discrete-event simulation of a whole run of the recipe's model under a failure
 (the real reconfiguration on the real templates, calibrated recovery costs) and the baselines. The
 trace comes from a CSV file (`--trace`), the artifact's fixed interval (`--mtbf D --nodes N
 --min-nodes M`), or random node failures (`--mttf-node D --hours H`, replacements after
-`--replacement-delay`). See README "Simulating a run at scale".
+`--replacement-delay`). See docs/simulator.md.
 """
 
 from __future__ import annotations

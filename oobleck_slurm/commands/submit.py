@@ -194,7 +194,14 @@ def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
     from oobleck_slurm.cluster.slurm import in_queue
     from oobleck_slurm.protocol.events import events_path, read_events
 
-    _follow(job_dir, dashboard, running=lambda: in_queue(slurm_job_id))
+    def running() -> bool:
+        # Under supervisor failover any supervisor job of it (docs/failover.md), else the allocation.
+        from oobleck_slurm.cluster.jobdir import JobDir
+
+        ids = JobDir.at(job_dir).meta().get("supervisor_jobs") or [slurm_job_id]
+        return any(in_queue(str(i)) for i in ids)
+
+    _follow(job_dir, dashboard, running=running)
     finished = read_events(events_path(job_dir), "job_finished")
     if finished:
         return int(finished[-1].get("exit_code") or 0)

@@ -1,6 +1,6 @@
 """Terminal dashboard and static run report, both built from the job's event log.
 
-See README.md in this folder for the event vocabulary (the contract with the producers).
+See docs/events.md for the event vocabulary (the contract with the producers).
 
     state       DashboardState.apply(event): the pure reducer over events
     panels      the panels (rich renderables) and the viewer's View (scroll, pause)

@@ -360,7 +360,18 @@ class ElasticWorker:
                 self.writer.submit(w.step, w.keys[i], payload)
 
 
+def _log_ready(name: str) -> None:
+    """One line in the worker's log: how long after its agent was told to start it (OOBLECK_START_T,
+    supervisor/agent.py) it is ready to join; bench_recovery reads it (a warm start: well under 1 s)."""
+    told = os.environ.get("OOBLECK_START_T")
+    if told is not None:
+        print(f"worker {name}: ready {time.time() - float(told):.3f} s after its agent's start at {told} "
+              f"(pid {os.getpid()}, parent {os.getppid()})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """A worker's entry: `python -m` runs it, or the agent's warm server calls it in a forked child
+    (supervisor/warm.py: torch and the engine already imported, the environment already the worker's)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or not args[2].isdigit():
         print("usage: python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE LOCAL", file=sys.stderr)
@@ -372,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(args[2]))
     code = 0
     try:
-        ElasticWorker(Path(args[0]), args[1], int(args[2])).run()
+        worker = ElasticWorker(Path(args[0]), args[1], int(args[2]))
+        _log_ready(worker.name)
+        worker.run()  # sets its worker_ready key first
     except Exception:
         traceback.print_exc()
         code = EXIT_FAILED

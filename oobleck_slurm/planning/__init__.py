@@ -5,7 +5,7 @@
     plan = instantiate(templates, nodes=16, f=2, global_microbatches=128, profile=profile)
 
 Pure logic (profile, cost, templates, instantiate, estimate) does no I/O; `measure` runs torch,
-`cache` writes `templates_cache/`. See README.md in this directory for the formulas.
+`cache` writes `templates_cache/`. See docs/planning.md for the formulas.
 """
 
 from oobleck_slurm.planning.estimate import estimate_profile

@@ -3,7 +3,8 @@
 Pure: no processes, no I/O. The coordinator calls `reconfigure` when nodes are lost or join; the
 workers execute the returned `transfers` (parameters and optimizer state of whole layers).
 
-Rules, applied in this order to the pipelines of the current plan (Oobleck §4.2, design brief §3.6):
+Rules, applied in this order to the pipelines of the current plan (the Oobleck paper, SOSP 2023, §4.2;
+cheapest fix first, so that most losses copy few layers):
 - unchanged: a pipeline that lost no node keeps its template and nodes;
 - simple:    a pipeline with k surviving nodes takes the template for k nodes, on its survivors;
 - borrow:    a pipeline whose survivors have no template (k < n0) first takes free nodes (spares,

@@ -10,7 +10,7 @@ that is missing or of the wrong type reads as None; only a record lacking its ti
 is unreadable (None).
 
 A field without a default is required; optional ones default to None. Each class's docstring says
-when the event is written; `render_tables()` renders the tables of oobleck_slurm/dashboard/README.md
+when the event is written; `render_tables()` renders the tables of docs/events.md
 from this module (`python -m oobleck_slurm.protocol.event_schema --write-readme`).
 
 Events of a membership change (a failure, a re-form, a join, a checkpoint restart) carry, from the
@@ -682,7 +682,7 @@ _SCALARS: dict[Any, Callable[[Any], Any]] = {float: as_float, int: as_int, str: 
 
 # ---- the README's tables -----------------------------------------------------------------------------
 
-README = Path(__file__).resolve().parents[1] / "dashboard" / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "events.md"  # the repository's docs/
 TABLES_BEGIN = "<!-- event tables: generated from oobleck_slurm/protocol/event_schema.py; do not edit by hand -->"
 TABLES_END = "<!-- end of event tables -->"
 UPDATE_COMMAND = "python -m oobleck_slurm.protocol.event_schema --write-readme"

@@ -89,6 +89,12 @@ class JobTimeouts:
     address_timeout: float = 120.0
     # The health monitor holds its judgement while a checkpoint is written, at most this long.
     checkpoint_hold_max: float = 300.0
+    # An agent's wait for its warm server (supervisor/warm.py) to fork a worker: includes what remains of
+    # the server's imports (torch's: seconds of CPU) when the agent is told to start right after it started.
+    warm_spawn_timeout: float = 120.0
+    # A warm server that died takes its workers with it (PR_SET_PDEATHSIG): their ends are reported once
+    # their pids are gone, at most this long after (a SIGKILL takes milliseconds).
+    warm_orphan_wait: float = 5.0
     # Under Slurm with supervisor failover, the training nodes are one-node jobs the supervisor submits
     # when it starts (docs/failover.md): how long they may wait in the queue before the job gives up.
     node_jobs_timeout: float = 600.0
@@ -124,6 +130,9 @@ class JobTimeouts:
     warm_up_poll: float = 0.001
     # The batch step's main thread waits on the supervisor thread in slices: signals arrive between them.
     join_poll: float = 0.2
+    # The supervisor exports new events to TensorBoard this often (`logging.tensorboard`): a few reads and
+    # writes per period, however many steps it covers.
+    tensorboard_poll: float = 2.0
     # Agents and workers look at the job folder's published supervisor epoch this often (a stat, and a
     # read when it changed): a frozen supervisor keeps their connections open, so only a higher epoch
     # tells them that a standby took over. Bounds how late they follow it.

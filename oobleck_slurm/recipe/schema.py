@@ -122,6 +122,19 @@ def check(fn: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class SupervisorConfig:
+    """The supervisors under Slurm (docs/failover.md, "Under Slurm"). With `failover`, the primary and a
+    standby supervisor each run as the batch step of their own small one-node job (not exclusive: they
+    may share a node), and every training node is its own one-node job whose batch step is its agent, so
+    that no node's loss ends the job. The local backend always runs a standby."""
+
+    failover: bool = False
+    partition: str | None = None  # default: cluster.partition
+    cpus: int = field(default=1, metadata=check(positive))
+    mem: str | None = None  # default: Slurm's
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """Where the job runs: a real Slurm allocation or virtual nodes as local processes."""
 
@@ -152,6 +165,7 @@ class ClusterConfig:
     sbatch: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), metadata=check(sbatch_options))
     setup: tuple[str, ...] = ()  # shell lines run before the agents start (module load ..., conda activate ...)
     job_root: str = "jobs"
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     @property
     def devices_per_node(self) -> int:
@@ -307,6 +321,15 @@ def metric_weights(value: Mapping[str, float]) -> str | None:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    """Where the job's metrics go besides its event log (which always holds everything)."""
+
+    # TensorBoard scalars in JOB/tensorboard, written live by the supervisor (dashboard/tensorboard.py);
+    # needs the `tensorboard` extra.
+    tensorboard: bool = False
+
+
+@dataclass(frozen=True)
 class DetectionConfig:
     """Gray failures from monitoring metrics (Minder-style) and stragglers (MegaScale-style).
 
@@ -359,5 +382,6 @@ class Recipe:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     detection: DetectionConfig = field(default_factory=DetectionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     drills: tuple[DrillConfig, ...] = ()  # off with `submit --no-drills`
     source: str = field(default="", metadata={"internal": True})  # the file it was loaded from

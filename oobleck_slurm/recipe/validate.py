@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import re
 import typing
@@ -182,6 +183,9 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     add = lambda path, msg: issues.append(source.issue(path, msg))  # noqa: E731
     c, m, t, ft = recipe.cluster, recipe.model, recipe.training, recipe.fault_tolerance
 
+    if recipe.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        add(("logging", "tensorboard"), "the `tensorboard` package is not installed (pip install "
+            "'oobleck-slurm[tensorboard]'), or set it to false")
     if t.global_batch_size % t.microbatch_size:
         add(("training", "microbatch_size"),
             f"global_batch_size {t.global_batch_size} is not divisible by microbatch_size {t.microbatch_size}")
@@ -216,8 +220,8 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
             add(("drills",), f"drill node {drill.node!r} is not a node of this job (node1 .. node{c.nodes + c.spare_nodes})")
         if drill.step >= recipe.training.steps:
             add(("drills",), f"drill at step {drill.step} never fires: training.steps is {recipe.training.steps}")
-        if drill.how == "supervisor" and c.backend != "local":
-            add(("drills",), "a supervisor drill needs the local backend: on Slurm its standby is not built yet "
+        if drill.how == "supervisor" and c.backend == "slurm" and not c.supervisor.failover:
+            add(("drills",), "a supervisor drill on Slurm needs a standby: set cluster.supervisor.failover: true "
                              "(docs/failover.md)")
         if drill.how in ("worker", "hang") and drill.worker >= c.devices_per_node:
             add(("drills",), f"drill worker {drill.worker} does not exist: {c.devices_per_node} worker(s) per node")

@@ -18,10 +18,10 @@ from oobleck_slurm.simulate.core import Ledger, SystemResult, ledger_result
 from oobleck_slurm.simulate.scenario import Scenario
 from oobleck_slurm.simulate.traces import Trace
 
-# Assumptions for checkpoint-restart when no artifact constants are given (documented in the README):
+# Assumptions for checkpoint-restart when no artifact constants are given (docs/simulator.md):
 STORAGE_BPS_PER_DEVICE = 2e9  # each GPU writes (and reads back) its shard at 2 GB/s to the parallel file system
 SLURM_DOWN_S = 12.9  # measured on this project's Slurm lab: a killed node was marked DOWN after 12.9 s
-RELAUNCH_S = 60.0  # relaunch of every rank + NCCL init; design brief §6: "NVIDIA's in-job restart costs about a minute"
+RELAUNCH_S = 60.0  # relaunch of every rank + NCCL init: an assumed round minute, not measured here
 
 
 @dataclass(frozen=True)

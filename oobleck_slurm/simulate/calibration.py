@@ -50,7 +50,7 @@ class Calibration:
     copy_Bps: float | None  # None: the profile's inter-node link bandwidth
     replay_factor: float
     checkpoint_steps: float
-    restart_s: float = 60.0  # checkpoint fallback: relaunch the job (design brief §6: ~1 min in-job restart)
+    restart_s: float = 60.0  # checkpoint fallback: relaunch the job (assumed ~1 min, baselines.RELAUNCH_S)
     source: str = "default"
 
     def recovery_s(self, copy_bytes: float, link_Bps: float, step_s: float, *, join: bool = False) -> float:

@@ -16,6 +16,19 @@ protocol/messages.py):
     health {...}        run a short collective with the supervisor (engine and network work here)
     shutdown            stop the workers and exit 0
 
+Warm workers (supervisor/warm.py): the agent starts its warm server first thing, before it registers;
+the server imports what every worker imports (torch, torch._dynamo, the engine: ~3.6 s of CPU) while
+the agent registers, a replacement's health check waits and the supervisor plans, and never touches
+CUDA. Workers, and the health check, are forked from it: `start` to a worker ready to join takes tens
+of milliseconds instead of seconds (benchmarks/bench_recovery.py), for the job's first start as for a
+replacement, a checkpoint restart or a new generation's workers on the same node. A forked worker is
+what `python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE LOCAL` was: exactly `worker_env`'s
+environment, its log as stdout and stderr, SIGUSR2 and SIGHUP ignored, leaving with os._exit. The
+server reports each exit code; the agent signals workers (kill, the SIGSTOP drills) and reads their
+states by pid. Death follows the chain agent -> server -> workers (PR_SET_PDEATHSIG at each link): a
+killed agent takes its server and its workers with it. A server that died takes its workers (reported
+as killed: the node fails) and is replaced from the main loop; meanwhile workers start cold.
+
 The node is the failure unit (the planner places pipelines on nodes): the first worker to exit
 non-zero is reported as `worker_exit {code, worker}` and the node's other workers are killed at once;
 `worker_exit {code: 0}` is reported once every worker finished. `preempt` is relayed when Slurm sends
@@ -33,6 +46,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -63,6 +77,7 @@ from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.agent_health import DRILLS, MetricsReporter, NodeDrills
 from oobleck_slurm.supervisor.server import connect
+from oobleck_slurm.supervisor.warm import HEALTH_MODULE, WORKER_MODULE, WarmProcess, WarmServer
 
 # Set in every NCCL worker's environment, before torch starts (docs/nccl.md, "Aborting"): torch's watchdog must never act on its own (it sleeps 60 s, then tears the process down);
 # the generation design aborts groups itself (engine/abort.py), and a timeout dump key left in the root
@@ -76,9 +91,15 @@ NCCL_WORKER_ENV = {
 }
 
 
+WARM_RESTARTS = 3  # a warm server that died is replaced this many times at most
+
+# A worker: forked from the warm server, or (the server gone) started cold.
+WorkerProcess = WarmProcess | subprocess.Popen
+
+
 def _die_with_parent() -> None:
-    """In the worker, before exec: SIGKILL it when the agent dies, so that no orphan worker of a
-    lost node goes on in a job that has moved on without it (Linux prctl PR_SET_PDEATHSIG)."""
+    """In a worker started cold, before exec: SIGKILL it when the agent dies, so that no orphan worker
+    of a lost node goes on in a job that has moved on without it (Linux prctl PR_SET_PDEATHSIG)."""
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
@@ -115,7 +136,7 @@ class Agent:
         self.address = read_address(self.job)
         self.timeouts = JobTimeouts(**self.address.get("timeouts", {}))  # the job's, written by the supervisor
         self.interval = self.timeouts.heartbeat_interval
-        self.workers: list[subprocess.Popen] = []  # index = the worker's local index (device)
+        self.workers: list[WorkerProcess] = []  # index = the worker's local index (device)
         self.worker_id: str | None = None  # the node id the supervisor gave this node's workers
         # How they ended (0: all finished; else the first failure's code), kept for a supervisor that
         # takes over: the exit was reported to the lost one, which may never have read it.
@@ -124,6 +145,10 @@ class Agent:
         self._done = threading.Event()
         self._preempt = threading.Event()  # Slurm's SIGUSR2 arrived: relay it once
         self.drills = NodeDrills(lambda: [w.pid for w in self.workers if w.poll() is None])
+        # Started before registering, in the main thread (its PR_SET_PDEATHSIG follows this thread): its
+        # imports overlap the registration, a replacement's health check and the supervisor's planning.
+        self.warm = WarmServer(timeouts=self.timeouts)
+        self._warm_restarts = 0
         self.epoch = int(self.address.get("epoch", 1))  # the supervisor's (lease.py): only a higher one replaces it
         self.failover_s = float(self.address.get("failover_s", 0.0))  # how long a new supervisor is awaited
         self.channel: Channel = self._connect(self.address)
@@ -185,16 +210,34 @@ class Agent:
     def start_workers(self, node_id: str, count: int, threads: int, device: str) -> None:
         if any(w.poll() is None for w in self.workers):
             raise RuntimeError(f"node {self.node} already runs workers of {self.worker_id}")
+        told = time.time()  # logged by each worker with its ready time (bench_recovery's warm start)
         self.workers = []
         self.exited = None
         self.worker_id = node_id  # before the workers: the beat loop reports their exits under it
         for local in range(count):
-            log = open(self.job.worker_log(node_id, local), "ab")  # noqa: SIM115 - the child owns it
-            self.workers.append(subprocess.Popen(
-                [sys.executable, "-m", "oobleck_slurm.engine.elastic_process", str(self.job.path), node_id, str(local)],
-                stdout=log, stderr=subprocess.STDOUT, env=worker_env(os.environ, local, threads, device),
-                preexec_fn=_die_with_parent))
-            log.close()
+            argv = [str(self.job.path), node_id, str(local)]
+            env = dict(worker_env(os.environ, local, threads, device), OOBLECK_START_T=repr(told))
+            log = str(self.job.worker_log(node_id, local))
+            self.workers.append(self._spawn(WORKER_MODULE, argv, env, log))
+
+    def _spawn(self, module: str, argv: list[str], env: dict[str, str], log: str) -> WorkerProcess:
+        """`python -m module argv`, forked from the warm server; started cold if the server is gone (the
+        main loop starts a new one for the next time: `_keep_warm`)."""
+        try:
+            return self.warm.spawn(module, argv, env, log)
+        except OSError as err:
+            print(f"agent {self.node}: {err}; {module} starts cold", file=sys.stderr, flush=True)
+        with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+
+    def _keep_warm(self) -> None:
+        """A warm server that died is replaced, from the main thread (a server's PR_SET_PDEATHSIG
+        follows the thread that started it), a few times at most (one that cannot start stays dead)."""
+        if not self.warm.alive() and self._warm_restarts < WARM_RESTARTS:
+            self._warm_restarts += 1
+            self.warm.close()
+            self.warm = WarmServer(timeouts=self.timeouts)
 
     def stop_workers(self) -> None:
         self.drills.stop()
@@ -268,7 +311,7 @@ class Agent:
 
     def _drill(self, how: str, worker: int) -> None:
         if how == "agent":
-            os.kill(os.getpid(), signal.SIGKILL)  # the workers follow (PR_SET_PDEATHSIG)
+            os.kill(os.getpid(), signal.SIGKILL)  # the warm server follows, and its workers (PR_SET_PDEATHSIG)
         if how in DRILLS:
             self.drills.start(how)
             return
@@ -277,14 +320,23 @@ class Agent:
             workers[worker].send_signal(signal.SIGKILL if how == "worker" else signal.SIGSTOP)
 
     def _health(self, message: Health) -> None:
+        """The joining node's check (supervisor/health.py), forked warm: torch is already imported."""
         t0 = time.time()
-        done = subprocess.run(
-            [sys.executable, "-m", "oobleck_slurm.supervisor.health", message.host, str(message.port),
-             message.prefix, str(message.timeout)],
-            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False,
-            timeout=message.timeout + 60)
-        self.send(HealthResult(node=self.node, prefix=message.prefix, ok=done.returncode == 0,
-                               seconds=time.time() - t0, detail=(done.stdout + done.stderr).strip()[-500:]))
+        fd, log = tempfile.mkstemp(prefix=f"health-{self.node}-", suffix=".log")
+        os.close(fd)
+        try:
+            check = self._spawn(HEALTH_MODULE, [message.host, str(message.port), message.prefix, str(message.timeout)],
+                                dict(os.environ, OMP_NUM_THREADS="1"), log)
+            try:
+                code = check.wait(message.timeout + self.timeouts.health_check_timeout)  # its own, then its start
+            except subprocess.TimeoutExpired:
+                check.kill()
+                code = check.wait()
+            detail = Path(log).read_text(errors="replace")
+        finally:
+            Path(log).unlink(missing_ok=True)
+        self.send(HealthResult(node=self.node, prefix=message.prefix, ok=code == 0,
+                               seconds=time.time() - t0, detail=detail.strip()[-500:]))
 
     # ---- the loop ----------------------------------------------------------------------------------
 
@@ -300,6 +352,7 @@ class Agent:
             while not self._done.is_set():
                 now = time.time()
                 self._check_workers()
+                self._keep_warm()
                 if self._preempt.is_set() and not relayed:
                     relayed = True
                     self.send(Preempt(node=self.node, signal="SIGUSR2", t=now))
@@ -315,6 +368,7 @@ class Agent:
             if reporter is not None:
                 reporter.stop()
             self.stop_workers()
+            self.warm.close()
             self.channel.close()
         return EXIT_OK
 

@@ -4,6 +4,10 @@
                     allocation (a step per node, so that srun's exit names the node whose task ended),
                     replacements as one-node `--exclusive` jobs submitted through submitit, like the
                     allocation, whose batch step is an agent (`ReplacementAgent`)
+    NodeJobLauncher under supervisor failover (docs/failover.md, "Under Slurm"): no allocation; every
+                    training node is its own one-node `--exclusive` job whose batch step is its agent,
+                    exactly like a replacement, so that no node's loss (the supervisor's included)
+                    ends the others; replacements as with SrunLauncher
     LocalLauncher   agents as local processes named node1, node2, ... (the embedded default)
 
 The supervisor above them is the same. Every Slurm command is run by cluster/slurm.py.
@@ -14,6 +18,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +27,7 @@ from typing import Protocol
 from oobleck_slurm.cluster import slurm
 from oobleck_slurm.cluster.jobdir import JobDir
 from oobleck_slurm.cluster.slurm import NodeHealth, SlurmError
+from oobleck_slurm.errors import InfrastructureError, JobTimeoutError
 from oobleck_slurm.exit_codes import EXIT_OK
 from oobleck_slurm.recipe import ClusterConfig
 
@@ -29,7 +35,9 @@ AGENT_MODULE = "oobleck_slurm.supervisor.agent"
 
 
 class AgentLauncher(Protocol):
-    def launch(self, node: str) -> subprocess.Popen: ...  # the process whose exit means "the node's task ended"
+    # The process whose exit means "the node's task ended"; None when the agent is its own job's batch
+    # step (NodeJobLauncher): its loss is then seen by its connection, heartbeats and Slurm's node state.
+    def launch(self, node: str) -> subprocess.Popen | None: ...
     def request(self, token: str) -> str | None: ...  # ask for one more node; a handle (job id) or None
     def node_states(self, nodes: Sequence[str]) -> dict[str, NodeHealth] | None: ...  # None: no such view
     def close(self) -> None: ...  # cancel outstanding requests
@@ -42,10 +50,11 @@ def agent_argv(job_dir: Path, *extra: str) -> list[str]:
 @dataclass(frozen=True)
 class ReplacementAgent:
     """What submitit runs in a replacement job's batch step: an agent that registers with `token`
-    (the id the coordinator already knows the node by)."""
+    (the id the coordinator already knows the node by); with no token, a training node's own job
+    under supervisor failover, whose agent registers under its Slurm node name."""
 
     job_dir: str
-    token: str
+    token: str | None = None
 
     def __call__(self) -> int:
         from oobleck_slurm.supervisor import agent
@@ -54,7 +63,7 @@ class ReplacementAgent:
         # started by srun does (its workers die with it).
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCONT, signal.SIG_DFL)
-        code = agent.main([self.job_dir, "--replacement", self.token])
+        code = agent.main([self.job_dir, *(["--replacement", self.token] if self.token else [])])
         if code != EXIT_OK:
             raise SystemExit(code)  # submitit lets SystemExit through: Slurm records this exit code
         return code
@@ -65,7 +74,7 @@ class SrunLauncher:
         self.job, self.cluster, self.job_name = JobDir.at(job_dir), cluster, job_name
         self.requested: dict[str, str] = {}  # token -> Slurm job id
 
-    def launch(self, node: str) -> subprocess.Popen:
+    def launch(self, node: str) -> subprocess.Popen | None:
         return slurm.start_step(node, agent_argv(self.job.path), self.cluster.cpus_per_node,
                                 self.cluster.gpus_per_node, self.job.agent_log(node))
 
@@ -87,6 +96,62 @@ class SrunLauncher:
             slurm.cancel_jobs(list(self.requested.values()))
         except SlurmError as err:
             print(f"supervisor: scancel of replacement jobs failed: {err}", file=sys.stderr)
+
+
+# Queue states in which a submitted job may still start (squeue's %T).
+WAITING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "RESIZING"})
+
+
+def started_nodes(job_ids: Sequence[str], queue: dict[str, tuple[str, str]]) -> list[str] | None:
+    """The node of each of `job_ids` (one-node jobs), in their order, once all run; None while one
+    waits; InfrastructureError when one ended or left the queue before it started (pure)."""
+    nodes = []
+    for job_id in job_ids:
+        state, nodelist = queue.get(job_id, ("GONE", ""))
+        if state == "RUNNING" and nodelist:
+            nodes.append(nodelist)
+        elif state not in WAITING_STATES:
+            raise InfrastructureError(f"training node job {job_id} is {state} before it started; see its "
+                                      f"output in the job folder's submitit/")
+    return nodes if len(nodes) == len(job_ids) else None
+
+
+class NodeJobLauncher(SrunLauncher):
+    """Training nodes as one-node jobs whose batch step is their agent (see the module docstring)."""
+
+    def __init__(self, job_dir: Path, cluster: ClusterConfig, job_name: str) -> None:
+        super().__init__(job_dir, cluster, job_name)
+        self.node_jobs: list[str] = []  # the node jobs this supervisor submitted (none after a takeover)
+
+    def start_nodes(self, count: int, timeout: float, poll: float) -> list[str]:
+        """Submit `count` node jobs and wait until each runs; their Slurm node names, in submission
+        order (the coordinator's node ids). Their agents wait for the supervisor's address."""
+        ids = [slurm.submit(self.job.submitit, slurm.node_job_parameters(self.cluster, self.job_name, i + 1),
+                            ReplacementAgent(str(self.job.path))) for i in range(count)]
+        self.node_jobs = ids
+        self.job.update_meta(node_jobs=ids)  # `cancel` and `kill-node` find them there
+        deadline = time.time() + timeout
+        try:
+            while (nodes := started_nodes(ids, slurm.queued_jobs(ids))) is None:
+                if time.time() > deadline:
+                    raise JobTimeoutError(f"training node jobs {ids} did not all start within {timeout:g} s "
+                                          f"(node_jobs_timeout)")
+                time.sleep(poll)
+        except Exception:
+            slurm.cancel_jobs(ids)  # no agent of a job that cannot start waits for a supervisor
+            raise
+        return nodes
+
+    def launch(self, node: str) -> subprocess.Popen | None:
+        return None  # the agent is its node job's batch step: it registers by itself
+
+    def close(self) -> None:
+        super().close()
+        try:  # agents told to shut down end their jobs; a node job still queued is cancelled
+            slurm.cancel_jobs([j for j, (state, _) in slurm.queued_jobs(self.node_jobs).items()
+                               if state in WAITING_STATES])
+        except SlurmError as err:
+            print(f"supervisor: scancel of queued node jobs failed: {err}", file=sys.stderr)
 
 
 class LocalLauncher:

@@ -6,6 +6,11 @@ the coordinator (membership, generations, reconfiguration) with `AgentNodes` as 
 the node that runs it ends the job (nothing else holds the store): the job then exits non-zero and
 `--time` bounds the allocation; a requeue resumes from the last complete checkpoint.
 
+With `cluster.supervisor.failover` (docs/failover.md, "Under Slurm") there is no allocation: this
+supervisor is the batch step of its own small one-node job, submits one one-node job per training node
+(its batch step is the node's agent: `NodeJobLauncher`) and a standby supervisor's job on another node,
+which takes over when this one's lease lapses. On the local backend a standby always runs.
+
 Preemption / time limit (see preemption.py): the notice reaches the agents, which relay it; the
 supervisor signals itself, submitit's handler calls `SupervisorJob.checkpoint`, which waits for an
 on-demand checkpoint of the current step, marks the folder (`requeue`) and lets submitit requeue.
@@ -33,6 +38,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -58,6 +64,12 @@ def advertised_host() -> str:
     """The address agents and workers use to reach this node: OOBLECK_SUPERVISOR_HOST, else the
     node's name (the lab maps node names to 127.0.0.1 in /etc/hosts), else the hostname."""
     return os.environ.get("OOBLECK_SUPERVISOR_HOST") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def failover_enabled(backend: str, recipe: Any) -> bool:
+    """Whether a standby supervisor runs: always on the local backend (a second process on this
+    machine), on Slurm with `cluster.supervisor.failover` (its own job on another node)."""
+    return backend == "local" or bool(recipe.cluster.supervisor.failover)
 
 
 def allocation_nodes(backend: str, recipe: Any) -> list[str]:
@@ -99,9 +111,10 @@ class Takeover:
     lease_age: float
 
 
-def run_standby(job_dir: Path, backend: str) -> int:
+def run_standby(job_dir: Path, backend: str, preemption: Any = None, on_preempt: Any = None) -> int:
     """Wait while the primary holds its lease; when it lapses (or, on one machine, the primary's process
-    is gone), claim the next epoch and run the job from the primary's durable state (lease.py)."""
+    is gone), claim the next epoch and run the job from the primary's durable state (lease.py). Under
+    Slurm the primary runs on another node: only its lease's age tells."""
     from oobleck_slurm.cluster.lease import claim_epoch, current_epoch, primary_gone, read_lease
     from oobleck_slurm.protocol.records import read_state
 
@@ -117,8 +130,8 @@ def run_standby(job_dir: Path, backend: str) -> int:
     import oobleck_slurm.supervisor.health_monitor  # noqa: F401
     while True:
         lease, now = read_lease(job), time.time()
-        if lease is not None and lease.done:
-            return EXIT_OK
+        if (lease is not None and lease.done) or job.cancel_marker.exists():
+            return EXIT_OK  # over, or `cancel` is ending every job of it (the primary's lease lapses then)
         if primary_gone(lease, lease_s, now, same_machine=backend == "local"):
             assert lease is not None
             epoch = current_epoch(job) + 1
@@ -129,7 +142,8 @@ def run_standby(job_dir: Path, backend: str) -> int:
                 print("standby: the primary was lost before it published a generation: nothing to take over",
                       file=sys.stderr)
                 return EXIT_FAILED
-            return run_supervisor(job_dir, backend, takeover=Takeover(epoch, state, now - lease.t))
+            return run_supervisor(job_dir, backend, preemption, on_preempt,
+                                  takeover=Takeover(epoch, state, now - lease.t))
         time.sleep(STANDBY_POLL_S)
 
 
@@ -183,32 +197,49 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
     from oobleck_slurm.supervisor.health_monitor import HealthMonitor
-    from oobleck_slurm.supervisor.launchers import LocalLauncher, SrunLauncher
+    from oobleck_slurm.supervisor.launchers import LocalLauncher, NodeJobLauncher, SrunLauncher
     from oobleck_slurm.supervisor.observer import StoreObserver
 
     recipe = job.recipe()
     meta = job.meta()
     ft, cluster = recipe.fault_tolerance, recipe.cluster
-    nodes = allocation_nodes(backend, recipe)
-    if len(nodes) < cluster.nodes:
-        raise InfrastructureError(f"the allocation has {len(nodes)} node(s) ({nodes}); the recipe needs {cluster.nodes}")
-    members, spares = nodes[:cluster.nodes], nodes[cluster.nodes:]
+    # Every timeout and poll period of the job, from the recipe in this one place (protocol/timeouts.py).
+    timeouts = JobTimeouts.from_recipe(ft)
+    failover = failover_enabled(backend, recipe)
+    # A standby takes over a lost supervisor (docs/failover.md): agents and workers wait this long for it.
+    failover_s = ft.reconfiguration_timeout if failover else 0.0
+    launcher: Any
+    if backend == "local":
+        launcher = LocalLauncher(job.path)
+    elif failover:  # no allocation: each training node is its own job (launchers.py)
+        launcher = NodeJobLauncher(job.path, cluster, recipe.name)
+    else:
+        launcher = SrunLauncher(job.path, cluster, recipe.name)
+    previous_host = (meta.get("supervisor") or {}).get("host")  # a lost primary's node: no standby there
     requeued = job.requeue_marker.exists()
-    if takeover is None:
-        epoch = current_epoch(job) + 1  # 1, or the requeued run's next
-        if not claim_epoch(job, epoch):
-            raise RuntimeError(f"{job.path}: epoch {epoch} was claimed by another supervisor")
+    members: list[str] = []
+    spares: list[str] = []
+
+    def begin(nodes: list[str]) -> None:
+        if len(nodes) < cluster.nodes:
+            raise InfrastructureError(f"the allocation has {len(nodes)} node(s) ({nodes}); the recipe needs "
+                                      f"{cluster.nodes}")
+        members[:], spares[:] = nodes[:cluster.nodes], nodes[cluster.nodes:]
         log.emit("job_started", job_id=job.job_id, backend=backend, recipe=recipe.name,
                  recipe_path=str(job.recipe_path), nodes=members, spares=spares, f=ft.f, steps=recipe.training.steps,
                  pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
                  supervisor_node=os.environ.get("SLURMD_NODENAME"), requeued=requeued,
                  workers_per_node=cluster.devices_per_node, device="cuda" if cluster.gpus_per_node else "cpu")
+
+    if takeover is None:
+        epoch = current_epoch(job) + 1  # 1, or the requeued run's next
+        if not claim_epoch(job, epoch):
+            raise RuntimeError(f"{job.path}: epoch {epoch} was claimed by another supervisor")
+        if not isinstance(launcher, NodeJobLauncher):
+            begin(allocation_nodes(backend, recipe))
     else:
         epoch = takeover.epoch
         members, spares = list(takeover.state.members), []
-    # A standby takes over a lost supervisor on the local backend (docs/failover.md); on Slurm the
-    # supervisor's node is not survived yet.
-    failover_s = ft.reconfiguration_timeout if backend == "local" else 0.0
 
     token_file = token_file_for(recipe, job.data)
     try:  # `submit` checked a factory; a job started otherwise is told here
@@ -219,6 +250,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     _check_data(spec)
     if job.faults.is_file():  # drills: worker faults (engine/faults.py)
         spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.faults)})
+    if takeover is None and isinstance(launcher, NodeJobLauncher):  # after the input checks: nothing queued for bad input
+        begin(launcher.start_nodes(cluster.nodes + cluster.spare_nodes, timeouts.node_jobs_timeout,
+                                   timeouts.slurm_poll))
     # The profile `submit` planned with: a file given to it (kept in the job folder), an estimate, or
     # the measured one in the cache; the job's plan is the one `plan` shows for the same inputs.
     profile, templates = pregenerate(recipe, meta.get("templates_cache", "templates_cache"),
@@ -231,8 +265,6 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     else:  # the lost supervisor's plan goes on (Coordinator.take_over)
         plan = Plan.from_dict(takeover.state.plan)
     host = advertised_host()
-    # Every timeout and poll period of the job, from the recipe in this one place (protocol/timeouts.py).
-    timeouts = JobTimeouts.from_recipe(ft)
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store_timeout"))
     if takeover is not None:  # before the workers find the store: the generation they report for
         store.set(keys.CURRENT_GEN, str(takeover.state.generation))
@@ -244,7 +276,6 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
 
     # The one poller of the store: the coordinator, the node backend and the health monitor read its view.
     observer = StoreObserver(store, timeouts, cluster.devices_per_node)
-    launcher = (SrunLauncher(job.path, cluster, recipe.name) if backend == "slurm" else LocalLauncher(job.path))
     detection = recipe.detection
     health = (HealthMonitor(detection, job.path, log, cluster.devices_per_node, ckpt_dir, ft.checkpoint_interval,
                             recipe.training.steps, timeouts=timeouts) if detection.enabled else None)
@@ -256,13 +287,15 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         drills=recipe.drills if meta.get("drills", True) and not requeued and takeover is None else (), health=health,
         requested=list(takeover.state.pending_joins or {}) if takeover is not None else ())
     nodes_backend.server.start()
-    metrics = {"interval": detection.interval, "machine": not nodes_share_a_machine(backend, nodes),
+    metrics = {"interval": detection.interval, "machine": not nodes_share_a_machine(backend, members + spares),
                "gpus": bool(cluster.gpus_per_node)}  # what agents sample (agent_health.py)
     job.write_supervisor_address(host=host, port=nodes_backend.port, timeouts=asdict(timeouts),
                                  pid=os.getpid(), store_port=store.port, epoch=epoch, failover_s=failover_s,
                                  **({"metrics": metrics} if detection.enabled else {}))
     job.update_meta(supervisor={"host": host, "port": nodes_backend.port, "pid": os.getpid()},
                     slurm_job_id=os.environ.get("SLURM_JOB_ID") or meta.get("slurm_job_id"))
+    if takeover is not None and backend == "slurm":
+        _end_lost_primary(meta.get("slurm_job_id"))
     config = CoordinatorConfig(f=ft.f, replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
                                devices_per_node=cluster.devices_per_node, timeouts=timeouts)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config, observer,
@@ -274,8 +307,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         # A supervisor thawed after a takeover (SIGSTOP, then SIGCONT) leaves before its threads act on
         # connections that are no longer its own.
         signal.signal(signal.SIGCONT, lambda signum, frame: lease.check())
-    standby = start_standby(job, backend) if failover_s > 0 else None
+    standby = start_standby(job, backend, exclude=[h for h in (host, previous_host) if h]) if failover else None
     observer.start()
+    tensorboard = TensorBoardThread(job, timeouts.tensorboard_poll, lease.check) if recipe.logging.tensorboard else None
     try:
         t0 = time.time()
         if takeover is None:
@@ -289,11 +323,26 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
             coordinator.take_over(takeover.state)
         coordinator.run()
     finally:
+        if tensorboard is not None:
+            tensorboard.stop()
         lease.stop(done=True)
-        if standby is not None and standby.poll() is None:
-            standby.terminate()
+        if standby is not None and current_epoch(job) == epoch:  # not one that took over from this process
+            standby()
         nodes_backend.close()
         observer.close()
+
+
+def _end_lost_primary(job_id: str | None) -> None:
+    """After a takeover under Slurm: cancel the lost primary's job. A dead node's job is over already;
+    a frozen or cut-off primary is fenced by the epoch, and this ends its job instead of leaving it to
+    its time limit (best effort: the takeover does not depend on it)."""
+    from oobleck_slurm.cluster.slurm import SlurmError, cancel_jobs
+
+    if job_id and job_id != os.environ.get("SLURM_JOB_ID"):
+        try:
+            cancel_jobs([job_id])
+        except SlurmError as err:
+            print(f"supervisor: scancel of the lost primary's job {job_id} failed: {err}", file=sys.stderr)
 
 
 def _check_data(spec: Any) -> None:
@@ -308,6 +357,32 @@ def _check_data(spec: Any) -> None:
             open_validation(spec.data, spec.model.seq_len, spec.model.vocab_size, spec.train.eval_samples)
     except ValueError as err:
         raise BadInputError(str(err)) from err
+
+
+class TensorBoardThread:
+    """The job's metrics to TensorBoard while it runs (`logging.tensorboard`, dashboard/tensorboard.py):
+    new events exported every `poll` seconds, the rest at `stop`. `fence` first: a primary thawed after
+    a takeover exports nothing (the new one goes on from the exported offset)."""
+
+    def __init__(self, job: JobDir, poll: float, fence: Callable[[], None]) -> None:
+        from oobleck_slurm.dashboard.tensorboard import TensorBoardExporter
+
+        self.exporter = TensorBoardExporter(job.events, job.tensorboard)
+        self.poll, self.fence = poll, fence
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tensorboard", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            self.fence()
+            self.exporter.export()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.fence()
+        self.exporter.close()
 
 
 class LeaseKeeper:
@@ -347,25 +422,49 @@ class LeaseKeeper:
             renew(self.job, self.epoch, done=done)
 
 
-def start_standby(job: JobDir, backend: str) -> subprocess.Popen:
-    """A second supervisor process that takes over if this one is lost (local backend: on this machine,
-    in the job's process group, so that `cancel` ends it too)."""
+def start_standby(job: JobDir, backend: str, exclude: list[str]) -> Callable[[], None] | None:
+    """A second supervisor that takes over if this one is lost; returns what ends it (None: none could be
+    started). Local backend: a process on this machine, in the job's process group, so that `cancel` ends
+    it too. Slurm: its own small one-node job, on none of the `exclude` nodes (this supervisor's, and a
+    lost primary's), recorded in meta.json (`supervisor_jobs`) for `cancel` and `kill-node`."""
+    if backend == "slurm":
+        from oobleck_slurm.cluster import slurm
+
+        recipe = job.recipe()
+        try:
+            job_id = slurm.submit(job.submitit, slurm.supervisor_parameters(recipe.cluster, recipe.name, "standby",
+                                                                            exclude),
+                                  SupervisorJob(str(job.path), standby=True))
+        except slurm.SlurmError as err:  # the job goes on; only its supervisor's loss is no longer survived
+            print(f"supervisor: no standby (sbatch refused it): {err}", file=sys.stderr)
+            return None
+        job.update_meta(supervisor_jobs=[*job.meta().get("supervisor_jobs", []), job_id])
+
+        def cancel() -> None:
+            try:
+                slurm.cancel_jobs([job_id])
+            except slurm.SlurmError as err:
+                print(f"supervisor: scancel of the standby job {job_id} failed: {err}", file=sys.stderr)
+
+        return cancel
     log = open(job.logs / f"supervisor-standby-{os.getpid()}.log", "wb")  # noqa: SIM115 - owned by the child
     try:
-        return subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job.path), "--backend",
+        proc = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job.path), "--backend",
                                  backend, "--standby"], stdout=log, stderr=subprocess.STDOUT)
     finally:
         log.close()
+    return lambda: proc.terminate() if proc.poll() is None else None
 
 
 class SupervisorJob:
     """What submitit runs in the batch step. The supervisor runs in a thread so that the main thread,
     which receives signals, stays free: on preemption or the time limit (submitit's USR2 handler)
     `checkpoint` asks the coordinator for an on-demand checkpoint, waits for the supervisor to end,
-    marks the job folder and returns the same callable for submitit to requeue."""
+    marks the job folder and returns the same callable for submitit to requeue. `standby`: a standby
+    supervisor's job under failover, which runs the job only once it took over."""
 
-    def __init__(self, job_dir: str) -> None:
-        self.job_dir = job_dir
+    def __init__(self, job_dir: str, standby: bool = False) -> None:
+        self.job_dir, self.standby = job_dir, standby
 
     def __call__(self) -> int:
         from oobleck_slurm.supervisor.preemption import Preemption
@@ -373,7 +472,8 @@ class SupervisorJob:
         self._preemption = Preemption()
         self._relayed = threading.Event()
         codes: list[int] = []
-        self._thread = threading.Thread(target=lambda: codes.append(run_supervisor(
+        run = run_standby if self.standby else run_supervisor
+        self._thread = threading.Thread(target=lambda: codes.append(run(
             Path(self.job_dir), "slurm", self._preemption, self._signal_self)), name="supervisor")
         self._thread.start()
         while self._thread.is_alive():
@@ -389,7 +489,12 @@ class SupervisorJob:
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         import submitit
 
+        from oobleck_slurm.cluster.lease import read_lease
+
         job = JobDir.at(self.job_dir)
+        lease = read_lease(job)
+        if self.standby and (lease is None or lease.pid != os.getpid()):
+            return None  # a standby that never took over holds nothing to checkpoint or requeue
         thread = getattr(self, "_thread", None)
         # Not from the recipe: the job's values are the defaults (protocol/timeouts.py).
         t = DEFAULT_TIMEOUTS
@@ -402,10 +507,13 @@ class SupervisorJob:
         if meta.get("requeue") is False or meta.get("status") in OVER or job.cancel_marker.exists():
             return None  # do not requeue what a requeue cannot help (errors.py), nor what is over
         job.requeue_marker.write_text(dt.datetime.now().isoformat())
-        return submitit.helpers.DelayedSubmission(SupervisorJob(self.job_dir))
+        return submitit.helpers.DelayedSubmission(SupervisorJob(self.job_dir))  # requeued as the primary
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"job_dir": self.job_dir}  # submitit pickles it again for the requeue: no threads
+        return {"job_dir": self.job_dir, "standby": self.standby}  # submitit pickles it again: no threads
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.job_dir, self.standby = state["job_dir"], state.get("standby", False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,3 +80,30 @@ def test_report_tensorboard_writes_the_job_s_scalars_beside_it(job_dir, tmp_path
     assert len(got["train/loss"]) == len(read_events(job / "events.jsonl", "step"))
     assert run_command(report_command, argv) == 0  # again: nothing written twice
     assert len(scalars(job / "tensorboard")["train/loss"]) == len(got["train/loss"])
+
+
+@pytest.mark.slow
+def test_a_job_with_logging_tensorboard_writes_its_scalars_while_it_runs(tmp_path: Path, templates_cache: Path) -> None:
+    from jobrun import run_job, tiny_recipe
+
+    recipe = tiny_recipe(steps=6)
+    recipe["logging"] = {"tensorboard": True}
+    recipe["drills"] = [{"step": 3, "node": "node2", "how": "worker"}]
+    run = run_job(tmp_path, recipe, templates_cache)
+    got = scalars(run.job.tensorboard)
+    assert [s for s, _ in got["train/loss"]] == [e["step"] for e in run.kind("step")]
+    assert [s for s, _ in got["recovery/seconds"]] == [e["step"] for e in run.kind("resumed")]
+
+
+def test_a_recipe_asking_for_tensorboard_without_the_package_is_refused(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from oobleck_slurm.recipe import RecipeError, load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text("logging: {tensorboard: true}\n")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(RecipeError, match=r"logging\.tensorboard.*not installed"):
+        load_recipe(path)

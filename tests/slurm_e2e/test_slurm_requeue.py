@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 30
 START_TIMEOUT_S = 120.0  # submit -> training runs (the lab has 2 cores; torch imports take seconds)
 REQUEUE_TIMEOUT_S = 120.0  # notice -> the requeued run started (teardown, cred_expire=10 s, scheduling)
-LOSS_RTOL = 1e-5  # fp32; the engine matches the reference to ~1e-7 (see engine/RECOVERY.md)
+LOSS_RTOL = 1e-5  # fp32; the engine matches the reference to ~1e-7 (docs/recovery.md)
 
 
 def wait_events(job: Path, what: str, check, timeout: float) -> list[dict]:
