@@ -136,7 +136,10 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
     from oobleck_slurm.recipe import load_recipe
 
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(tiny_recipe(steps=150), sort_keys=False))
+    # A short lease, so that the takeover comes while training goes on (the workers train through the
+    # freeze: with a 12 s lease a quiet machine finishes all 150 steps before it).
+    recipe = tiny_recipe(steps=150, heartbeat_lease=4.0, collective_timeout=3.0)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     job = prepare_job(load_recipe(path), cache_dir=templates_cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs")
     t0 = time.time()
     primary = start_local(job)
