@@ -153,8 +153,8 @@ class ClusterConfig:
     # Plan pipelines on every node (none left idle as a spare, even where the planner predicts that a
     # spare costs nothing): the embedded default's heterogeneous pipelines.
     use_all_nodes: bool = False
-    # Devices one pipeline stage may span inside a node (sharded, planning/cost.py); a divisor of the
-    # devices per node. 1 until the engine runs sharded stages (engine/from_planner.py refuses them).
+    # Devices one pipeline stage may span inside a node, its layers' state sharded across them
+    # (planning/cost.py, engine/shard.py); a divisor of the devices per node and of the microbatch size.
     max_stage_devices: int = field(default=1, metadata=check(positive))
     partition: str | None = None
     account: str | None = None
