@@ -48,7 +48,7 @@ class PlanRequest:
     failures: int
     global_microbatches: int
     microbatch_size: int
-    max_stage_devices: int = 1  # recipe cluster.max_stage_devices; the engine runs one stage per device today
+    max_stage_devices: int = 1  # recipe cluster.max_stage_devices (sharded stages: engine/shard.py)
     use_all_nodes: bool = False  # no idle spare node (recipe cluster.use_all_nodes)
 
     @property
