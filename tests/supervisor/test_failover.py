@@ -10,6 +10,34 @@ from jobrun import assert_matches_reference, run_job, tiny_recipe
 pytestmark = pytest.mark.slow
 
 
+def start_job(tmp_path, recipe, templates_cache):
+    """Start `recipe` as `submit` does on the local backend: (job folder, the primary supervisor's
+    process, the events file, the start time)."""
+    import time
+
+    import yaml
+    from jobrun import events_path, prepare_job, start_local
+
+    from oobleck_slurm.recipe import load_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    job = prepare_job(load_recipe(path), cache_dir=templates_cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs")
+    t0 = time.time()
+    return job, start_local(job), events_path(job.path), t0
+
+
+def wait_until(what, condition, seconds=240.0):
+    """`condition()`'s first truthy value, looked at every 10 ms; fails after `seconds`."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"{what} not within {seconds:g} s"
+        time.sleep(0.01)
+    return found
+
+
 def test_a_killed_supervisor_is_taken_over_in_steady_training(tmp_path, templates_cache):
     recipe = tiny_recipe(steps=8)
     recipe["drills"] = [{"step": 3, "how": "supervisor"}]
@@ -129,29 +157,14 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
     import signal
     import time
 
-    import yaml
-    from jobrun import JobRun, events_path, prepare_job, read_events, start_local
+    from jobrun import JobRun, read_events
 
     from oobleck_slurm.cluster.lease import read_lease
-    from oobleck_slurm.recipe import load_recipe
 
-    path = tmp_path / "recipe.yaml"
     # A short lease, so that the takeover comes while training goes on (the workers train through the
     # freeze: with a 12 s lease a quiet machine finishes all 150 steps before it).
     recipe = tiny_recipe(steps=150, heartbeat_lease=4.0, collective_timeout=3.0)
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    job = prepare_job(load_recipe(path), cache_dir=templates_cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs")
-    t0 = time.time()
-    primary = start_local(job)
-    events = events_path(job.path)
-
-    def wait_until(what, condition, seconds=180.0):
-        deadline = time.monotonic() + seconds
-        while not (found := condition()):
-            assert time.monotonic() < deadline, f"{what} not within {seconds:g} s"
-            time.sleep(0.05)
-        return found
-
+    job, primary, events, t0 = start_job(tmp_path, recipe, templates_cache)
     try:
         wait_until("step 3", lambda: [e for e in read_events(events, "step") if e["step"] >= 3])
         lease = read_lease(job)
@@ -184,28 +197,13 @@ def test_a_supervisor_killed_during_a_straggler_rebalance_is_taken_over(tmp_path
     import signal
     import time
 
-    import yaml
-    from jobrun import JobRun, events_path, prepare_job, read_events, start_local
+    from jobrun import JobRun, read_events
 
     from oobleck_slurm.cluster.lease import read_lease
-    from oobleck_slurm.recipe import load_recipe
 
     recipe = tiny_recipe(steps=120)
     recipe["drills"] = [{"step": 10, "node": "node2", "how": "slow"}]
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    job = prepare_job(load_recipe(path), cache_dir=templates_cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs")
-    t0 = time.time()
-    primary = start_local(job)
-    events = events_path(job.path)
-
-    def wait_until(what, condition, seconds=240.0):
-        deadline = time.monotonic() + seconds
-        while not (found := condition()):
-            assert time.monotonic() < deadline, f"{what} not within {seconds:g} s"
-            time.sleep(0.01)
-        return found
-
+    job, primary, events, t0 = start_job(tmp_path, recipe, templates_cache)
     try:
         wait_until("a rebalance", lambda: [e for e in read_events(events, "plan") if e["reason"] == "rebalance"])
         lease = read_lease(job)
