@@ -61,6 +61,16 @@ def wait_for(job: Path, what: str, check, timeout: float):
     return found
 
 
+def submit(tmp_path: Path) -> Path:
+    """`submit --detach` of the failover recipe, as a user runs it; the job folder."""
+    recipe = tmp_path / "failover.yaml"
+    recipe.write_text(RECIPE.format(repo=REPO, steps=STEPS))
+    done = cli(tmp_path, "submit", str(recipe), "--detach")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (job,) = (tmp_path / "jobs").iterdir()
+    return job
+
+
 def job_node(lab, job_id: str) -> str:
     """The node a running one-node job runs on."""
     return parse_scontrol_records(lab.run("scontrol", "show", "job", "-o", job_id))[0]["NodeList"]
@@ -80,11 +90,7 @@ def test_supervisor_lost_standby_job_takes_over(slurm_cluster, tmp_path: Path, h
     # takeover (on neither supervisor's node): 7 nodes.
     for _ in range(3):
         lab.start_spare()
-    recipe = tmp_path / "failover.yaml"
-    recipe.write_text(RECIPE.format(repo=REPO, steps=STEPS))
-    done = cli(tmp_path, "submit", str(recipe), "--detach")
-    assert done.returncode == 0, done.stdout + done.stderr
-    (job,) = (tmp_path / "jobs").iterdir()
+    job = submit(tmp_path)
     try:
         started = wait_for(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"], 180)[0]
         wait_for(job, "step 5", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 5], 240)
@@ -141,11 +147,7 @@ def test_training_node_lost_under_failover(slurm_cluster, tmp_path: Path) -> Non
     lab = slurm_cluster
     for _ in range(2):  # 4 exclusive training nodes, the primary's and the standby's jobs
         lab.start_spare()
-    recipe = tmp_path / "failover.yaml"
-    recipe.write_text(RECIPE.format(repo=REPO, steps=STEPS))
-    done = cli(tmp_path, "submit", str(recipe), "--detach")
-    assert done.returncode == 0, done.stdout + done.stderr
-    (job,) = (tmp_path / "jobs").iterdir()
+    job = submit(tmp_path)
     try:
         started = wait_for(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"], 180)[0]
         wait_for(job, "step 5", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 5], 240)
