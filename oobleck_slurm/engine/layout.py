@@ -38,10 +38,15 @@ class PipelineSpec:
     mb_start: int  # first microbatch of the step this pipeline trains on
     mb_count: int  # how many consecutive microbatches
     widths: tuple[int, ...] = ()  # workers of each stage (ranks[s] .. ranks[s] + widths[s] - 1); () = all 1
+    # per stage, wider than one worker: parameters gathered once per step and kept (else gathered around
+    # each use, gradients reduce-scattered each microbatch); () = none kept (shard.py)
+    keep: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.widths:  # one canonical form: equal plans compare equal
             object.__setattr__(self, "widths", (1,) * len(self.ranks))
+        if not self.keep:
+            object.__setattr__(self, "keep", (False,) * len(self.ranks))
 
     @property
     def num_stages(self) -> int:
@@ -117,6 +122,7 @@ class ExecPlan:
                     next_ranks=p.stage_ranks(stage + 1) if stage + 1 < p.num_stages else (),
                     pipeline_all_ranks=p.all_ranks,
                     index=members.index(rank),
+                    keep=p.keep[stage],
                 )
         return None
 
@@ -127,6 +133,8 @@ class ExecPlan:
                                  "mb_count": p.mb_count}
             if p.sharded:  # width-1 plans keep their JSON
                 d["widths"] = list(p.widths)
+            if any(p.keep):
+                d["keep"] = list(p.keep)
             pipelines.append(d)
         return {"num_layers": self.num_layers, "num_microbatches": self.num_microbatches, "pipelines": pipelines}
 
@@ -137,7 +145,7 @@ class ExecPlan:
             num_microbatches=int(d["num_microbatches"]),
             pipelines=tuple(
                 PipelineSpec(tuple(p["ranks"]), tuple(p["bounds"]), int(p["mb_start"]), int(p["mb_count"]),
-                             tuple(int(w) for w in p.get("widths", ())))
+                             tuple(int(w) for w in p.get("widths", ())), tuple(bool(k) for k in p.get("keep", ())))
                 for p in d["pipelines"]
             ),
         )
@@ -159,6 +167,7 @@ class Role:
     next_ranks: tuple[int, ...] = ()
     pipeline_all_ranks: tuple[int, ...] = ()  # every rank of the pipeline (the gradient-norm sum)
     index: int = 0  # this rank's position in its stage: its shard, and its slice of each microbatch
+    keep: bool = False  # a wide stage's parameters gathered once per step and kept (PipelineSpec.keep)
 
     @property
     def width(self) -> int:
@@ -202,6 +211,8 @@ def validate(plan: ExecPlan) -> None:
             raise PlanError(f"{where}: needs {len(p.ranks)} stage widths, got {list(p.widths)}")
         if any(w < 1 or w > SHARD_ALIGN or w & (w - 1) for w in p.widths):
             raise PlanError(f"{where}: stage widths {list(p.widths)} must be powers of two up to {SHARD_ALIGN}")
+        if len(p.keep) != len(p.ranks) or any(k and w == 1 for k, w in zip(p.keep, p.widths)):
+            raise PlanError(f"{where}: stage modes {list(p.keep)} need one per stage, kept only where wider than 1")
         everyone = p.all_ranks
         dup = seen.intersection(everyone) | ({r for r in everyone if everyone.count(r) > 1})
         if dup:

@@ -10,20 +10,23 @@ only, never reduced, sent or normed.
 
 What a rank holds (`ShardedLayer`): its parameter shard (the master copy), the layer module whose
 parameters are views into a full-size buffer that is allocated only while gathered (its storage is
-resized to 0 otherwise, as FSDP does), a full-size gradient buffer for the step (the module's `.grad`
-views: autograd accumulates the rank's samples over the step's microbatches), the gradient shard,
-and an optimizer over the shard: one parameter per (original parameter, shard) overlap, views into the
-shard, weight decay as the original parameter's (matrices only). AdamW is elementwise, so stepping the
-pieces is the same arithmetic as stepping the whole layer. CAME's factored statistics span whole
-rows/columns: not sharded yet (refused at adopt).
+resized to 0 otherwise, as FSDP does), a full-size gradient buffer (the module's `.grad` views,
+allocated the same way), the gradient shard, and an optimizer over the shard: one parameter per
+(original parameter, shard) overlap, views into the shard, weight decay as the original parameter's
+(matrices only). AdamW is elementwise, so stepping the pieces is the same arithmetic as stepping the
+whole layer. CAME's factored statistics span whole rows/columns: not sharded yet (refused at adopt).
 
-When: before a layer runs (forward, and again before its backward: the gathered copy is freed after
-each use, so a rank never holds more than two layers' full parameters, the current and the prefetched
-next) its parameters are all-gathered inside the stage group, and the next layer's gather is posted
-first (`StageParams`). Gradients accumulate at full size through the step and are reduce-scattered
-once, when the last microbatch's backward has passed the layer; each shard's pieces are then
-all-reduced across the pipelines. Every collective is posted by the engine on its own groups and waited
-on through the generation's abortable waits.
+When (`StageParams`), in the stage's mode (planning/cost.py: the planner keeps a stage where it fits):
+- kept: a layer's parameters are all-gathered inside the stage group before its first forward of the
+  step (the next layer's gather posted first) and kept until the step's schedule ends; gradients
+  accumulate at full size over the step's microbatches and are reduce-scattered once, when the last
+  microbatch's backward has passed the layer.
+- resharded (ZeRO-3): the parameters are gathered before each forward and again before each backward,
+  and freed after each use, so a rank never holds more than two layers' full parameters (the current
+  and the prefetched next); each microbatch's gradient of a layer exists in full only during that
+  layer's backward, then is reduce-scattered and added to the rank's gradient shard.
+Each shard's pieces are then all-reduced across the pipelines. Every collective is posted by the engine
+on its own groups and waited on through the generation's abortable waits.
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ class ShardedLayer:
                 offset += k
         self.shard = self.full[self.base : self.base + self.size].clone()
         self.grad_shard = torch.zeros_like(self.shard)
+        self.scattered = torch.zeros_like(self.shard)  # one microbatch's reduce-scatter, resharded
         # one optimizer parameter per overlap of an original parameter with the shard
         self.segments: list[tuple[int, int, nn.Parameter]] = []  # (logical lo, hi, parameter)
         decay: list[nn.Parameter] = []
@@ -157,6 +161,7 @@ class ShardedLayer:
                                    weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
         self.gathered = True
         self.release()
+        self.release_grad()
 
     # ---- parameters --------------------------------------------------------------------------
 
@@ -179,13 +184,35 @@ class ShardedLayer:
 
     # ---- gradients ---------------------------------------------------------------------------
 
-    def zero_grad(self) -> None:
-        self.grad_full.zero_()
+    def begin_step(self, keep: bool) -> None:
+        """A step starts: the gradient shard zeroed; kept, the whole gradient buffer allocated and zeroed
+        for the step's accumulation; resharded, freed (each backward opens it, `open_grad`)."""
         self.grad_shard.zero_()
+        if keep:
+            self.open_grad()
+        else:
+            self.release_grad()
+
+    def open_grad(self) -> None:
+        """Allocate the whole gradient buffer (the `.grad` views) and zero it."""
+        storage = self.grad_full.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.grad_full.numel() * self.grad_full.element_size())
+        self.grad_full.zero_()
+
+    def release_grad(self) -> None:
+        self.grad_full.untyped_storage().resize_(0)
 
     def reduce_scatter(self, group: Group) -> dist.Work:
-        """Post the SUM reduce-scatter of the stage's full gradients into this rank's shard."""
+        """Post the SUM reduce-scatter of the stage's full gradients into this rank's shard (kept: once
+        per step)."""
         return group.reduce_scatter([self.grad_shard], [self._chunks(self.grad_full)])
+
+    def scatter_microbatch(self, group: Group, wait: Callable[[dist.Work], None]) -> None:
+        """Resharded: reduce-scatter one microbatch's whole gradient, add it to the shard, free it."""
+        wait(group.reduce_scatter([self.scattered], [self._chunks(self.grad_full)]))
+        self.grad_shard += self.scattered
+        self.release_grad()
 
     def grad_view(self, lo: int, hi: int) -> torch.Tensor:
         """The reduced gradient's logical elements [lo, hi), inside this shard."""
@@ -222,23 +249,36 @@ class ShardedLayer:
 
 
 class StageParams:
-    """Gathers a wide stage's layers around their use (module doc): `before(i, step)` makes layer i's
-    parameters whole, posting the gather of layer i + step (the next to run) first; `after(i)` frees
-    them. Every rank of the stage runs the same sequence, so the stage group's collectives match."""
+    """Gathers a wide stage's layers around their use, in the stage's mode (module doc): `before(i, d)`
+    makes layer i's parameters whole for a forward (d = 1) or a backward (d = -1), posting the gather of
+    layer i + d (the next to run) first; `after(i, d)` ends that use. Every rank of the stage runs the
+    same sequence, so the stage group's collectives match."""
 
-    def __init__(self, layers: list[ShardedLayer], group: Group, wait: Callable[[dist.Work], None]) -> None:
-        self.layers, self.group, self.wait = layers, group, wait
+    def __init__(self, layers: list[ShardedLayer], group: Group, wait: Callable[[dist.Work], None],
+                 keep: bool) -> None:
+        self.layers, self.group, self.wait, self.keep = layers, group, wait, keep
         self.pending: dict[int, dist.Work] = {}
+        self.whole: set[int] = set()  # kept: layers gathered this step
 
-    def before(self, i: int, step: int) -> None:
-        if i not in self.pending:
+    def _post(self, i: int) -> None:
+        if 0 <= i < len(self.layers) and i not in self.pending and i not in self.whole:
             self.pending[i] = self.layers[i].gather(self.group)
-        nxt = i + step
-        if 0 <= nxt < len(self.layers) and nxt not in self.pending:
-            self.pending[nxt] = self.layers[nxt].gather(self.group)
-        self.wait(self.pending.pop(i))
 
-    def after(self, i: int) -> None:
+    def before(self, i: int, direction: int) -> None:
+        self._post(i)
+        self._post(i + direction)
+        if i in self.pending:
+            self.wait(self.pending.pop(i))
+        if self.keep:
+            self.whole.add(i)
+        elif direction < 0:
+            self.layers[i].open_grad()
+
+    def after(self, i: int, direction: int) -> None:
+        if self.keep:
+            return
+        if direction < 0:
+            self.layers[i].scatter_microbatch(self.group, self.wait)
         if i not in self.pending:  # a prefetched gather is kept
             self.layers[i].release()
 
@@ -249,6 +289,7 @@ class StageParams:
             del self.pending[i]
         for layer in self.layers:
             layer.release()
+        self.whole.clear()
 
 
 # ---- copies between replicas of different widths (recovery) ----------------------------------------

@@ -6,8 +6,8 @@ autograd pass over the stage, but the caller learns the moment a layer's gradien
 start that layer's all-reduce while earlier layers are still in backward. Other microbatches run one
 autograd pass over the stage (one backward call, not one per layer).
 
-A sharded stage (`params`, shard.py) runs every microbatch layer by layer: each layer's parameters are
-gathered just before its forward and again before its backward, and freed after each.
+A sharded stage (`params`, shard.py) runs every microbatch layer by layer, each layer's use framed by
+`params.before` / `params.after` (its gathers, and when resharded its gradient's reduce-scatter).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Stage:
                     h = self._run(layer, h)
                     saved[-1] = (saved[-1][0], h)
                 if self.params is not None:
-                    self.params.after(index)
+                    self.params.after(index, 1)
             if self.is_last:
                 if targets is None:
                     raise ValueError("Stage.forward: the last stage needs the targets")
@@ -103,7 +103,7 @@ class Stage:
             else:
                 out.backward(grad)
             if self.params is not None:
-                self.params.after(i)
+                self.params.after(i, -1)
             grad = inp.grad if inp.requires_grad else None
             if on_layer_done is not None:
                 on_layer_done(self.first_layer + i)

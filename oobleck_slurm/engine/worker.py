@@ -429,8 +429,8 @@ class Worker:
         self.pending = None
         for flat in self.grads.values():
             flat.zero_()
-        for sharded in self.shards.values():
-            sharded.zero_grad()
+        for index, sharded in self.shards.items():
+            sharded.begin_step(role is not None and role.keep and index in role.layers)
         # Sends in flight, per direction, with their buffers (one entry per microbatch: its pieces). At
         # most as many as 1F1B keeps microbatches in flight at this stage: the oldest is waited for
         # before one more is posted, so a stage holds O(stages) send buffers, not one per microbatch.
@@ -468,8 +468,9 @@ class Worker:
             """All-reduce the layer's gradient across the pipelines, in place: whole, or (a wide stage
             holds or a wide replica exists) piece by piece, after the stage's reduce-scatter."""
             sharded = self.shards.get(index)
-            if sharded is not None and gen.stage is not None:
+            if sharded is not None and gen.stage is not None and role.keep:  # type: ignore[union-attr]
                 gen.wait(sharded.reduce_scatter(gen.stage))  # the pieces below read its result
+            # resharded: each microbatch's backward already scattered into the shard (shard.py)
             for piece, pieces, lo, hi in self._my_pieces(index):
                 group = gen.piece_group.get((index, piece))
                 if group is not None and lo < hi:
@@ -483,7 +484,7 @@ class Worker:
             if role.width > 1:
                 if gen.stage is None:
                     raise RuntimeError(f"rank {self.rank}: a stage of {role.width} ranks without its group")
-                gather = StageParams([self.shards[i] for i in role.layers], gen.stage, gen.wait)
+                gather = StageParams([self.shards[i] for i in role.layers], gen.stage, gen.wait, role.keep)
             stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
                           bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute,
                           params=gather)

@@ -8,45 +8,53 @@ A pipeline on n nodes has D = n * devices_per_node devices, numbered node by nod
 layers [start, stop) on `g` consecutive devices of one node starting at device u (g divides
 devices_per_node; `max_stage_devices` bounds it). Every device of the pipeline holds exactly one stage.
 
-Sharded stages (g > 1), the contract for the engine: ZeRO-3 inside the stage. The stage's layers'
-parameters, gradients and optimizer state are split across its g devices (1/g each), and each
-microbatch's m samples are split across them (data parallel inside the stage): the busiest device runs
-c = ceil(m / g) / m of the microbatch (c = 1/g when g divides m; g > m leaves devices idle, so the
-planner only picks it for memory). Per microbatch, for each layer, every device all-gathers the
-layer's parameters before its forward, again before its backward (they are freed in between, or the
-state would not be 1/g), and reduce-scatters the layer's gradient after its backward, into its fp32
-gradient shard. Under bf16 the fp32 master shard is cast to bf16 before the gather (what autocast
-computes with anyway, so the numbers are today's); gradients are scattered in their own dtype. These
-collectives run on the intra-node collective link (`allreduce_intra`), ring algorithm:
+Sharded stages (g > 1), the contract for the engine (engine/shard.py): ZeRO inside the stage. Each
+device holds 1/g of the stage's layers' parameters (the master copy) and optimizer state, and each
+microbatch's m samples are split across the devices (data parallel inside the stage): the busiest
+device runs c = ceil(m / g) / m of the microbatch (c = 1/g when g divides m; g > m leaves devices
+idle, so the planner only picks it for memory). Collectives run on the intra-node collective link
+(`allreduce_intra`), ring algorithm, in the parameters' dtype (what the engine gathers):
 
     allgather(bytes, g) = reduce_scatter(bytes, g) = (g - 1) alpha + (g - 1) / g * bytes / bw
-    comm_l   = 2 allgather(gathered bytes of l, g) + reduce_scatter(grad bytes of l, g)
 
-Overlap (conservative): the engine prefetches the next layer's gather while the current layer
-computes, so a layer's collectives hide behind one layer's compute. We charge, per layer, what its
-own collectives exceed its own compute by, max(0, comm_l - c (fwd_l + bwd_l)), and never hide the
-ends of a microbatch's pass: the first forward gather, the first backward gather (the stage's last
-layer) and the last reduce-scatter (its first layer):
+A stage runs in one of two modes, chosen per stage by the planner (`choose_keep`): kept whenever it
+fits in memory (it gathers once per step where resharded gathers twice per microbatch), else resharded.
 
-    exposed_i = sum_{l in stage} max(0, comm_l - c (fwd_l + bwd_l))
-                + allgather(first layer) + allgather(last layer) + reduce_scatter(first layer's grads)
+- Resharded (ZeRO-3, `keep` False): per microbatch, every layer's parameters are all-gathered before its
+  forward and again before its backward (freed after each use), and its gradient is reduce-scattered
+  after its backward into the device's gradient shard (the whole gradient exists only for that moment):
+
+      comm_l    = 2 allgather(param bytes of l, g) + reduce_scatter(grad bytes of l, g)
+      exposed_i = sum_{l in stage} max(0, comm_l - c (fwd_l + bwd_l))
+                  + allgather(first layer) + allgather(last layer) + reduce_scatter(first layer's grads)
+
+  The engine prefetches the next layer's gather while the current layer computes, so a layer's
+  collectives hide behind one layer's compute: we charge what they exceed its own compute by, and never
+  hide the ends of a pass (the first forward gather, the first backward gather, the last scatter).
+
+- Kept (ZeRO-2 over the step, `keep` True): the parameters are gathered once per step, at their first
+  forward, and kept until the step ends; gradients accumulate at full size over the step's microbatches
+  and are reduce-scattered once (charged in the gradient synchronisation below). The step's gathers are
+  charged once per step, in the fill (the first microbatch's forward), not per microbatch:
+
+      once_i = sum_{l in stage} max(0, allgather(l) - c fwd_l) + allgather(first layer)
 
 With N_b microbatches:
 
     compute_i  = c * sum_{l in stage} (fwd_l + bwd_l)
-    p2p(x)     = 2 * (alpha + bytes(x) / bw)          activation forward + its gradient backward,
+    p2p(x)     = 2 * (alpha + c * bytes(x) / bw)      activation forward + its gradient backward,
                                                        over the link between devices u-1 and u:
                                                        inter-node if u % devices_per_node == 0
     w_i        = compute_i + p2p(start boundary, if i > 0) + p2p(end boundary, if i < S-1)
-                 + exposed_i (g > 1 only)
-    T          = sum_i w_i + (N_b - 1) * max_i w_i                     (1F1B iteration time)
+                 + exposed_i (g > 1, resharded only)
+    T          = sum_i (w_i + once_i) + (N_b - 1) * max_i w_i         (1F1B iteration time)
 
-T is the fill-and-drain of one microbatch through every stage plus N_b - 1 more microbatches at
-the pace of the slowest stage. Transfers are blocking (gloo send/recv), so a stage is busy for both
-of its boundaries. A boundary is charged the whole microbatch's bytes whatever the widths: exact for
-one-device stages, an upper bound between sharded ones (each device sends or receives its share in
-parallel, but a boundary between stages of different widths re-splits the samples, and charging it
-exactly would tie each stage's time to its neighbours' widths).
+T is the fill-and-drain of one microbatch through every stage (with each kept stage's gathers, once_i,
+0 for other stages) plus N_b - 1 more microbatches at the pace of the slowest stage. Transfers are
+blocking (gloo send/recv), so a stage is busy for both of its boundaries. Each device of a stage sends
+and receives its own share c of the microbatch's samples (to and from the ranks of the neighbour stage
+whose samples overlap them), every device on its own link, so a boundary costs a device its share's
+bytes, whatever the neighbour's width (one latency is charged where a share may be split in two).
 
 Memory of each device of stage i: every term the engine's worker holds at its step's peak (checked
 against the bytes a worker really holds, measured with oobleck_slurm/peak_memory.py, by
@@ -59,9 +67,11 @@ with equality when every stage has one device:
           + k * c * (sum activation_bytes + out_i)           per microbatch in flight
           + c * (out_i + in_i)                               the boundary buffers of one backward
           + c * max workspace_bytes                          one layer's forward or backward at work
-          + 2 * max gathered bytes + max grad_bytes          (g > 1) a layer's gathered parameters and
-                                                             the next one's prefetch; a layer's whole
-                                                             gradient before its reduce-scatter
+          + 2 * max param bytes + max grad_bytes             (g > 1, resharded) a layer's gathered
+                                                             parameters and the next one's prefetch; a
+                                                             layer's whole gradient before its scatter
+          + sum param bytes + sum grad bytes                 (g > 1, kept) the stage's gathered
+                                                             parameters and whole gradients
             <= USABLE_MEMORY_FRACTION * device_memory_bytes
 
 param and grad bytes are in the parameters' dtype (bf16 precision trains fp32 master weights under
@@ -104,12 +114,15 @@ from the last to the first:
 and the plan's `sync_time_s` is what the all-reduces add beyond the slowest pipeline (`exposed_sync`).
 A device's compute is not slowed by its all-reduces in flight (NCCL runs them on their own stream).
 
-The data-parallel (FSDP / ZeRO-3) bound, `data_parallel_step`: N devices, each holding 1/N of every
-layer's state and running 1/N of the global batch, no pipeline and so no bubble. Per layer it
-all-gathers the parameters for the forward and again for the backward and reduce-scatters the
-gradients, once per step, over the inter-node collective link (`allreduce_inter`), with the same
-overlap rule as a sharded stage. Optimistic on purpose: one gather per step (as if the device's share
-of the batch ran as one microbatch) and no memory check; it is what a plan is measured against.
+The data-parallel bound, `data_parallel_step`: N devices, no pipeline and so no bubble, each running
+1/N of the global batch, the better of two layouts, both optimistic (every collective but the ends
+hidden, no memory check); it is what a plan is measured against:
+- flat FSDP (ZeRO-3 over all N devices on the inter-node collective link): per layer one gather for the
+  forward, one for the backward and one reduce-scatter per step, with a sharded stage's overlap rule;
+- hybrid (HSDP: ZeRO inside each node, gradients all-reduced across nodes, N a multiple of the devices
+  per node d): the kept mode's one gather per step inside the node, then the ends that nothing can hide:
+  the first layer's gather, and after the last backward its reduce-scatter inside the node and the
+  all-reduce of its 1/d shard across the N/d nodes.
 """
 
 from __future__ import annotations
@@ -121,8 +134,6 @@ from oobleck_slurm.planning.profile import LayerProfile, Link, Profile
 
 # Leave room for the allocator's fragmentation, the framework's workspaces and communication buffers.
 USABLE_MEMORY_FRACTION = 0.9
-# Bytes gathered per parameter byte held: bf16 keeps fp32 master weights and gathers their bf16 cast.
-GATHER_FRACTION = {"bf16": 0.5}
 
 
 def p2p_time(link: Link, nbytes: float) -> float:
@@ -153,19 +164,21 @@ def work_fraction(profile: Profile, devices: int) -> float:
 
 
 def gathered_bytes(profile: Profile, layer: LayerProfile) -> float:
-    """Bytes of a layer's parameters as they are all-gathered (the compute dtype's copy under bf16)."""
-    return layer.param_bytes * GATHER_FRACTION.get(profile.dtype, 1.0)
+    """Bytes of a layer's parameters as they are all-gathered: the parameters' own dtype (under bf16 the
+    engine gathers the fp32 master weights; autocast casts them at use)."""
+    return float(layer.param_bytes)
 
 
 def shard_comm_time(profile: Profile, layer: LayerProfile, devices: int, link: Link) -> float:
-    """comm_l: a layer's collectives per microbatch in a sharded stage (two gathers, one scatter)."""
+    """comm_l: a layer's collectives per microbatch in a resharded stage (two gathers, one scatter)."""
     return (2 * allgather_time(link, gathered_bytes(profile, layer), devices)
             + allgather_time(link, layer.grad_bytes, devices))
 
 
 def exposed_shard_time(profile: Profile, layers: Sequence[LayerProfile], devices: int, share: float,
                        link: Link) -> float:
-    """What a pass of `share` microbatches through `layers` waits for its gathers and scatters (module doc)."""
+    """What a resharded pass of `share` microbatches through `layers` waits for its gathers and
+    scatters (module doc)."""
     if devices <= 1 or not layers:
         return 0.0
     hidden_behind = sum(max(0.0, shard_comm_time(profile, layer, devices, link)
@@ -177,23 +190,44 @@ def exposed_shard_time(profile: Profile, layers: Sequence[LayerProfile], devices
     return hidden_behind + ends
 
 
+def exposed_kept_time(profile: Profile, layers: Sequence[LayerProfile], devices: int, share: float,
+                      link: Link) -> float:
+    """What a kept stage waits, once per step, for gathering its parameters (module doc, before / N_b)."""
+    if devices <= 1 or not layers:
+        return 0.0
+    hidden_behind = sum(max(0.0, allgather_time(link, gathered_bytes(profile, layer), devices)
+                            - share * layer.forward_s) for layer in layers)
+    return hidden_behind + allgather_time(link, gathered_bytes(profile, layers[0]), devices)
+
+
 def boundary_link(profile: Profile, device: int) -> Link:
     """The link between devices `device - 1` and `device` of a pipeline."""
     inter = device % profile.devices_per_node == 0
     return profile.link("inter_node" if inter else "intra_node")
 
 
-def stage_time(profile: Profile, start: int, stop: int, devices: int, first_device: int) -> float:
-    """w_i: seconds a stage is busy per microbatch, communication included."""
+def stage_time(profile: Profile, start: int, stop: int, devices: int, first_device: int,
+               keep: bool = False) -> float:
+    """w_i: seconds a stage is busy per microbatch, communication included (`keep`: the kept mode)."""
     layers = profile.layers[start:stop]
     c = work_fraction(profile, devices)
     compute = c * sum(layer.forward_s + layer.backward_s for layer in layers)
     comm = 0.0
     if start > 0:
-        comm += 2 * p2p_time(boundary_link(profile, first_device), profile.layers[start - 1].output_bytes)
+        comm += 2 * p2p_time(boundary_link(profile, first_device), c * profile.layers[start - 1].output_bytes)
     if stop < profile.num_layers:
-        comm += 2 * p2p_time(boundary_link(profile, first_device + devices), profile.layers[stop - 1].output_bytes)
+        comm += 2 * p2p_time(boundary_link(profile, first_device + devices), c * profile.layers[stop - 1].output_bytes)
+    if keep:
+        return compute + comm
     return compute + comm + exposed_shard_time(profile, layers, devices, c, profile.link("allreduce_intra"))
+
+
+def stage_once_time(profile: Profile, start: int, stop: int, devices: int, keep: bool) -> float:
+    """once_i: what a stage adds once per step (a kept stage's gathers; 0 otherwise)."""
+    if not keep:
+        return 0.0
+    return exposed_kept_time(profile, profile.layers[start:stop], devices, work_fraction(profile, devices),
+                             profile.link("allreduce_intra"))
 
 
 def in_flight(num_microbatches: int, devices_from_here: int) -> int:
@@ -203,14 +237,16 @@ def in_flight(num_microbatches: int, devices_from_here: int) -> int:
 
 
 def stage_memory_terms(profile: Profile, start: int, stop: int, devices: int,
-                       microbatches_in_flight: int) -> dict[str, float]:
+                       microbatches_in_flight: int, keep: bool = False) -> dict[str, float]:
     """The terms of `stage_memory` by name (bytes on each device of the stage; see the module doc)."""
     layers = profile.layers[start:stop]
     out = profile.layers[stop - 1].output_bytes if stop < profile.num_layers else 0
     inp = profile.layers[start - 1].output_bytes if start > 0 else 0
     c = work_fraction(profile, devices)
     gather = 0.0
-    if devices > 1:
+    if devices > 1 and keep:
+        gather = sum(gathered_bytes(profile, layer) + layer.grad_bytes for layer in layers)
+    elif devices > 1:
         gather = (2 * max(gathered_bytes(profile, layer) for layer in layers)
                   + max(layer.grad_bytes for layer in layers))
     return {
@@ -225,18 +261,26 @@ def stage_memory_terms(profile: Profile, start: int, stop: int, devices: int,
     }
 
 
-def stage_memory(profile: Profile, start: int, stop: int, devices: int, microbatches_in_flight: int) -> float:
+def stage_memory(profile: Profile, start: int, stop: int, devices: int, microbatches_in_flight: int,
+                 keep: bool = False) -> float:
     """Peak bytes on each device of a stage."""
-    return sum(stage_memory_terms(profile, start, stop, devices, microbatches_in_flight).values())
+    return sum(stage_memory_terms(profile, start, stop, devices, microbatches_in_flight, keep).values())
+
+
+def choose_keep(profile: Profile, start: int, stop: int, devices: int, microbatches_in_flight: int) -> bool:
+    """The stage's mode (module doc): kept if it fits in memory with that many microbatches in flight.
+    Always False for one device."""
+    return devices > 1 and stage_memory(profile, start, stop, devices, microbatches_in_flight, True) <= usable_memory(profile)
 
 
 def usable_memory(profile: Profile) -> float:
     return USABLE_MEMORY_FRACTION * profile.device_memory_bytes
 
 
-def pipeline_time(stage_times: Sequence[float], num_microbatches: int) -> float:
-    """T: 1F1B iteration time of one pipeline for `num_microbatches` microbatches."""
-    return sum(stage_times) + (num_microbatches - 1) * max(stage_times)
+def pipeline_time(stage_times: Sequence[float], num_microbatches: int, once: Sequence[float] = ()) -> float:
+    """T: 1F1B iteration time of one pipeline for `num_microbatches` microbatches (`once`: each stage's
+    once_i, none by default)."""
+    return sum(stage_times) + sum(once) + (num_microbatches - 1) * max(stage_times)
 
 
 def sync_bytes(profile: Profile, start: int, stop: int, devices: int) -> float:
@@ -264,9 +308,9 @@ def sync_end(profile: Profile, pipelines: Sequence[tuple[Sequence[tuple[int, int
     for stages, latency in pipelines:
         tail = 0.0  # work on the critical path after the point reached, walking from layer 0 upwards
         for start, stop, first, g in stages:
-            if start > 0:  # the gradient sent back over this stage's first boundary
-                tail += p2p_time(boundary_link(profile, first), profile.layers[start - 1].output_bytes)
             c = work_fraction(profile, g)
+            if start > 0:  # the gradient sent back over this stage's first boundary
+                tail += p2p_time(boundary_link(profile, first), c * profile.layers[start - 1].output_bytes)
             for index in range(start, stop):
                 layer = profile.layers[index]
                 scatter = allgather_time(intra, layer.grad_bytes, g)
@@ -291,9 +335,18 @@ def exposed_sync(profile: Profile, pipelines: Sequence[tuple[Sequence[tuple[int,
 
 
 def data_parallel_step(profile: Profile, num_devices: int, global_microbatches: int) -> float:
-    """Step time of the pure data-parallel (FSDP / ZeRO-3) bound on `num_devices` devices (module doc)."""
+    """Step time of the pure data-parallel bound on `num_devices` devices (module doc): the better of
+    flat FSDP and hybrid sharding inside nodes."""
     if num_devices < 1 or global_microbatches < 1:
         raise ValueError(f"need >= 1 device and microbatch, got {num_devices} and {global_microbatches}")
     share = global_microbatches / num_devices  # microbatches' worth of samples per device
     compute = share * sum(layer.forward_s + layer.backward_s for layer in profile.layers)
-    return compute + exposed_shard_time(profile, profile.layers, num_devices, share, profile.link("allreduce_inter"))
+    flat = compute + exposed_shard_time(profile, profile.layers, num_devices, share, profile.link("allreduce_inter"))
+    d = profile.devices_per_node
+    if d <= 1 or num_devices % d:
+        return flat
+    intra, first = profile.link("allreduce_intra"), profile.layers[0]
+    hybrid = (compute + exposed_kept_time(profile, profile.layers, d, share, intra)
+              + allgather_time(intra, first.grad_bytes, d)
+              + allreduce_time(profile.link("allreduce_inter"), first.grad_bytes / d, num_devices // d))
+    return min(flat, hybrid)

@@ -32,7 +32,9 @@ from oobleck_slurm.planning.templates import PipelineTemplate, PlanningError, ex
 # 3: stages of g > 1 devices are sharded (ZeRO-3 inside the stage: state / g, gathers and scatters on the
 # intra-node link), any divisor of the node's devices, placed anywhere inside one node.
 # 4: each template optimised for its own microbatch count (B n / N), memory still for ceil(B / (f + 1)).
-PLANNER_VERSION = 4
+# 5: a sharded stage is kept (parameters gathered once per step) or resharded, whichever is faster and fits;
+# gathers in the parameters' dtype.
+PLANNER_VERSION = 5
 # Bump when what a measured profile counts changes (planning/measure.py): cached profiles become stale.
 # 2: layers in the parameter dtype under autocast for bf16; the loss counted with the last layer.
 MEASURE_VERSION = 2

@@ -60,6 +60,8 @@ class StageTemplate:
     devices: int
     time_s: float  # w_i, per microbatch
     memory_bytes: float  # per device
+    keep: bool = False  # devices > 1: parameters gathered once per step and kept (cost.choose_keep)
+    once_s: float = 0.0  # once_i: what the stage adds once per step (a kept stage's gathers)
 
     @property
     def num_layers(self) -> int:
@@ -94,7 +96,8 @@ class PipelineTemplate:
 
     @property
     def sum_s(self) -> float:
-        return sum(s.time_s for s in self.stages)
+        """What one microbatch's pass through every stage takes, with what stages add once per step."""
+        return sum(s.time_s + s.once_s for s in self.stages)
 
     def latency(self, num_microbatches: int) -> float:
         """Iteration time for `num_microbatches` microbatches (linear in it under 1F1B)."""
@@ -142,13 +145,15 @@ def template_from_stages(
     k_nb = num_microbatches if memory_microbatches is None else memory_microbatches
     out = []
     for start, stop, first, g in stages:
-        w = cost.stage_time(profile, start, stop, g, first)
         k = stage_in_flight(k_nb, total - first, g)
-        out.append(StageTemplate(start, stop, first, g, w, cost.stage_memory(profile, start, stop, g, k)))
-    times = [s.time_s for s in out]
+        keep = cost.choose_keep(profile, start, stop, g, k)
+        out.append(StageTemplate(start, stop, first, g, cost.stage_time(profile, start, stop, g, first, keep),
+                                 cost.stage_memory(profile, start, stop, g, k, keep), keep,
+                                 cost.stage_once_time(profile, start, stop, g, keep)))
+    times, once = [s.time_s for s in out], [s.once_s for s in out]
     return PipelineTemplate(
         num_nodes=num_nodes, devices_per_node=profile.devices_per_node, num_microbatches=num_microbatches,
-        stages=tuple(out), iteration_time_s=cost.pipeline_time(times, num_microbatches), profile_key=profile.key,
+        stages=tuple(out), iteration_time_s=cost.pipeline_time(times, num_microbatches, once), profile_key=profile.key,
         memory_microbatches=None if k_nb == num_microbatches else k_nb,
     )
 
@@ -181,55 +186,79 @@ class _Tables:
         valid = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)
         out = np.array([0.0] + [x.output_bytes for x in layers])  # out[a] = bytes entering layer a
         links = (profile.link("intra_node"), profile.link("inter_node"))
-        # boundary[kind][x]: both directions of the transfer at layer boundary x (0 at the ends)
-        boundary = []
-        for link in links:
-            v = 2 * (link.latency_s + out / link.bandwidth_Bps)
-            v[0] = 0.0
-            boundary.append(v)
-        # End boundary at stop b: the same transfer (out[b] is layer b-1's output), none after the last.
-        end_boundary = [np.concatenate([v[:L], [0.0]]) for v in boundary]
+        links = (profile.link("intra_node"), profile.link("inter_node"))
+
+        def boundaries(c: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+            """[kind][x]: both directions of a device's share c of the transfer at layer boundary x (0 at
+            the ends), as the start and as the end boundary of a stage (out[b] is layer b-1's output)."""
+            start = []
+            for link in links:
+                v = 2 * (link.latency_s + c * out / link.bandwidth_Bps)
+                v[0] = 0.0
+                start.append(v)
+            return start, [np.concatenate([v[:L], [0.0]]) for v in start]
+
         budget = cost.usable_memory(profile)
         coll = profile.link("allreduce_intra")
         gathered = [cost.gathered_bytes(profile, x) for x in layers]
-        # A sharded stage's gather buffers (cost.stage_memory): two layers' gathered parameters, one's gradient.
-        gather_mem = 2 * range_max(gathered) + range_max([x.grad_bytes for x in layers])
-        self.w: dict[tuple[int, int, int], np.ndarray] = {}
-        self.kmax: dict[int, np.ndarray] = {}
+        grads = [float(x.grad_bytes) for x in layers]
+        # A sharded stage's gather buffers (cost.stage_memory): resharded, two layers' gathered parameters
+        # and one's gradient; kept, every layer's parameters and gradient.
+        gather_mem = {False: 2 * range_max(gathered) + range_max(grads), True: span(prefix(gathered)) + span(prefix(grads))}
+        # per (g, keep): stage times for each (start kind, end kind), and the most microbatches in flight
+        self.w: dict[tuple[int, bool, int, int], np.ndarray] = {}
+        self.kmax: dict[tuple[int, bool], np.ndarray] = {}
+        self.once: dict[tuple[int, bool], np.ndarray] = {}  # once_i, per step (kept stages)
         # Memory (cost.stage_memory): the stage's output (out[b], none after the last layer) is held per
         # microbatch in flight; the boundary gradients (out[b] + out[a]) and one layer's workspace once.
         end_out = np.concatenate([out[:L], [0.0]])
         for g in self.gs:
             c = cost.work_fraction(profile, g)
-            static = span(state) / g + c * (end_out[None, :] + out[:, None] + ws)
-            base = c * span(fb)
-            if g > 1:  # cost.exposed_shard_time: per layer beyond its compute, plus the pass's ends
-                excess = prefix([max(0.0, cost.shard_comm_time(profile, x, g, coll) - c * (x.forward_s + x.backward_s))
-                                 for x in layers])
-                gath = np.array([cost.allgather_time(coll, v, g) for v in gathered] + [0.0])
-                scat = np.array([cost.allgather_time(coll, x.grad_bytes, g) for x in layers] + [0.0])
-                last = np.concatenate([[0.0], gath[:L]])  # last[b] = the gather of layer b-1
-                base = base + span(excess) + (gath + scat)[:, None] + last[None, :]
-                static = static + gather_mem
-            for st in (0, 1):
-                for et in (0, 1):
-                    w = base + boundary[st][:, None] + end_boundary[et][None, :]
-                    self.w[g, st, et] = np.where(valid, w, INF)
-            per_mb = c * (span(act) + end_out[None, :])
-            with np.errstate(divide="ignore", invalid="ignore"):
-                kmax = np.floor((budget - static) / per_mb)
-            kmax = np.where(per_mb <= 0, np.where(static <= budget, INF, -1.0), kmax)
-            self.kmax[g] = np.where(valid & (static <= budget), kmax, -1.0)
-        self._mem_cache: dict[tuple[int, int, int, int], np.ndarray] = {}
+            boundary, end_boundary = boundaries(c)
+            for keep in ((False, True) if g > 1 else (False,)):
+                static = span(state) / g + c * (end_out[None, :] + out[:, None] + ws)
+                base = c * span(fb)
+                self.once[g, keep] = np.zeros((L + 1, L + 1))
+                if g > 1 and keep:  # cost.exposed_kept_time: once per step
+                    hidden = prefix([max(0.0, cost.allgather_time(coll, v, g) - c * x.forward_s)
+                                     for v, x in zip(gathered, layers)])
+                    first = np.array([cost.allgather_time(coll, v, g) for v in gathered] + [0.0])
+                    self.once[g, keep] = np.where(valid, span(hidden) + first[:, None], 0.0)
+                    static = static + gather_mem[True]
+                elif g > 1:  # cost.exposed_shard_time: per layer beyond its compute, plus the pass's ends
+                    excess = prefix([max(0.0, cost.shard_comm_time(profile, x, g, coll) - c * (x.forward_s + x.backward_s))
+                                     for x in layers])
+                    gath = np.array([cost.allgather_time(coll, v, g) for v in gathered] + [0.0])
+                    scat = np.array([cost.allgather_time(coll, x.grad_bytes, g) for x in layers] + [0.0])
+                    last = np.concatenate([[0.0], gath[:L]])  # last[b] = the gather of layer b-1
+                    base = base + span(excess) + (gath + scat)[:, None] + last[None, :]
+                    static = static + gather_mem[False]
+                for st in (0, 1):
+                    for et in (0, 1):
+                        w = base + boundary[st][:, None] + end_boundary[et][None, :]
+                        self.w[g, keep, st, et] = np.where(valid, w, INF)
+                per_mb = c * (span(act) + end_out[None, :])
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    kmax = np.floor((budget - static) / per_mb)
+                kmax = np.where(per_mb <= 0, np.where(static <= budget, INF, -1.0), kmax)
+                self.kmax[g, keep] = np.where(valid & (static <= budget), kmax, -1.0)
+        self._mem_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    def masked(self, g: int, st: int, et: int, k: int) -> np.ndarray:
-        """Stage times with the memory-infeasible entries set to inf, for k microbatches in flight."""
+    def masked(self, g: int, st: int, et: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stage times and once-per-step times of the mode each stage runs in with k microbatches in
+        flight (cost.choose_keep: kept where it fits), inf where neither fits."""
         key = (g, st, et, k)
-        table = self._mem_cache.get(key)
-        if table is None:
-            table = np.where(self.kmax[g] >= k, self.w[g, st, et], INF)
-            self._mem_cache[key] = table
-        return table
+        tables = self._mem_cache.get(key)
+        if tables is None:
+            w = np.where(self.kmax[g, False] >= k, self.w[g, False, st, et], INF)
+            once = self.once[g, False]
+            if g > 1:
+                kept = self.kmax[g, True] >= k
+                w = np.where(kept, self.w[g, True, st, et], w)
+                once = np.where(kept, self.once[g, True], once)
+            tables = (w, once)
+            self._mem_cache[key] = tables
+        return tables
 
     def steps(self, r: int) -> list[tuple[int, int, int, int, int]]:
         """Transitions out of state (., r): (g, r - g, start kind, end kind, in-flight count)."""
@@ -261,19 +290,21 @@ def _run_pass(tab: _Tables, cap: float, r_max: int, minmax: bool = False) -> _Pa
     if minmax:
         value[0, L] = -INF
     rows = np.arange(L + 1)
-    capped: dict[tuple[int, int, int, int], np.ndarray] = {}
+    capped: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
     for r in range(1, r_max + 1):
         cur_v, cur_p = value[r], peak[r]
         for g, rem, st, et, k in tab.steps(r):
             key = (g, st, et, k)
-            w = capped.get(key)
-            if w is None:
-                w = tab.masked(g, st, et, k)
+            pair = capped.get(key)
+            if pair is None:
+                w, once = tab.masked(g, st, et, k)
                 if cap < INF:
                     w = np.where(w <= cap, w, INF)
-                capped[key] = w
+                pair = capped[key] = (w, once)
+            w, once = pair
             nxt = value[rem]
-            tmp = np.maximum(w, nxt[None, :]) if minmax else w + nxt[None, :]
+            # the sum pass adds each stage's once-per-step time; the bottleneck (peak, cap) is w alone
+            tmp = np.maximum(w, nxt[None, :]) if minmax else w + once + nxt[None, :]
             b = tmp.argmin(axis=1)
             v = tmp[rows, b]
             better = v < cur_v

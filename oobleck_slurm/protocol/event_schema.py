@@ -79,6 +79,8 @@ class PlanStage:
                                          "sharded stage)")
     ranks: list[int] | None = optional("every global rank of the stage")
     memory_bytes: int | None = optional("the planner's memory model of the stage")
+    kept: bool | None = optional("a sharded stage's parameters gathered once per step and kept (else "
+                                 "gathered around each use)")
 
 
 @dataclass(frozen=True, kw_only=True)

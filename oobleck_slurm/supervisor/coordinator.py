@@ -166,7 +166,7 @@ def plan_event(plan: Plan, generation: int, reason: str, members: list[str], wor
              "stages": [{"layers": [ls.start, ls.stop], "node": dev[0], "worker": dev[1], "rank": first_rank(dev),
                          "workers": list(range(dev[1], dev[1] + stage.devices)),
                          "ranks": list(range(first_rank(dev), first_rank(dev) + stage.devices)),
-                         "memory_bytes": stage.memory_bytes}
+                         "memory_bytes": stage.memory_bytes, "kept": stage.keep}
                         for (dev, ls), stage in zip(stage_devices(p), p.template.stages)]}
             for i, p in enumerate(plan.pipelines)
         ],

@@ -34,14 +34,15 @@ def test_stages_of_several_devices_map_to_consecutive_ranks_of_their_node():
     from oobleck_slurm.planning.instantiate import PipelinePlan, Plan
     from oobleck_slurm.planning.templates import PipelineTemplate, StageTemplate
 
-    def stage(start: int, stop: int, first: int, devices: int) -> StageTemplate:
-        return StageTemplate(start, stop, first, devices, 1.0, 1.0)
+    def stage(start: int, stop: int, first: int, devices: int, keep: bool = False) -> StageTemplate:
+        return StageTemplate(start, stop, first, devices, 1.0, 1.0, keep)
 
-    wide = PipelineTemplate(1, 4, 4, (stage(0, 6, 0, 4),), 1.0)  # one stage on the node's 4 workers
+    wide = PipelineTemplate(1, 4, 4, (stage(0, 6, 0, 4, keep=True),), 1.0)  # one kept stage on the node's 4 workers
     mixed = PipelineTemplate(1, 4, 4, (stage(0, 3, 0, 2), stage(3, 5, 2, 1), stage(5, 6, 3, 1)), 1.0)
     plan = Plan((PipelinePlan(wide, ("b",), 4, 0), PipelinePlan(mixed, ("a",), 4, 4)), (), 8, 2, 0.0)
     ep = exec_plan(plan, ["a", "b"], 4)
     assert [(p.ranks, p.widths) for p in ep.pipelines] == [((4,), (4,)), ((0, 2, 3), (2, 1, 1))]
+    assert [p.keep for p in ep.pipelines] == [(True,), (False, False, False)]  # the planner's stage modes
     assert ep.holder_stages(0) == ((4, 5, 6, 7), (0, 1))
     overflow = PipelineTemplate(1, 4, 4, (stage(0, 6, 2, 4),), 1.0)
     with pytest.raises(PlanError, match="does not fit a node of 4 devices"):

@@ -95,6 +95,11 @@ def test_wide_stages_roles_pieces_and_json():
         ExecPlan(6, 8, (PipelineSpec((0,), (0, 6), 0, 8, (3,)),))
     with pytest.raises(PlanError, match="already used"):
         ExecPlan(6, 8, (PipelineSpec((0,), (0, 6), 0, 4, (2,)), PipelineSpec((1,), (0, 6), 4, 4)))
+    kept = ExecPlan(6, 8, (PipelineSpec((0, 2), (0, 3, 6), 0, 8, (2, 2), (True, False)),))
+    assert ExecPlan.from_json(kept.to_json()) == kept and kept.role(1).keep and not kept.role(3).keep
+    assert "keep" not in plan.to_json()["pipelines"][0]  # plans with no kept stage keep their JSON
+    with pytest.raises(PlanError, match="kept only where wider than 1"):
+        ExecPlan(6, 8, (PipelineSpec((0, 1), (0, 3, 6), 0, 8, (1, 1), (True, False)),))
 
 
 def test_slice_moves_recut_shards_on_a_node_and_copy_whole_replicas_across():

@@ -40,10 +40,11 @@ def tiny_job(steps: int = 3) -> JobSpec:
     )
 
 
-# node 0 = ranks 0-3, node 1 = ranks 4-7
-WIDE_AND_MIXED = ExecPlan(6, 4, (PipelineSpec((0,), (0, 6), 0, 2, (4,)),
+# node 0 = ranks 0-3, node 1 = ranks 4-7; wide stages kept (parameters gathered once per step) or
+# resharded (gathered around each use, gradients scattered each microbatch): both modes in each plan
+WIDE_AND_MIXED = ExecPlan(6, 4, (PipelineSpec((0,), (0, 6), 0, 2, (4,), (True,)),
                                  PipelineSpec((4, 6, 7), (0, 3, 5, 6), 2, 2, (2, 1, 1))))
-TWO_WIDE_AND_NARROW = ExecPlan(6, 4, (PipelineSpec((0, 2), (0, 3, 6), 0, 3, (2, 2)),
+TWO_WIDE_AND_NARROW = ExecPlan(6, 4, (PipelineSpec((0, 2), (0, 3, 6), 0, 3, (2, 2), (False, True)),
                                       PipelineSpec((4, 5, 6, 7), (0, 2, 3, 5, 6), 3, 1)))
 
 
@@ -135,7 +136,7 @@ def test_kill_9_of_a_node_mid_step_regroups_the_survivors_at_another_width(tmp_p
     # node 1 (ranks 4-7: a stage of 2 and two of 1) is killed inside step 2, in its third wait; node 0
     # (the 4-wide replica) goes on alone as two stages of 2: shards re-cut, the step completed or replayed
     job = tiny_job(steps=4)
-    halves = ExecPlan(6, 4, (PipelineSpec((0, 2), (0, 3, 6), 0, 4, (2, 2)),))
+    halves = ExecPlan(6, 4, (PipelineSpec((0, 2), (0, 3, 6), 0, 4, (2, 2), (True, False)),))
     losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (2, halves)],
                                kill={"ranks": [4, 5, 6, 7], "step": 2, "wait": 3})
     assert_exact(job, losses, layers)

@@ -33,11 +33,15 @@ def test_state_is_divided_by_the_width_and_activations_by_the_share_of_the_sampl
             assert math.isclose(terms[key], one[key] / g)
         for key in ("activations", "stage_outputs", "boundary_gradients", "workspace"):
             assert math.isclose(terms[key], one[key] * c)
-        layer = profile.layers[1]  # fp32: gathered as held; two layers' parameters and one gradient
+        layer = profile.layers[1]  # resharded: two layers' parameters and one gradient, gathered as held
         assert terms["gather_buffers"] == 2 * layer.param_bytes + layer.grad_bytes
+        kept = cost.stage_memory_terms(profile, 1, 3, g, 3, keep=True)  # kept: every layer's, whole
+        assert kept["gather_buffers"] == 2 * (layer.param_bytes + layer.grad_bytes)
+        assert {k: v for k, v in kept.items() if k != "gather_buffers"} == {k: v for k, v in terms.items()
+                                                                            if k != "gather_buffers"}
     assert one["gather_buffers"] == 0
-    bf16 = replace(profile, dtype="bf16")  # fp32 master weights gathered as their bf16 cast
-    assert cost.stage_memory_terms(bf16, 1, 3, 2, 3)["gather_buffers"] == layer.param_bytes + layer.grad_bytes
+    bf16 = replace(profile, dtype="bf16")  # the engine gathers the fp32 master weights as they are
+    assert cost.stage_memory_terms(bf16, 1, 3, 2, 3)["gather_buffers"] == 2 * layer.param_bytes + layer.grad_bytes
 
 
 def test_free_collectives_leave_the_share_of_the_compute():
@@ -58,6 +62,28 @@ def test_collectives_beyond_a_layers_compute_are_exposed_and_the_ends_always():
     # first forward gather (layer 0), the first backward gather (layer 1), the last scatter (layer 0).
     expected = (0.3 + 3.0) / 2 + (comm - 0.15) + 0.5 + 0.5 + 0.5
     assert math.isclose(cost.stage_time(profile, 0, 2, 2, 0), expected)
+
+
+def test_a_kept_stage_gathers_once_per_step_and_only_where_it_fits():
+    link = Link(0.0, 1000.0)  # a layer of 1000 parameter bytes gathers in 0.5 s on 2 devices
+    profile = replace(make_profile([0.3, 3.0], devices_per_node=2, state=[4000, 4000]), microbatch_size=2)
+    profile = replace(profile, links={**profile.links, "allreduce_intra": link})
+    # Per microbatch: the compute only. Once per step: layer 0's gather (0.5 s, its 0.05 s of forward
+    # hides none of the next) exposed, plus layer 0's gather beyond its forward and layer 1's beyond its.
+    assert math.isclose(cost.stage_time(profile, 0, 2, 2, 0, keep=True), (0.3 + 3.0) / 2)
+    once = 0.5 + (0.5 - 0.05) + max(0.0, 0.5 - 0.5)
+    assert math.isclose(cost.stage_once_time(profile, 0, 2, 2, keep=True), once)
+    assert cost.stage_once_time(profile, 0, 2, 2, keep=False) == 0.0
+    (t,) = [template_from_stages(profile, 1, [(0, 2, 0, 2)], 4)]
+    assert t.stages[0].keep and math.isclose(t.iteration_time_s, 4 * (0.3 + 3.0) / 2 + once)
+    # Memory for one layer's gathered parameters and gradient less than kept needs: resharded
+    kept = cost.stage_memory(profile, 0, 2, 2, 1, keep=True)
+    resharded = cost.stage_memory(profile, 0, 2, 2, 1, keep=False)
+    assert resharded < kept
+    tight = replace(profile, device_memory_bytes=(kept + resharded) / 2 / cost.USABLE_MEMORY_FRACTION)
+    (t,) = [template_from_stages(tight, 1, [(0, 2, 0, 2)], 4)]
+    assert not t.stages[0].keep and math.isclose(t.stages[0].time_s, cost.stage_time(tight, 0, 2, 2, 0))
+    assert not cost.choose_keep(profile, 0, 2, 1, 1)  # one device: nothing to keep
 
 
 def test_each_device_all_reduces_its_shard_across_pipelines():

@@ -68,7 +68,7 @@ def test_templates_are_well_formed():
         assert device == t.num_devices  # every device holds a stage
         assert t.max_memory_bytes <= cost.usable_memory(profile)
         times = [s.time_s for s in t.stages]
-        assert math.isclose(t.iteration_time_s, cost.pipeline_time(times, 6))
+        assert math.isclose(t.iteration_time_s, cost.pipeline_time(times, 6, [s.once_s for s in t.stages]))
         assert math.isclose(t.latency(6), t.iteration_time_s)
         assert PipelineTemplate.from_dict(t.to_dict()) == t
 

@@ -41,6 +41,7 @@ def assert_plan_events_name_every_worker(run: JobRun) -> None:
             for s in p["stages"]:
                 assert s["ranks"] == list(range(s["rank"], s["rank"] + len(s["workers"])))
                 assert s["workers"] == list(range(s["worker"], s["worker"] + len(s["workers"])))
+                assert not s["kept"] or len(s["workers"]) > 1  # only a sharded stage keeps its gathers
 
 
 def test_kill_9_of_a_node_with_sharded_stages_keeps_the_trajectory(tmp_path, templates_cache):
