@@ -2,8 +2,11 @@
 OUT_DIR PORT RANK WORLD`. It reads OUT_DIR/job.json (a JobSpec) and OUT_DIR/plans.json (one ExecPlan per
 generation, with the step each one starts at), trains through them on real gloo groups built on the
 test's store, and writes its per-step losses (rank 0) and the layers it gathers whole (first pipeline)
-to OUT_DIR. A generation may name ranks to kill -9 at a wait of a step (`kill`): the test then plays
-the coordinator (the failed key, the survivors' reports, the step to resume at: tests/engine/test_sharded.py)."""
+to OUT_DIR, and every replica's gathered layers (`replicas<rank>.pt`, by (layer key, rank)). A generation
+may name ranks to kill -9 at a wait of a step (`kill`): the test then plays the coordinator (the failed
+key, the survivors' reports, the step to resume at: tests/engine/test_sharded.py). A generation marked
+`checkpoint` starts from a checkpoint that the first pipeline of the one before writes to OUT_DIR/ckpt
+when it stops (whole-layer files, gathered from wide stages)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_slurm.engine.abort import GenerationAborted, build_generation
+from oobleck_slurm.engine.checkpoint import save_layer
 from oobleck_slurm.engine.comm import is_collective_error
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.recovery import can_complete, reach_step
@@ -39,6 +43,19 @@ def coordinator_transfers(old: ExecPlan, new: ExecPlan) -> list[tuple[int, int, 
                 if not any(p.ranks[s] in ranks for ranks in old.holder_stages(layer)):
                     out.append((layer, old.holder_stages(layer)[0][-1], p.ranks[s]))
     return out
+
+
+def gathered(worker: Worker, plan: ExecPlan, rank: int) -> tuple[dict, dict]:
+    """The whole layers this rank gets from `layer_payload` (every rank of a stage calls it for its layers in
+    the same order; a wide stage's first rank gets them): the first pipeline's by key, all by (key, rank)."""
+    first, every = {}, {}
+    for i in sorted(worker.layers):
+        payload = worker.layer_payload(i)
+        if payload is not None:
+            every[(worker.keys[i], rank)] = payload
+            if rank in plan.holder_stages(i)[0]:
+                first[worker.keys[i]] = payload
+    return first, every
 
 
 def main(out: Path, port: int, rank: int, world: int) -> None:
@@ -69,6 +86,8 @@ def main(out: Path, port: int, rank: int, world: int) -> None:
         gen = build_generation(store, g, rank, world, plan, TIMEOUTS, on_wait=on_wait)
         if old is None:
             worker.adopt(plan, gen, "seed")
+        elif entry.get("checkpoint"):
+            worker.adopt(plan, gen, "checkpoint", checkpoint=(str(out / "ckpt"), entry["step"]))
         else:  # a plan change: layers from their holders' memory, copies named as the coordinator names them
             worker.adopt(plan, gen, "memory", coordinator_transfers(old, plan))
         old = plan
@@ -84,9 +103,13 @@ def main(out: Path, port: int, rank: int, world: int) -> None:
             store.wait([keys.failed(g)])  # the test saw the node's processes exit
             store.set(f"report/{g}/{rank}", f"{worker.step} {int(can_complete(worker))}")
             reach_step(worker, int(store.get(f"resume/{g}")))
-    payloads = {worker.keys[i]: p for i in sorted(worker.layers) if rank in plan.holder_stages(i)[0]
-                and (p := worker.layer_payload(i)) is not None}
+        if g + 1 < len(plans) and plans[g + 1].get("checkpoint"):
+            for key, payload in gathered(worker, plan, rank)[0].items():
+                save_layer(out / "ckpt", worker.step, key, payload)
+            gen.wait(gen.world.barrier())  # every file written before any rank reads
+    payloads, replicas = gathered(worker, plan, rank)
     torch.save(payloads, out / f"layers{rank}.pt")
+    torch.save(replicas, out / f"replicas{rank}.pt")
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
     gen.wait(gen.world.barrier())

@@ -14,7 +14,15 @@ resized to 0 otherwise, as FSDP does), a full-size gradient buffer (the module's
 allocated the same way), the gradient shard, and an optimizer over the shard: one parameter per
 (original parameter, shard) overlap, views into the shard, weight decay as the original parameter's
 (matrices only). AdamW is elementwise, so stepping the pieces is the same arithmetic as stepping the
-whole layer. CAME's factored statistics span whole rows/columns: not sharded yet (refused at adopt).
+whole layer. CAME (optim/came_sharded.py) steps one piece per original parameter, empty where the rank
+holds none of it: its row/column statistics and update RMS come from partial sums all-reduced in the
+stage group (`ShardedCAME.prepare`, which the worker runs before its step's commit point), the row and
+column vectors are whole on every rank of the stage, the first moment (and a vector's second moment)
+is sharded like the parameter.
+
+Optimizer state in flat form (checkpoints, copies between widths): the elementwise moments `MOMENTS`
+over the layer's flat buffer (or a shard of it), the step counter, and CAME's row/column statistics of
+the layer's matrices as one whole buffer (`FACTORED_KEYS` per matrix, in module order; empty for AdamW).
 
 When (`StageParams`), in the stage's mode (planning/cost.py: the planner keeps a stage where it fits):
 - kept: a layer's parameters are all-gathered inside the stage group before its first forward of the
@@ -31,6 +39,7 @@ on its own groups and waited on through the generation's abortable waits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -41,9 +50,12 @@ from oobleck_slurm.engine.comm import Group
 from oobleck_slurm.engine.layout import SHARD_ALIGN
 from oobleck_slurm.engine.spec import OptimSpec
 from oobleck_slurm.optim import load_optimizer_state_tensors, optimizer_state_spec, optimizer_state_tensors
-from oobleck_slurm.optim.build import build_optimizer
+from oobleck_slurm.optim.build import build_optimizer, came_betas_eps
+from oobleck_slurm.optim.came_sharded import FACTORED_KEYS, CamePiece, ShardedCAME, factored_sizes
 
-ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state, sharded like the parameters
+# Elementwise state, sharded like the parameters: AdamW's two moments; CAME's first moment and the
+# second moment of its parameters of fewer than two dimensions (zero over the matrices' elements).
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def padded(n: int) -> int:
@@ -75,36 +87,75 @@ def flat_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def factored_numel(shapes: list[tuple[int, ...]]) -> int:
+    """Entries of CAME's row/column statistics of a layer whose parameters have `shapes`."""
+    return sum(2 * sum(factored_sizes(shape)) for shape in shapes if len(shape) >= 2)
+
+
+def vector_spans(shapes: list[tuple[int, ...]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The logical elements of [lo, hi) that belong to parameters of fewer than two dimensions, as
+    ranges: where CAME keeps an elementwise second moment (a copy moves no zeros of the matrices')."""
+    out, offset = [], 0
+    for shape in shapes:
+        k = math.prod(shape)
+        a, b = max(lo, offset), min(hi, offset + k)
+        if len(shape) < 2 and a < b:
+            out.append((a, b))
+        offset += k
+    return out
+
+
 def _optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 
 
-def flat_state(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """A whole layer's AdamW moments as flat buffers of n (module order), and its step counter."""
+def flat_state(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], torch.Tensor,
+                                                                       torch.Tensor]:
+    """A whole layer's optimizer state in flat form (module doc): the moments as flat buffers of n, the
+    step counter, and CAME's row/column statistics."""
     n = flat_numel(module)
     offsets = param_offsets(module)
     named = optimizer_state_tensors(opt)
     params = _optimizer_params(opt)
-    out = {key: torch.zeros(n, dtype=params[0].dtype, device=params[0].device) for key in ADAMW_MOMENTS}
+    out = {key: torch.zeros(n, dtype=params[0].dtype, device=params[0].device) for key in MOMENTS}
     step = named["0.step"].clone()
     for i, p in enumerate(params):
         off, k = offsets[id(p)]
-        for key in ADAMW_MOMENTS:
-            out[key][off : off + k] = named[f"{i}.{key}"].reshape(-1)
-    return out, step
+        for key in MOMENTS:
+            if f"{i}.{key}" in named:  # CAME: no second moment of a matrix
+                out[key][off : off + k] = named[f"{i}.{key}"].reshape(-1)
+    index = {id(p): i for i, p in enumerate(params)}
+    factored = [named[name].reshape(-1) for p in module.parameters() for key in FACTORED_KEYS
+                if (name := f"{index[id(p)]}.{key}") in named]
+    empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
+    return out, step, torch.cat(factored) if factored else empty
 
 
 def load_flat_state(module: nn.Module, opt: torch.optim.Optimizer, moments: dict[str, torch.Tensor],
-                    step: torch.Tensor) -> None:
-    """The inverse of `flat_state`: a whole layer's optimizer from flat moments (length >= n) and a step."""
+                    step: torch.Tensor, factored: torch.Tensor) -> None:
+    """The inverse of `flat_state`: a whole layer's optimizer from flat moments (length >= n), a step
+    and CAME's row/column statistics (empty for AdamW)."""
     offsets = param_offsets(module)
+    spec = optimizer_state_spec(opt)
+    params = _optimizer_params(opt)
     tensors: dict[str, torch.Tensor] = {}
     step = _step_like(opt, step)
-    for i, p in enumerate(_optimizer_params(opt)):
+    for i, p in enumerate(params):
         off, k = offsets[id(p)]
         tensors[f"{i}.step"] = step
-        for key in ADAMW_MOMENTS:
-            tensors[f"{i}.{key}"] = moments[key][off : off + k].view_as(p)
+        for key in MOMENTS:
+            if f"{i}.{key}" in spec:
+                tensors[f"{i}.{key}"] = moments[key][off : off + k].view_as(p)
+    index, pos = {id(p): i for i, p in enumerate(params)}, 0
+    for p in module.parameters():
+        for key in FACTORED_KEYS:
+            if (name := f"{index[id(p)]}.{key}") in spec:
+                shape = spec[name][0]
+                tensors[name] = factored[pos : pos + math.prod(shape)].view(shape)
+                pos += math.prod(shape)
+    if pos != factored.numel():
+        raise ValueError(f"CAME's row/column statistics: got {factored.numel()} values, the layer's "
+                         f"matrices have {pos}")
     load_optimizer_state_tensors(opt, tensors)
 
 
@@ -120,9 +171,6 @@ class ShardedLayer:
     (its values are the layer's parameters); the shard is cut from it and its buffer then freed."""
 
     def __init__(self, module: nn.Module, width: int, index: int, spec: OptimSpec) -> None:
-        if spec.name != "adamw":
-            raise NotImplementedError(f"stages wider than one device shard AdamW's state; {spec.name!r} keeps "
-                                      f"factored row/column statistics that are not sharded yet")
         params = list(module.parameters())
         self.module, self.width, self.index = module, width, index
         self.n = flat_numel(module)
@@ -143,25 +191,57 @@ class ShardedLayer:
         self.shard = self.full[self.base : self.base + self.size].clone()
         self.grad_shard = torch.zeros_like(self.shard)
         self.scattered = torch.zeros_like(self.shard)  # one microbatch's reduce-scatter, resharded
-        # one optimizer parameter per overlap of an original parameter with the shard
+        # AdamW: one optimizer parameter per overlap of an original parameter with the shard
         self.segments: list[tuple[int, int, nn.Parameter]] = []  # (logical lo, hi, parameter)
+        # CAME: one piece per original parameter, in module order, with the parameter's flat offset
+        self.pieces: list[tuple[int, CamePiece]] = []
+        self.opt = self._came(params, spec) if spec.name == "came" else self._adamw(params, spec)
+        self.gathered = True
+        self.release()
+        self.release_grad()
+
+    def _view(self, lo: int, hi: int) -> nn.Parameter:
+        """An optimizer parameter over the shard's logical elements [lo, hi), its gradient the same
+        elements of the gradient shard."""
+        seg = nn.Parameter(self.shard[lo - self.base : hi - self.base])
+        seg.grad = self.grad_shard[lo - self.base : hi - self.base]
+        return seg
+
+    def _adamw(self, params: list[nn.Parameter], spec: OptimSpec) -> torch.optim.Optimizer:
         decay: list[nn.Parameter] = []
         plain: list[nn.Parameter] = []
         offset = 0
         for p in params:
             lo, hi = max(offset, self.lo), min(offset + p.numel(), self.hi)
             if lo < hi:
-                seg = nn.Parameter(self.shard[lo - self.base : hi - self.base])
-                seg.grad = self.grad_shard[lo - self.base : hi - self.base]
+                seg = self._view(lo, hi)
                 self.segments.append((lo, hi, seg))
                 (decay if p.dim() >= 2 else plain).append(seg)
             offset += p.numel()
         groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-        self.opt = build_optimizer(spec.name, [g for g in groups if g["params"]], lr=spec.lr,
-                                   weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
-        self.gathered = True
-        self.release()
-        self.release_grad()
+        return build_optimizer(spec.name, [g for g in groups if g["params"]], lr=spec.lr,
+                               weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
+
+    def _came(self, params: list[nn.Parameter], spec: OptimSpec) -> ShardedCAME:
+        """CAME over a piece of every parameter, an empty one where the shard holds none of it: every rank
+        of the stage takes part in each parameter's reductions, in the same order. The hyper-parameters
+        and the weight-decay rule (matrices only) of the whole layer's CAME (layer_optim.py)."""
+        decay: list[CamePiece] = []
+        plain: list[CamePiece] = []
+        offset = 0
+        for p in params:
+            lo, hi = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if lo >= hi:
+                piece = CamePiece(self._view(self.base, self.base), tuple(p.shape), 0, 0)  # an empty view
+            else:
+                piece = CamePiece(self._view(lo, hi), tuple(p.shape), lo - offset, hi - offset)
+            self.pieces.append((offset, piece))
+            (decay if p.dim() >= 2 else plain).append(piece)
+            offset += p.numel()
+        groups = [{"pieces": decay, "weight_decay": spec.weight_decay}, {"pieces": plain, "weight_decay": 0.0}]
+        betas, eps = came_betas_eps(spec.betas, spec.eps)
+        return ShardedCAME([g for g in groups if g["pieces"]], lr=spec.lr, betas=betas, eps=eps,
+                           weight_decay=spec.weight_decay)
 
     # ---- parameters --------------------------------------------------------------------------
 
@@ -220,26 +300,63 @@ class ShardedLayer:
 
     # ---- optimizer state as flat shards (checkpoints, copies between widths) -------------------
 
-    def state_shards(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The shard's AdamW moments as buffers of the shard's size (padding zero), and the step."""
+    def state_shards(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The shard's optimizer state in flat form (module doc): the moments as buffers of the shard's
+        size (zero where there is none: padding, CAME's matrices' second moment), the step, and CAME's
+        row/column statistics (whole; empty for AdamW)."""
+        out = {key: torch.zeros_like(self.shard) for key in MOMENTS}
+        if isinstance(self.opt, ShardedCAME):
+            factored = []
+            for offset, piece in self.pieces:
+                state = self.opt.state[piece.param]
+                for key in MOMENTS:
+                    if key in state and piece.lo < piece.hi:
+                        out[key][offset + piece.lo - self.base : offset + piece.hi - self.base] = state[key]
+                factored += [state[key] for key in FACTORED_KEYS if key in state]
+            step = self.opt.state[self.pieces[0][1].param]["step"].clone()
+            return out, step, torch.cat(factored) if factored else self.shard.new_zeros(0)
         named = optimizer_state_tensors(self.opt)
-        out = {key: torch.zeros_like(self.shard) for key in ADAMW_MOMENTS}
         step = named["0.step"].clone()
         for i, p in enumerate(_optimizer_params(self.opt)):
             lo, hi = self._segment_range(p)
-            for key in ADAMW_MOMENTS:
+            for key in MOMENTS:
                 out[key][lo - self.base : hi - self.base] = named[f"{i}.{key}"]
-        return out, step
+        return out, step, self.shard.new_zeros(0)
 
-    def load_state_shards(self, moments: dict[str, torch.Tensor], step: torch.Tensor) -> None:
+    def load_state_shards(self, moments: dict[str, torch.Tensor], step: torch.Tensor, factored: torch.Tensor) -> None:
+        """The inverse of `state_shards` (moments of at least the shard's size)."""
+        if isinstance(self.opt, ShardedCAME):
+            self._load_came(moments, step, factored)
+            return
         tensors: dict[str, torch.Tensor] = {}
         step = _step_like(self.opt, step)
         for i, p in enumerate(_optimizer_params(self.opt)):
             lo, hi = self._segment_range(p)
             tensors[f"{i}.step"] = step
-            for key in ADAMW_MOMENTS:
+            for key in MOMENTS:
                 tensors[f"{i}.{key}"] = moments[key][lo - self.base : hi - self.base]
         load_optimizer_state_tensors(self.opt, tensors)
+
+    def _load_came(self, moments: dict[str, torch.Tensor], step: torch.Tensor, factored: torch.Tensor) -> None:
+        count = int(round(float(step)))  # it may cross processes as a float of the parameters' dtype
+        pos = 0
+        for offset, piece in self.pieces:
+            state = self.opt.state[piece.param]
+            state["step"].fill_(count)
+            for key in MOMENTS:
+                if key in state and piece.lo < piece.hi:
+                    state[key].copy_(moments[key][offset + piece.lo - self.base : offset + piece.hi - self.base])
+            for key in FACTORED_KEYS:
+                if key in state:
+                    k = state[key].numel()
+                    if pos + k > factored.numel():
+                        raise ValueError(f"CAME's row/column statistics: got {factored.numel()} values, "
+                                         f"the layer's matrices have more")
+                    state[key].copy_(factored[pos : pos + k])
+                    pos += k
+        if pos != factored.numel():
+            raise ValueError(f"CAME's row/column statistics: got {factored.numel()} values, the layer's "
+                             f"matrices have {pos}")
 
     def _segment_range(self, p: torch.Tensor) -> tuple[int, int]:
         for lo, hi, seg in self.segments:
@@ -354,3 +471,19 @@ def slice_moves(stages: list[tuple[tuple[int, ...], range]], holdings: dict[int,
                     if max(a, lo) < min(b, hi):
                         moves.append((layer, src, rank, max(a, lo), min(b, hi)))
     return moves
+
+
+def factored_moves(moves: list[Move], holdings: dict[int, dict[int, Holding]]) -> list[tuple[int, int, int]]:
+    """CAME's row/column statistics that go with `moves` (slice_moves): (layer, src, dst) for each layer a
+    rank receives, once, in the order of `moves`. They are whole and equal on every rank of a replica, so
+    they come whole from one rank of the replica the shard comes from: the receiver itself when it belongs
+    to it (src == dst: nothing to send), else the source of its first move."""
+    out: list[tuple[int, int, int]] = []
+    seen: set[tuple[int, int]] = set()
+    for layer, src, dst, _, _ in moves:
+        if (layer, dst) in seen:
+            continue
+        seen.add((layer, dst))
+        replica = _replica(holdings, src, layer) or (src,)
+        out.append((layer, dst if dst in replica else src, dst))
+    return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,20 +38,23 @@ from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.nccl_order import P2POp
 from oobleck_slurm.engine.schedule import one_f_one_b
 from oobleck_slurm.engine.shard import (
-    ADAMW_MOMENTS,
+    MOMENTS,
     ShardedLayer,
     StageParams,
-    flat_numel,
+    factored_moves,
+    factored_numel,
     flat_state,
     load_flat_state,
     parts_to_elements,
     piece_range,
     shard_range,
     slice_moves,
+    vector_spans,
 )
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
+from oobleck_slurm.optim.came_sharded import ShardedCAME
 from oobleck_slurm.protocol.records import StepResult
 
 
@@ -81,6 +85,19 @@ def peer(rank: int | None) -> int:
     if rank is None:
         raise RuntimeError("the schedule sends to or receives from a stage that does not exist")
     return rank
+
+
+@dataclass(frozen=True)
+class FlatHolding:
+    """A rank's holding of one layer in flat form (shard.py): its parameters' logical elements from
+    `base` on, the optimizer moments over the same elements, the step counter, and CAME's row/column
+    statistics (whole; empty for AdamW)."""
+
+    params: torch.Tensor
+    moments: dict[str, torch.Tensor]
+    step: torch.Tensor
+    factored: torch.Tensor
+    base: int
 
 
 @dataclass(frozen=True)
@@ -177,11 +194,13 @@ class Worker:
             self.optimizers[index] = opt
             self.grads[index] = attach_grad_buffer(layer)
             return read
-        moments, step = flat_state(layer, opt) if checkpoint is not None else ({}, None)
+        # read from a checkpoint, `opt` holds the whole layer's state: this rank keeps its shard of it
+        whole = flat_state(layer, opt) if checkpoint is not None else None
         sharded = ShardedLayer(layer, role.width, role.index, self.job.optim)
-        if step is not None:
+        if whole is not None:
+            moments, step, factored = whole
             base, size = sharded.base, sharded.size
-            sharded.load_state_shards({k: _padded_slice(v, base, size) for k, v in moments.items()}, step)
+            sharded.load_state_shards({k: _padded_slice(v, base, size) for k, v in moments.items()}, step, factored)
         self.shards[index] = sharded
         self.optimizers[index] = sharded.opt
         self.grads[index] = sharded.grad_shard
@@ -272,108 +291,153 @@ class Worker:
         self._held = self._holdings(gen, num_layers)
         return any(w > 1 for held in self._held.values() for w, _ in held.values())
 
-    def _flat_source(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int]:
-        """This rank's holding of layer `index` as flat buffers: parameters, AdamW moments, the step
-        counter, and the logical element at position 0 (a shard's first)."""
+    def _flat_source(self, index: int) -> FlatHolding:
+        """This rank's holding of layer `index` in flat form."""
         sharded = self.shards.get(index)
         if sharded is not None:
-            moments, step = sharded.state_shards()
-            return sharded.shard, moments, step, sharded.base
+            moments, step, factored = sharded.state_shards()
+            return FlatHolding(sharded.shard, moments, step, factored, sharded.base)
         layer = self.layers[index]
-        moments, step = flat_state(layer, self.optimizers[index])
-        return torch.cat([q.detach().reshape(-1) for q in layer.parameters()]), moments, step, 0
+        moments, step, factored = flat_state(layer, self.optimizers[index])
+        return FlatHolding(torch.cat([q.detach().reshape(-1) for q in layer.parameters()]), moments, step, factored, 0)
 
     def _adopt_slices(self, plan: ExecPlan, gen: Generation, role: Role | None,
                       transfers: list[tuple[int, int, int]]) -> int:
         """Adopt `plan` from the holders' memory when a stage of it or a holding is wider than one
         rank: every rank gets its new shard of each layer (the whole layer on a stage of one) as
-        element ranges of parameters and AdamW state from one whole replica (shard.slice_moves),
-        posted as one batch; then the old holdings are replaced. Returns the bytes received."""
-        if self.job.optim.name != "adamw":
-            raise NotImplementedError("copies between stages of different widths move AdamW state only")
+        element ranges of parameters and optimizer moments from one whole replica (shard.slice_moves),
+        with CAME also the layer's row/column statistics, whole, from one rank of that replica
+        (shard.factored_moves); all posted as one batch, then the old holdings are replaced. Returns
+        the bytes received."""
         held = getattr(self, "_held", None) or self._holdings(gen, plan.num_layers)
         self._held = None
         stages = [(p.stage_ranks(s), p.stage_layers(s)) for p in plan.pipelines for s in range(p.num_stages)]
         moves = slice_moves(stages, held, transfers)
+        came = self.job.optim.name == "came"
         width = role.width if role else 1
         index_in_stage = role.index if role else 0
-        numel: dict[int, int] = {}
+        dtype = self.job.train.param_dtype
+        shapes: dict[int, list[tuple[int, ...]]] = {}
+
+        def shapes_of(layer: int) -> list[tuple[int, ...]]:
+            if layer not in shapes:
+                meta = self.job.model.build(self.job.train.seed, layer, layer + 1, device="meta", initialise=False)[0]
+                shapes[layer] = [tuple(q.shape) for q in meta.parameters()]
+            return shapes[layer]
 
         def n_of(layer: int) -> int:
-            if layer not in numel:
-                meta = self.job.model.build(self.job.train.seed, layer, layer + 1, device="meta", initialise=False)[0]
-                numel[layer] = flat_numel(meta)
-            return numel[layer]
+            return sum(math.prod(shape) for shape in shapes_of(layer))
 
-        sources: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int]] = {}
-        targets: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int]] = {}
+        sources: dict[int, FlatHolding] = {}
+        targets: dict[int, FlatHolding] = {}
+
+        def source(layer: int) -> FlatHolding:
+            if layer not in sources:
+                sources[layer] = self._flat_source(layer)
+            return sources[layer]
+
+        def target(layer: int) -> FlatHolding:
+            if layer not in targets:
+                n = n_of(layer)
+                tlo, thi = shard_range(n, width, index_in_stage) if width > 1 else (0, n)
+                targets[layer] = FlatHolding(
+                    torch.empty(thi - tlo, dtype=dtype, device=self.device),
+                    {key: torch.zeros(thi - tlo, dtype=dtype, device=self.device) for key in MOMENTS},
+                    torch.zeros(1, dtype=torch.float64 if dtype == torch.float64 else torch.float32),
+                    torch.zeros(factored_numel(shapes_of(layer)) if came else 0, dtype=dtype, device=self.device),
+                    tlo)
+            return targets[layer]
+
         p2p = None if gen.backend == "gloo" else self.device  # NCCL moves the CPU step counter on the device
         ops: list[P2POp] = []
         step_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        scatters: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (received buffer, its destinations)
         received = 0
         for k, (layer, src, dst, part_lo, part_hi) in enumerate(moves):
             if self.rank not in (src, dst):
                 continue
-            n = n_of(layer)
-            lo, hi = parts_to_elements(n, part_lo, part_hi)
+            if self.rank == dst:
+                target(layer)  # even a shard of padding only: the rank holds the layer
+            lo, hi = parts_to_elements(n_of(layer), part_lo, part_hi)
             if lo >= hi:
                 continue  # padding only
-            if self.rank == src and layer not in sources:
-                sources[layer] = self._flat_source(layer)
-            if self.rank == dst and layer not in targets:
-                tlo, thi = shard_range(n, width, index_in_stage) if width > 1 else (0, n)
-                dtype = self.job.train.param_dtype
-                targets[layer] = (torch.empty(thi - tlo, dtype=dtype, device=self.device),
-                                  {key: torch.empty(thi - tlo, dtype=dtype, device=self.device) for key in ADAMW_MOMENTS},
-                                  torch.zeros(1, dtype=torch.float64 if dtype == torch.float64 else torch.float32), tlo)
+            # CAME keeps no elementwise second moment of a matrix: only its vectors' elements move
+            spans = vector_spans(shapes_of(layer), lo, hi) if came else [(lo, hi)]
             if src == dst:  # kept: from the old holding to the new one
-                (sp, sm, sstep, sbase), (tp, tm, tstep, tbase) = sources[layer], targets[layer]
-                tp[lo - tbase : hi - tbase] = sp[lo - sbase : hi - sbase]
-                for key in ADAMW_MOMENTS:
-                    tm[key][lo - tbase : hi - tbase] = sm[key][lo - sbase : hi - sbase]
-                tstep.copy_(sstep.reshape(1))
+                s, t = source(layer), targets[layer]
+                t.params[lo - t.base : hi - t.base] = s.params[lo - s.base : hi - s.base]
+                for key in MOMENTS:
+                    t.moments[key][lo - t.base : hi - t.base] = s.moments[key][lo - s.base : hi - s.base]
+                t.step.copy_(s.step.reshape(1))
                 continue
-            tag = 4 * k
+            tag = 4 * k  # parameters, first moment, second moment, step
             if self.rank == src:
-                sp, sm, sstep, sbase = sources[layer]
-                tensors = [sp[lo - sbase : hi - sbase].clone()] + [sm[key][lo - sbase : hi - sbase].clone()
-                                                                    for key in ADAMW_MOMENTS]
-                tensors.append(sstep.reshape(1).to(tensors[0].dtype).to(p2p or "cpu"))
-                ops += [P2POp("send", t, dst, tag + i) for i, t in enumerate(tensors)]
+                s = source(layer)
+                ops += [P2POp("send", s.params[lo - s.base : hi - s.base].clone(), dst, tag),
+                        P2POp("send", s.moments["exp_avg"][lo - s.base : hi - s.base].clone(), dst, tag + 1)]
+                if spans:
+                    sq = torch.cat([s.moments["exp_avg_sq"][a - s.base : b - s.base] for a, b in spans])
+                    ops.append(P2POp("send", sq, dst, tag + 2))
+                ops.append(P2POp("send", s.step.reshape(1).to(dtype).to(p2p or "cpu"), dst, tag + 3))
             else:
-                tp, tm, tstep, tbase = targets[layer]
-                bufs = [tp[lo - tbase : hi - tbase]] + [tm[key][lo - tbase : hi - tbase] for key in ADAMW_MOMENTS]
-                step_buf = torch.zeros(1, dtype=tp.dtype, device=p2p or "cpu")
-                step_copies.append((tstep, step_buf))
-                ops += [P2POp("recv", t, src, tag + i) for i, t in enumerate([*bufs, step_buf])]
-                received += sum(t.numel() * t.element_size() for t in bufs)
+                t = targets[layer]
+                bufs = [t.params[lo - t.base : hi - t.base], t.moments["exp_avg"][lo - t.base : hi - t.base]]
+                ops += [P2POp("recv", bufs[0], src, tag), P2POp("recv", bufs[1], src, tag + 1)]
+                views = [t.moments["exp_avg_sq"][a - t.base : b - t.base] for a, b in spans]
+                if views:
+                    sq = views[0] if len(views) == 1 else torch.empty(sum(v.numel() for v in views), dtype=dtype,
+                                                                     device=self.device)
+                    if len(views) > 1:
+                        scatters.append((sq, views))
+                    ops.append(P2POp("recv", sq, src, tag + 2))
+                    bufs.append(sq)
+                step_buf = torch.zeros(1, dtype=dtype, device=p2p or "cpu")
+                step_copies.append((t.step, step_buf))
+                ops.append(P2POp("recv", step_buf, src, tag + 3))
+                received += sum(b.numel() * b.element_size() for b in bufs)
+        if came:  # after every move, in the same order on both ends (NCCL matches a pair's operations in order)
+            for j, (layer, src, dst) in enumerate(factored_moves(moves, held)):
+                if self.rank not in (src, dst) or not factored_numel(shapes_of(layer)):
+                    continue
+                if src == dst:
+                    targets[layer].factored.copy_(source(layer).factored)
+                elif self.rank == src:
+                    ops.append(P2POp("send", source(layer).factored, dst, 4 * len(moves) + j))
+                else:
+                    buf = targets[layer].factored
+                    ops.append(P2POp("recv", buf, src, 4 * len(moves) + j))
+                    received += buf.numel() * buf.element_size()
         with step_timeout_waits(gen):
             for work in gen.exchange(ops) if ops else []:
                 gen.wait(work)
         for tstep, buf in step_copies:
             tstep.copy_(buf.cpu())
+        for buf, views in scatters:
+            for view, part in zip(views, buf.split([v.numel() for v in views])):
+                view.copy_(part)
         self._clear_layers()
-        for layer, (tp, tm, tstep, _) in sorted(targets.items()):
-            self._install(layer, role, tp, tm, tstep.reshape(()))
+        for layer, holding in sorted(targets.items()):
+            self._install(layer, role, holding)
         return received
 
-    def _install(self, index: int, role: Role | None, params: torch.Tensor, moments: dict[str, torch.Tensor],
-                 step: torch.Tensor) -> None:
-        """Layer `index` from its new shard's flat parameters, moments and step (the whole layer on a
-        stage of one). Built from the seed first: its non-persistent buffers are the models' constants."""
+    def _install(self, index: int, role: Role | None, holding: FlatHolding) -> None:
+        """Layer `index` from its new shard's flat holding (the whole layer on a stage of one). Built from
+        the seed first: its non-persistent buffers are the models' constants."""
         self._fresh_layer(index, role=role)
         sharded = self.shards.get(index)
+        step = holding.step.reshape(())
         with torch.no_grad():
             if sharded is not None:
                 sharded.shard.zero_()
-                sharded.shard[: params.numel()] = params
-                sharded.load_state_shards({k: _padded_slice(v, 0, sharded.size) for k, v in moments.items()}, step)
+                sharded.shard[: holding.params.numel()] = holding.params
+                sharded.load_state_shards({k: _padded_slice(v, 0, sharded.size) for k, v in holding.moments.items()},
+                                          step, holding.factored)
                 return
             offset = 0
             for q in self.layers[index].parameters():
-                q.copy_(params[offset : offset + q.numel()].view_as(q))
+                q.copy_(holding.params[offset : offset + q.numel()].view_as(q))
                 offset += q.numel()
-        load_flat_state(self.layers[index], self.optimizers[index], moments, step)
+        load_flat_state(self.layers[index], self.optimizers[index], holding.moments, step, holding.factored)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -552,6 +616,7 @@ class Worker:
             gen.wait(gen.pipeline.allreduce([sq]))
         total_sq = sum(sq.flatten().tolist())  # fixed order: every pipeline gets the same bits
         if role is not None:
+            self._prepare_stage_updates(gen, role, total_sq)
             self.pending = PendingStep(self.step, total_sq)
 
         # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time, peak memory.
@@ -582,6 +647,26 @@ class Worker:
             compute_seconds=tuple(float(v) for v in metrics[1 + num_p : 1 + num_p + gen.world_size]),
             peak_memory=tuple(float(v) for v in metrics[1 + num_p + gen.world_size :]) if self.device.type == "cuda" else (),
         )
+
+    def _prepare_stage_updates(self, gen: Generation, role: Role, total_sq: float) -> None:
+        """CAME on a wide stage: the reductions of this step's update inside the stage (row/column sums
+        and the update's RMS, optim/came_sharded.py), for the gradients as `complete_step` clips them.
+        They run here, before the step's commit point, so that completing a pending step needs no peer
+        (recovery.py). Every rank of the stage runs them for its layers in the same order, each a SUM
+        all-reduce on the stage group waited on through the generation's abortable wait."""
+        came = [opt for i in role.layers if isinstance(opt := self.optimizers[i], ShardedCAME)]
+        if not came:
+            return
+        stage = gen.stage
+        if stage is None:
+            raise RuntimeError(f"rank {self.rank}: a stage of {role.width} ranks without its group")
+        coef = clip_coefficient(total_sq, self.job.train.grad_clip)
+
+        def stage_sum(t: torch.Tensor) -> None:
+            gen.wait(stage.allreduce([t]))
+
+        for opt in came:
+            opt.prepare(coef, stage_sum)
 
     def evaluate(self) -> tuple[float, int]:
         """The mean loss over the job's validation samples with the current parameters, and their count:
@@ -642,7 +727,7 @@ class Worker:
         if gen is None or gen.stage is None:
             raise RuntimeError(f"rank {self.rank}: layer {index} is sharded but the stage has no group")
         gen.wait(sharded.gather(gen.stage))
-        moments, step = sharded.state_shards()
+        moments, step, factored = sharded.state_shards()  # CAME's row/column statistics: whole on every rank
         whole = {}
         for key, t in moments.items():
             full = torch.empty(sharded.size * sharded.width, dtype=t.dtype, device=t.device)
@@ -652,7 +737,7 @@ class Worker:
         payload = None
         if sharded.index == 0:
             opt = make_layer_optimizer(sharded.module, self.job.optim)
-            load_flat_state(sharded.module, opt, whole, step)
+            load_flat_state(sharded.module, opt, whole, step, factored)
             payload = layer_payload(sharded.module, opt, self.step)
         sharded.release()
         return payload

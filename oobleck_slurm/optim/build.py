@@ -47,11 +47,19 @@ def build_optimizer(
         return torch.optim.AdamW(
             groups, lr=lr, betas=betas, eps=float(eps), weight_decay=weight_decay, foreach=on_gpu
         )
+    came_betas, came_eps = came_betas_eps(betas, eps)
+    return CAME(params, lr=lr, betas=came_betas, eps=came_eps, weight_decay=weight_decay)
+
+
+def came_betas_eps(betas: tuple[float, ...] | None,
+                   eps: float | tuple[float, ...] | None) -> tuple[tuple[float, float, float], tuple[float, float]]:
+    """CAME's betas and eps with the defaults filled in (betas (0.9, 0.999, 0.9999), eps (1e-30, 1e-16)):
+    the whole-layer CAME and the sharded one of a wide stage (came_sharded.py) take the same."""
     betas = (0.9, 0.999, 0.9999) if betas is None else tuple(betas)
     eps = (1e-30, 1e-16) if eps is None else eps
     if len(betas) != 3 or isinstance(eps, (int, float)) or len(eps) != 2:
         raise ValueError(f"came: betas must be 3 values and eps 2 values, got {betas}, {eps}")
-    return CAME(params, lr=lr, betas=betas, eps=(eps[0], eps[1]), weight_decay=weight_decay)
+    return (betas[0], betas[1], betas[2]), (eps[0], eps[1])
 
 
 def optimizer_name(opt: torch.optim.Optimizer) -> str:

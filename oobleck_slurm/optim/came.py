@@ -64,6 +64,21 @@ def _inv_sqrt_factored(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     return row_scale * col.rsqrt().unsqueeze(-2)
 
 
+def check_came_hyper(lr: float, betas: tuple[float, ...], eps: tuple[float, ...], clip_threshold: float,
+                     weight_decay: float) -> None:
+    """Raise ValueError for hyper-parameters CAME cannot run with (shared by the sharded CAME)."""
+    if not lr > 0.0:
+        raise ValueError(f"CAME: lr must be > 0, got {lr}")
+    if len(betas) != 3 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"CAME: betas must be three values in [0, 1), got {betas}")
+    if len(eps) != 2 or not all(e >= 0.0 for e in eps):
+        raise ValueError(f"CAME: eps must be two values >= 0, got {eps}")
+    if not clip_threshold > 0.0:
+        raise ValueError(f"CAME: clip_threshold must be > 0, got {clip_threshold}")
+    if weight_decay < 0.0:
+        raise ValueError(f"CAME: weight_decay must be >= 0, got {weight_decay}")
+
+
 class CAME(torch.optim.Optimizer):
     """CAME; `betas` = (b1, b2, b3), `eps` = (eps1, eps2), `clip_threshold` = d."""
 
@@ -76,16 +91,7 @@ class CAME(torch.optim.Optimizer):
         clip_threshold: float = 1.0,
         weight_decay: float = 0.0,
     ) -> None:
-        if not lr > 0.0:
-            raise ValueError(f"CAME: lr must be > 0, got {lr}")
-        if len(betas) != 3 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"CAME: betas must be three values in [0, 1), got {betas}")
-        if len(eps) != 2 or not all(e >= 0.0 for e in eps):
-            raise ValueError(f"CAME: eps must be two values >= 0, got {eps}")
-        if not clip_threshold > 0.0:
-            raise ValueError(f"CAME: clip_threshold must be > 0, got {clip_threshold}")
-        if weight_decay < 0.0:
-            raise ValueError(f"CAME: weight_decay must be >= 0, got {weight_decay}")
+        check_came_hyper(lr, betas, eps, clip_threshold, weight_decay)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),

@@ -204,16 +204,12 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
             f"must divide the devices per node ({c.devices_per_node}), got {c.max_stage_devices}")
     else:
         # the widths the planner may pick (planning/templates.allowed_stage_devices); the engine splits
-        # each microbatch's samples evenly over a stage and shards AdamW's state only
+        # each microbatch's samples evenly over a stage
         wide = [g for g in range(2, c.max_stage_devices + 1) if c.devices_per_node % g == 0]
         if uneven := [g for g in wide if t.microbatch_size % g]:
             add(("cluster", "max_stage_devices"),
                 f"a stage of g workers splits each microbatch between them: microbatch_size {t.microbatch_size} "
                 f"is not a multiple of the stage width(s) {uneven} (lower max_stage_devices or raise microbatch_size)")
-        if wide and t.optimizer.name != "adamw":
-            add(("training", "optimizer", "name"),
-                f"stages wider than one worker (cluster.max_stage_devices {c.max_stage_devices}) shard AdamW's "
-                f"state only; {t.optimizer.name} needs max_stage_devices 1")
     nodes = {f"node{i + 1}" for i in range(c.nodes + c.spare_nodes)}
     for drill in recipe.drills:
         if c.backend == "local" and drill.node not in nodes:

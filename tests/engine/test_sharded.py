@@ -1,10 +1,12 @@
 """Stages wider than one worker (ZeRO-3 sharded inside the stage: engine/shard.py) train exactly: per-step
 losses and final parameters equal the single-process fp64 reference. Hand-made plans on 2 nodes x 4
 workers (8 real processes, real gloo groups under NCCL's ordering rules), mixing widths 1, 2 and 4 so
-that replicas of a layer hold it in different shards."""
+that replicas of a layer hold it in different shards. With AdamW and with CAME (its row/column statistics
+reduced inside the stage, optim/came_sharded.py), through plan changes and checkpoints between widths."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from reference import train_reference
 
 from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec
+from oobleck_slurm.engine.shard import factored_moves, slice_moves, vector_spans
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.models import gpt_config
 from oobleck_slurm.protocol import keys
@@ -40,6 +43,11 @@ def tiny_job(steps: int = 3) -> JobSpec:
     )
 
 
+def came_job(steps: int = 3) -> JobSpec:
+    """tiny_job with CAME (its default betas and eps, as the reference's whole-layer CAME)."""
+    return dataclasses.replace(tiny_job(steps), optim=OptimSpec("came", lr=3e-3, weight_decay=0.1))
+
+
 # node 0 = ranks 0-3, node 1 = ranks 4-7; wide stages kept (parameters gathered once per step) or
 # resharded (gathered around each use, gradients scattered each microbatch): both modes in each plan
 WIDE_AND_MIXED = ExecPlan(6, 4, (PipelineSpec((0,), (0, 6), 0, 2, (4,), (True,)),
@@ -49,13 +57,14 @@ TWO_WIDE_AND_NARROW = ExecPlan(6, 4, (PipelineSpec((0, 2), (0, 3, 6), 0, 3, (2, 
 
 
 def run_plans(tmp_path: Path, job: JobSpec, plans: list[tuple[int, ExecPlan]],
-              kill: dict | None = None) -> tuple[dict[int, float], dict]:
+              kill: dict | None = None, checkpoints: tuple[int, ...] = ()) -> tuple[dict[int, float], dict]:
     """Run `plans` [(first step, plan)] on 8 worker processes. With `kill` {"ranks", "step", "wait"}
     those ranks kill -9 themselves inside that step of the first plan; this process then plays the
     coordinator: it sets the failed key once they are gone, collects the survivors' steps and names
-    the step to resume at (recovery.py), and the survivors go on with the second plan."""
+    the step to resume at (recovery.py), and the survivors go on with the second plan. The plans
+    numbered in `checkpoints` start from a checkpoint the plan before writes (sharded_run.py)."""
     (tmp_path / "job.json").write_text(job.to_json())
-    entries = [{"step": s, "plan": p.to_json()} for s, p in plans]
+    entries = [{"step": s, "plan": p.to_json(), "checkpoint": k in checkpoints} for k, (s, p) in enumerate(plans)]
     if kill is not None:
         entries[0]["kill"] = kill
         entries[1]["world"] = WORLD - len(kill["ranks"])
@@ -84,6 +93,26 @@ def run_plans(tmp_path: Path, job: JobSpec, plans: list[tuple[int, ExecPlan]],
         if (tmp_path / f"layers{r}.pt").exists():
             layers.update(torch.load(tmp_path / f"layers{r}.pt"))
     return losses, layers
+
+
+def assert_replicas_agree(tmp_path: Path, rtol: float = 1e-5) -> int:
+    """The whole layers every replica gathered at the end (sharded_run.py) agree, parameters and optimizer
+    state (CAME's row/column statistics included), whatever their widths; returns the layers compared."""
+    replicas: dict[str, list[dict[str, torch.Tensor]]] = {}
+    for r in range(WORLD):
+        if (tmp_path / f"replicas{r}.pt").exists():
+            for (key, _), payload in torch.load(tmp_path / f"replicas{r}.pt").items():
+                replicas.setdefault(key, []).append(payload)
+    compared = 0
+    for key, payloads in replicas.items():
+        first = payloads[0]
+        for other in payloads[1:]:
+            assert sorted(other) == sorted(first), key
+            for name, t in first.items():
+                err = float((other[name].double() - t.double()).abs().max() / t.double().abs().max().clamp_min(1e-300))
+                assert err <= rtol, f"{key} {name}: replicas differ by {err:.2e}"
+            compared += 1
+    return compared
 
 
 def coordinate(store: dist.TCPStore, procs: list[subprocess.Popen], kill: dict) -> None:
@@ -140,3 +169,43 @@ def test_kill_9_of_a_node_mid_step_regroups_the_survivors_at_another_width(tmp_p
     losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (2, halves)],
                                kill={"ranks": [4, 5, 6, 7], "step": 2, "wait": 3})
     assert_exact(job, losses, layers)
+
+
+def test_came_statistics_come_whole_from_the_replica_of_the_shard():
+    # layer 0 held at width 4 on ranks 0-3 and at width 1 on rank 4 (test_logic's slice_moves case)
+    held = {0: {0: (4, 0)}, 1: {0: (4, 1)}, 2: {0: (4, 2)}, 3: {0: (4, 3)}, 4: {0: (1, 0)}}
+    moves = slice_moves([((0, 1), range(0, 1)), ((6,), range(0, 1))], held, [(0, 4, 6)])
+    # ranks 0 and 1 re-cut their own replica: they keep their statistics; rank 6 gets rank 4's
+    assert factored_moves(moves, held) == [(0, 0, 0), (0, 1, 1), (0, 4, 6)]
+    # a vector's second moment moves as its elements of a range, a matrix's has none
+    assert vector_spans([(4, 3), (3,), (2, 2), (5,)], 10, 20) == [(12, 15), (19, 20)]
+
+
+def test_came_on_sharded_stages_matches_the_reference(tmp_path):
+    job = came_job()
+    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED)])
+    assert_exact(job, losses, layers)
+    # each layer has a replica at width 4 and one at width 2 or 1: gathered whole, their CAME state agrees
+    assert any(name.endswith(".exp_avg_sq_row") for name in layers["block.00"])
+    assert assert_replicas_agree(tmp_path) == 6
+
+
+def test_plan_changes_between_widths_move_came_state_exactly(tmp_path):
+    # the plans of test_plan_changes_between_widths_copy_named_slices_exactly, with CAME: first moments
+    # move as part ranges, vectors' second moments as their elements of them, row/column statistics whole
+    job = came_job(steps=4)
+    alone = ExecPlan(6, 4, (PipelineSpec((4,), (0, 6), 0, 4, (4,)),))
+    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, TWO_WIDE_AND_NARROW), (3, alone)])
+    assert_exact(job, losses, layers)
+
+
+def test_came_checkpoints_are_whole_layers_between_widths(tmp_path):
+    # a 4-wide stage writes whole-layer files that stages of 1 and 2 read (step 1); stages of 1 write the
+    # next, which a stage of 4 reads (step 3)
+    job = came_job(steps=4)
+    narrow_first = ExecPlan(6, 4, (PipelineSpec((4, 5, 6, 7), (0, 2, 3, 5, 6), 0, 2),
+                                   PipelineSpec((0, 2), (0, 3, 6), 2, 2, (2, 2), (True, False))))
+    alone = ExecPlan(6, 4, (PipelineSpec((4,), (0, 6), 0, 4, (4,)),))
+    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, narrow_first), (3, alone)], checkpoints=(1, 2))
+    assert_exact(job, losses, layers)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step1", "step3"]

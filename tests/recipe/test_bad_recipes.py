@@ -68,8 +68,6 @@ BAD_RECIPES = [
     ("grad-clip-negative", "training:\n  grad_clip: -1\n", "training.grad_clip", 2, "must be >= 0"),
     ("stage-width-splits-microbatch", "cluster:\n  workers_per_node: 4\n  max_stage_devices: 4\ntraining:\n  microbatch_size: 2\n",
      "cluster.max_stage_devices", 3, "microbatch_size 2 is not a multiple of the stage width(s) [4]"),
-    ("came-on-wide-stages", "cluster:\n  workers_per_node: 2\n  max_stage_devices: 2\ntraining:\n  microbatch_size: 2\n"
-     "  optimizer:\n    name: came\n", "training.optimizer.name", 7, "shard AdamW's state only"),
     ("detection-unknown-key", "detection:\n  treshold: 3\n", "detection.treshold", 2, "did you mean 'detection.threshold'"),
     ("detection-threshold-text", "detection:\n  threshold: high\n", "detection.threshold", 2, "expected a number, got str 'high'"),
     ("detection-window-zero", "detection:\n  window: 0\n", "detection.window", 2, "must be > 0"),
