@@ -92,10 +92,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _accumulation_steps(job: Any, model: torch.nn.Module, forward: Any, device: torch.device, steps: int,
-                        microbatches: range, no_sync: Any = None) -> list[float]:
+                        microbatches: range, no_sync: Any = None, samples: slice = slice(None)) -> list[float]:
     """Time `steps` optimizer steps of `model`, each accumulating the gradients of `microbatches` of the
     step through `forward` (the model, or its DDP wrapper: then all but the last run under `no_sync()`,
-    one all-reduce per step)."""
+    one all-reduce per step); `samples`: the part of each microbatch this rank computes."""
     from oobleck_slurm.models.loss import lm_loss
 
     t = job.train
@@ -108,7 +108,7 @@ def _accumulation_steps(job: Any, model: torch.nn.Module, forward: Any, device: 
         t0 = time.perf_counter()
         opt.zero_grad()
         for m in microbatches:
-            x, y = (v.to(device) for v in batches.microbatch(step, m))
+            x, y = (v[samples].to(device) for v in batches.microbatch(step, m))
             sync = no_sync is None or m == microbatches[-1]
             with contextlib.nullcontext() if sync else no_sync(), _autocast(device, t.precision):
                 loss = lm_loss(forward(x), y) / t.num_microbatches
@@ -128,9 +128,17 @@ def _ddp_steps(job: Any, rank: int, world: int, steps: int, device: torch.device
 
     model = torch.nn.Sequential(*build_layers(job.model.config, job.train.seed)).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    per_rank = job.train.num_microbatches // world
-    return _accumulation_steps(job, model, ddp, device, steps, range(rank * per_rank, (rank + 1) * per_rank),
-                               ddp.no_sync)
+    m = job.train.num_microbatches
+    if m % world == 0:  # whole microbatches per rank, accumulated
+        per_rank = m // world
+        return _accumulation_steps(job, model, ddp, device, steps, range(rank * per_rank, (rank + 1) * per_rank),
+                                   ddp.no_sync)
+    # more ranks than microbatches: each rank computes its slice of one microbatch in one pass, as a wide
+    # stage's rank does (the global batch split evenly over the ranks)
+    q, b = world // m, job.train.microbatch_size
+    k = rank % q
+    return _accumulation_steps(job, model, ddp, device, steps, range(rank // q, rank // q + 1), ddp.no_sync,
+                               slice(k * b // q, (k + 1) * b // q))
 
 
 def _pipelining_steps(job: Any, rank: int, world: int, steps: int, bounds: list[int]) -> list[float]:
@@ -401,9 +409,10 @@ def main() -> None:
                       "engine_dp_over_single_gpu": dp["samples_per_s"] / single["samples_per_s"]}
             out["mfu"] = {"gpu": gpu_name, "peak_flops_per_gpu": peak, "parameters": params, "seq_len": seq}
         elif args.only == "wide":
-            if m % 8 or mbs % 4:
-                ap.error(f"--only wide: --microbatches {m} must be a multiple of 8 (DDP on 8 processes) and "
-                         f"--microbatch-size {mbs} of 4 (a 4-wide stage splits each microbatch)")
+            if (m % 8 and 8 % m) or mbs % 4 or (m < 8 and mbs % (8 // m)):
+                ap.error(f"--only wide: --microbatches {m} must be a multiple or a divisor of 8 (DDP on 8 "
+                         f"processes takes whole microbatches or equal slices of them) and --microbatch-size "
+                         f"{mbs} a multiple of 4 (a 4-wide stage splits each microbatch)")
             console.print(f"[bold]sharded stages vs DDP[/]: {args.preset}, {m} x {mbs} samples/step, {precision}")
             rows, ratios = wide_vs_ddp(common, root, cache, args.drop, args.timeout, args.steps, gbs, console)
         else:

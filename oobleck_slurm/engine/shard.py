@@ -382,6 +382,9 @@ class StageParams:
             self.pending[i] = self.layers[i].gather(self.group)
 
     def before(self, i: int, direction: int) -> None:
+        if self.keep:  # every gather posted at the first use: they run behind the compute of the first layers
+            for j in range(len(self.layers)):
+                self._post(j if direction > 0 else len(self.layers) - 1 - j)
         self._post(i)
         self._post(i + direction)
         if i in self.pending:

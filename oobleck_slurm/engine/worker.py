@@ -528,18 +528,35 @@ class Worker:
         clock = ComputeClock(self.device)
         schedule_s = 0.0
 
-        def reduce_layer(index: int) -> None:
+        scattering: list[tuple[torch.distributed.Work, int]] = []  # kept stages' reduce-scatters in flight
+
+        def post_pieces(index: int) -> None:
             """All-reduce the layer's gradient across the pipelines, in place: whole, or (a wide stage
-            holds or a wide replica exists) piece by piece, after the stage's reduce-scatter."""
+            holds or a wide replica exists) piece by piece, from the rank's shard."""
             sharded = self.shards.get(index)
-            if sharded is not None and gen.stage is not None and role.keep:  # type: ignore[union-attr]
-                gen.wait(sharded.reduce_scatter(gen.stage))  # the pieces below read its result
-            # resharded: each microbatch's backward already scattered into the shard (shard.py)
             for piece, pieces, lo, hi in self._my_pieces(index):
                 group = gen.piece_group.get((index, piece))
                 if group is not None and lo < hi:
                     view = self.grads[index] if pieces == 1 and sharded is None else self._grad_view(index, lo, hi)
                     reductions.append(group.allreduce([view]))
+
+        def flush_scatters() -> None:
+            while scattering:
+                work, index = scattering.pop(0)
+                gen.wait(work)  # the pieces read its result
+                post_pieces(index)
+
+        def reduce_layer(index: int) -> None:
+            """The layer's gradient is complete. A kept stage reduce-scatters it first, asynchronously:
+            its pieces are posted once the next layer's backward is done (or at the schedule's end),
+            so the scatter runs behind that backward. Resharded, each microbatch's backward already
+            scattered into the shard (shard.py)."""
+            flush_scatters()
+            sharded = self.shards.get(index)
+            if sharded is not None and gen.stage is not None and role.keep:  # type: ignore[union-attr]
+                scattering.append((sharded.reduce_scatter(gen.stage), index))
+                return
+            post_pieces(index)
 
         if role is not None:
             my_lo, my_hi = sample_range(b, role.width, role.index)
@@ -589,6 +606,7 @@ class Worker:
             if role.mb_count == 0:  # no microbatch: still take part in every layer's all-reduce
                 for index in reversed(role.layers):
                     reduce_layer(index)
+            flush_scatters()
             for queue in sends.values():
                 for posted in queue:
                     for work, _ in posted:
