@@ -11,8 +11,8 @@ devices_per_node; `max_stage_devices` bounds it). Every device of the pipeline h
 Sharded stages (g > 1), the contract for the engine (engine/shard.py): ZeRO inside the stage. Each
 device holds 1/g of the stage's layers' parameters (the master copy) and optimizer state, and each
 microbatch's m samples are split across the devices (data parallel inside the stage): the busiest
-device runs c = ceil(m / g) / m of the microbatch (c = 1/g when g divides m; g > m leaves devices
-idle, so the planner only picks it for memory). Collectives run on the intra-node collective link
+device runs c = ceil(m / g) / m of the microbatch (c = 1/g: the planner only offers widths that
+divide m, `templates.allowed_stage_devices`). Collectives run on the intra-node collective link
 (`allreduce_intra`), ring algorithm, in the parameters' dtype (what the engine gathers):
 
     allgather(bytes, g) = reduce_scatter(bytes, g) = (g - 1) alpha + (g - 1) / g * bytes / bw

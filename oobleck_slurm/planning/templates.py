@@ -24,12 +24,12 @@ rest), which made it return plans up to 6% slower than the best. Here every cand
 considered, and for each the sum is minimised exactly, so the result is optimal; tests compare with
 brute-force enumeration.
 
-Device assignment: each stage runs on g consecutive devices of one node (g divides devices_per_node;
-`max_stage_devices` bounds it), and every device of the pipeline holds one stage. A stage of g > 1
-devices is sharded (ZeRO-3 inside the stage, see `cost`). Whether a stage of g devices fits in the
-current node, and its in-flight bound min(N_b, r - g + 1), depend only on r, so the DP stays exact
-over widths. The engine runs g = 1 only today: `submit` plans with the recipe's
-`cluster.max_stage_devices` (default 1).
+Device assignment: each stage runs on g consecutive devices of one node, every device of the pipeline
+holding one stage. g is what the engine can run (`allowed_stage_devices`): a power of two dividing
+devices_per_node and the microbatch size (a stage splits each microbatch's samples evenly), at most
+`max_stage_devices` (`cluster.max_stage_devices`, default 1). A stage of g > 1 devices is sharded
+inside the stage, kept or resharded (see `cost`). Whether a stage of g devices fits in the current
+node, and its in-flight bound min(N_b, r - g + 1), depend only on r, so the DP stays exact over widths.
 """
 
 from __future__ import annotations
@@ -118,9 +118,11 @@ class PipelineTemplate:
         return cls(**{**data, "stages": stages})
 
 
-def allowed_stage_devices(devices_per_node: int, max_stage_devices: int = 1) -> list[int]:
-    """Device counts a stage may have: the divisors of devices_per_node, up to the bound."""
-    return [g for g in range(1, min(devices_per_node, max_stage_devices) + 1) if devices_per_node % g == 0]
+def allowed_stage_devices(devices_per_node: int, max_stage_devices: int = 1, microbatch_size: int = 0) -> list[int]:
+    """Device counts a stage may have (module doc): the powers of two up to the bound that divide
+    devices_per_node and, when given, the microbatch size."""
+    return [g for g in range(1, min(devices_per_node, max_stage_devices) + 1)
+            if g & (g - 1) == 0 and devices_per_node % g == 0 and (not microbatch_size or microbatch_size % g == 0)]
 
 
 def fits_in_node(devices_per_node: int, devices_left: int, g: int) -> bool:
@@ -164,7 +166,7 @@ class _Tables:
     def __init__(self, profile: Profile, num_microbatches: int, max_stage_devices: int) -> None:
         L = profile.num_layers
         self.L, self.d, self.nb = L, profile.devices_per_node, num_microbatches
-        self.gs = allowed_stage_devices(self.d, max_stage_devices)
+        self.gs = allowed_stage_devices(self.d, max_stage_devices, profile.microbatch_size)
         layers = profile.layers
 
         def prefix(values: list[float]) -> np.ndarray:
@@ -403,7 +405,7 @@ def generate_templates(
 def explain_infeasible(profile: Profile, num_microbatches: int, max_stage_devices: int = 1) -> str:
     """Why no template fits, in words: the layer that does not fit alone, or the device-count limit."""
     budget = cost.usable_memory(profile)
-    widest = max(allowed_stage_devices(profile.devices_per_node, max_stage_devices))
+    widest = max(allowed_stage_devices(profile.devices_per_node, max_stage_devices, profile.microbatch_size))
     for i, layer in enumerate(profile.layers):
         need = cost.stage_memory(profile, i, i + 1, widest, 1)
         if need > budget:

@@ -32,7 +32,7 @@ def best_template_brute(
 ) -> PipelineTemplate | None:
     """The template with the least iteration time at `num_microbatches` among all that fit in memory
     with `memory_microbatches` (default: the same) in flight, or None."""
-    gs = allowed_stage_devices(profile.devices_per_node, max_stage_devices)
+    gs = allowed_stage_devices(profile.devices_per_node, max_stage_devices, profile.microbatch_size)
     budget = cost.usable_memory(profile)
     best = None
     for stages in _partitions(profile.num_layers, num_nodes * profile.devices_per_node, profile.devices_per_node, gs):

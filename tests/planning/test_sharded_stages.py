@@ -18,8 +18,8 @@ FREE = Link(0.0, 1e30)  # a link that costs nothing
 
 def test_widths_are_the_divisors_of_the_node_up_to_the_bound():
     assert allowed_stage_devices(8, 8) == [1, 2, 4, 8]
-    assert allowed_stage_devices(6, 6) == [1, 2, 3, 6]
-    assert allowed_stage_devices(6, 4) == [1, 2, 3]
+    assert allowed_stage_devices(6, 6) == [1, 2]  # the engine's shards nest at powers of two only
+    assert allowed_stage_devices(8, 8, microbatch_size=4) == [1, 2, 4]  # each device takes whole samples
     assert allowed_stage_devices(8, 1) == [1]
 
 
@@ -154,11 +154,12 @@ def test_plan_shows_widths_and_the_data_parallel_bound(tmp_path, capsys):
     assert run(plan, [recipe, "--estimate", "H100", "--cache", str(tmp_path), "--max-stage-devices", "3"]) == 2
     assert "--max-stage-devices must divide the devices per node (8), got 3" in capsys.readouterr().err
     args = [recipe, "--estimate", "H100", "--cache", str(tmp_path), "--nodes", "2", "--json"]
-    assert run(plan, args) == 0
+    assert run(plan, [*args, "--max-stage-devices", "1"]) == 0
     narrow = json.loads(capsys.readouterr().out)
     assert narrow["request"]["max_stage_devices"] == 1 and narrow["stage_devices"] == [[1] * 8, [1] * 8]
-    assert run(plan, [*args, "--max-stage-devices", "8"]) == 0
+    assert run(plan, args) == 0  # the recipe's cluster.max_stage_devices: 4
     wide = json.loads(capsys.readouterr().out)
+    assert wide["request"]["max_stage_devices"] == 4
     assert any(g > 1 for stages in wide["stage_devices"] for g in stages)
     assert wide["plan"]["samples_per_s"] > narrow["plan"]["samples_per_s"]
     assert wide["data_parallel_bound"] == narrow["data_parallel_bound"]
