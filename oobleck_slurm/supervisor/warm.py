@@ -53,11 +53,13 @@ from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 WORKER_MODULE = "oobleck_slurm.engine.elastic_process"
 HEALTH_MODULE = "oobleck_slurm.supervisor.health"
 # What every worker imports, in stages: a request for a stage's module is served once that stage is
-# imported. First the health check's (torch, torch.distributed: a replacement's check comes right
-# after its agent registers), then the worker's (the engine, the models) and torch._dynamo, which
-# torch.optim imports on a worker's first optimizer (1.2 s of CPU, during a joining worker's state copy).
-PRELOAD_STAGES = ((HEALTH_MODULE,), (WORKER_MODULE, "torch._dynamo", "torch.optim", "oobleck_slurm.models.gpt.model",
-                                     "oobleck_slurm.models.llama.model"))
+# imported. First the health check's (it imports torch.distributed and the engine's group maker only
+# when it runs, so they are named here: a replacement's check comes right after its agent registers),
+# then the worker's (the engine, the models) and torch._dynamo, which torch.optim imports on a worker's
+# first optimizer (1.2 s of CPU, during a joining worker's state copy).
+PRELOAD_STAGES = ((HEALTH_MODULE, "torch.distributed", "oobleck_slurm.engine.comm"),
+                  (WORKER_MODULE, "torch._dynamo", "torch.optim", "oobleck_slurm.models.gpt.model",
+                   "oobleck_slurm.models.llama.model"))
 PR_SET_PDEATHSIG = 1
 # The server's own environment additions: no BLAS thread pool in a process that forks.
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -192,22 +194,25 @@ def serve(agent: int) -> int:
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
                 pending.append(json.loads(line))
-        if stages:  # one stage an iteration: a request that came meanwhile is served between two
-            stage = stages.pop(0)
-            for module in stage:
-                importlib.import_module(module)
-            loaded.update(stage)
-            if _cuda_initialised():  # a fork would inherit a CUDA context no child can use
-                print(f"warm server: importing {stage} initialised CUDA; workers start cold", file=sys.stderr)
-                return 1
-            if not stages:
-                _send({"ready": time.process_time() - t0})
-        for request in [r for r in pending if r["module"] in loaded or not stages]:
-            pending.remove(request)
-            reply = _spawn(request, close=(wake_r, wake_w))
-            if "pid" in reply:
-                children.add(reply["pid"])
-            _send(reply)
+        # Requests whose stage is in are served before the next stage's imports (a replacement's health
+        # check must not wait for the worker's modules), and again after them.
+        for serve_now in (True, False):
+            for request in [r for r in pending if r["module"] in loaded or not stages]:
+                pending.remove(request)
+                reply = _spawn(request, close=(wake_r, wake_w))
+                if "pid" in reply:
+                    children.add(reply["pid"])
+                _send(reply)
+            if serve_now and stages:  # one stage an iteration
+                stage = stages.pop(0)
+                for module in stage:
+                    importlib.import_module(module)
+                loaded.update(stage)
+                if _cuda_initialised():  # a fork would inherit a CUDA context no child can use
+                    print(f"warm server: importing {stage} initialised CUDA; workers start cold", file=sys.stderr)
+                    return 1
+                if not stages:
+                    _send({"ready": time.process_time() - t0})
     for pid in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -114,12 +114,19 @@ class Drill:
     joined_plan: dict
     health: list[dict]
     slurm_down_s: float | None
+    registered_t: float  # when the replacement's agent registered (its `joining` node event)
 
     def row(self) -> dict[str, Any]:
         return {"kind": self.kind, "node": self.node, "cause": self.lost["cause"],
                 "detection_s": self.lost["detection_seconds"], "slurm_down_s": self.slurm_down_s,
                 "resumed_s": self.resumed["t"] - self.t, "joined_s": self.joined["t"] - self.t,
-                "recovery_s": self.resumed["total_seconds"]}
+                "recovery_s": self.resumed["total_seconds"], "registered_to_joined_s": self.joined_after_registration_s}
+
+    @property
+    def joined_after_registration_s(self) -> float:
+        """The replacement's join: from its agent's registration to training with it (health check
+        included; Slurm's start of the replacement job excluded)."""
+        return self.joined["t"] - self.registered_t
 
 
 def drill(lab: Any, job: Path, node: str, kind: str) -> Drill:
@@ -142,9 +149,11 @@ def drill(lab: Any, job: Path, node: str, kind: str) -> Drill:
     plan_of = {e["generation"]: e for e in events if e["kind"] == "plan"}
     failure = [e for e in events[before:] if e["kind"] == "failure"][0]
     health = [e for e in events if e["kind"] == "health_check" and e["node"] == joined["node"]]
+    registered = min(e["t"] for e in events if e["kind"] == "node" and e["node"] == joined["node"]
+                     and e.get("state") == "joining")
     if kind not in RELAYED:
         down.join()
     if kind == "freeze":
         lab.kill_node(node)  # end the stopped processes: the lab is reset later
     return Drill(kind, node, t, lost, failure, resumed, plan_of[resumed["generation"]], joined,
-                 plan_of[joined["generation"]], health, down.seconds)
+                 plan_of[joined["generation"]], health, down.seconds, registered)

@@ -40,7 +40,9 @@ def recover(drill_module, lab, job: Path, node: str, kind: str) -> dict:
     assert sum(len(p["nodes"]) for p in d.joined_plan["pipelines"]) == 4
     print(f"{kind} {node}: detected by {d.lost['cause']} after {d.lost['detection_seconds']:.3f}s; "
           f"Slurm DOWN after {d.slurm_down_s}s; resumed in {d.resumed['total_seconds']:.2f}s at step "
-          f"{d.resumed['step']}; joined {d.joined['node']} {d.joined['t'] - d.t:.1f}s after the fault")
+          f"{d.resumed['step']}; joined {d.joined['node']} {d.joined['t'] - d.t:.1f}s after the fault, "
+          f"{d.joined_after_registration_s:.1f}s after its agent registered (health check "
+          f"{d.health[-1]['seconds']:.1f}s, join {d.joined['seconds']:.2f}s)")
     if d.slurm_down_s is not None and kind != "down":  # an admin's DOWN is immediate: Slurm is the signal
         assert d.lost["detection_seconds"] < d.slurm_down_s
     return d.lost

@@ -187,3 +187,22 @@ def test_an_agents_workers_are_forked_from_its_warm_server_and_their_exit_is_rep
     supervisor.send(Drill(how="agent", worker=0))  # kill -9 of the agent
     until("the agent gone", lambda: proc.poll() is not None, timeout=30)
     until("its warm server gone", lambda: gone(server.pid), timeout=30)
+
+
+def test_a_health_check_is_forked_once_torch_is_in_without_waiting_for_the_workers_modules(tmp_path: Path) -> None:
+    # A replacement's health check comes right after its agent registers, while its server imports:
+    # it is forked once the first stage is in (torch.distributed and what the check imports when it
+    # runs), before the worker's modules (torch._dynamo, the engine): the server is not ready yet. On the
+    # lab the check took 9-10 s when it waited for them, or imported torch itself beside them.
+    from oobleck_slurm.supervisor.warm import HEALTH_MODULE, PRELOAD_STAGES
+
+    assert {"torch.distributed", "oobleck_slurm.engine.comm"} <= set(PRELOAD_STAGES[0])
+    warm = WarmServer(env=probe_env())
+    try:
+        until("the server's loop", lambda: "-" * 8 not in " ".join(psutil.Process(warm.pid).cmdline()))
+        check = warm.spawn(HEALTH_MODULE, [], dict(os.environ), str(tmp_path / "health.log"))
+        assert not warm.ready.is_set(), f"the health check waited for the whole preload ({warm.preload_s} s of CPU)"
+        assert check.wait(60) == 2  # forked: its main ran (no arguments: usage, exit 2)
+        assert warm.ready.wait(120)
+    finally:
+        warm.close()
