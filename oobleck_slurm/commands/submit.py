@@ -8,6 +8,7 @@ stops the job. The Slurm backend submits the supervisor as the batch step of an 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -15,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.console import Console
 from rich.markup import escape
 
-from oobleck_slurm.commands.common import add_recipe_argument, console, fail, load_recipe_or_report
+from oobleck_slurm.commands.common import add_recipe_argument, console, err_console, fail, load_recipe_or_report
 from oobleck_slurm.commands.profile import add_source_arguments, planning_progress
 from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
@@ -34,7 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_source_arguments(parser)
     parser.add_argument("--detach", action="store_true", help="print the job id and folder and return")
     parser.add_argument("--job-root", type=Path, default=None, help="where job folders go (default: cluster.job_root)")
-    parser.add_argument("--no-dashboard", action="store_true", help="print step lines instead of the live dashboard")
+    parser.add_argument("--no-dashboard", action="store_true", help="print sentences instead of the live dashboard")
+    parser.add_argument("--json", action="store_true",
+                        help="print the job's events as JSON lines on stdout (everything else on stderr)")
     parser.add_argument("--no-drills", action="store_true", help="leave out the recipe's scripted drills (drills:)")
 
 
@@ -54,68 +58,39 @@ def run(args: argparse.Namespace) -> int:
     if recipe.cluster.backend == "slurm":
         return _submit_slurm(job, recipe, args)
     # The local backend runs the same supervisor and agents as Slurm, as processes on this machine.
+    out = err_console if args.json else console  # --json: stdout carries the events alone
     process = start_local(job)
-    console.print(f"job [bold]{escape(job.job_id)}[/] submitted (local backend, pid {process.pid})")
-    console.print(f"folder: {escape(str(job.path))}")
+    out.print(f"job [bold]{escape(job.job_id)}[/] submitted (local backend, pid {process.pid})")
+    out.print(f"folder: {escape(str(job.path))}")
     if args.detach:
         return EXIT_OK
     try:
-        _follow(job.path, dashboard=console.is_terminal and not args.no_dashboard,
-                running=lambda: process.poll() is None or _supervised(job))
+        _follow(job.path, _mode(args), running=lambda: process.poll() is None or _supervised(job))
     except KeyboardInterrupt:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait()
-        console.print("[yellow]interrupted: job stopped[/]")
+        out.print("[yellow]interrupted: job stopped[/]")
         return 130
     code = process.wait()
     from oobleck_slurm.protocol.events import read_events
 
     if code != 0 and (finished := read_events(job.events, "job_finished")):
         code = int(finished[-1].get("exit_code") or 0)  # a standby supervisor took over and ended the job
-    print_summary(job.path)
+    print_summary(job.path, out)
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {escape(str(job.logs))}[/]")
+        out.print(f"[red]job failed (exit {code}); see {escape(str(job.logs))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 
 
-def run_summary(events: list[dict]) -> dict:
-    """What a finished run went through, from its event log (pure)."""
-    steps = [e["step"] for e in events if e["kind"] == "step"]
-    total = next((e.get("steps") for e in events if e["kind"] == "job_started"), None)
-    kinds = lambda k: [e for e in events if e["kind"] == k]  # noqa: E731
-    detection = [e["detection_seconds"] for e in kinds("node_lost") if e.get("detection_seconds") is not None]
-    return {
-        "failures": [n for e in kinds("failure") for n in e.get("nodes", [])],
-        "detection_s": detection or [e["seconds"] for e in kinds("detection") if e.get("known_kill_time")],
-        "recovery_s": [e["total_seconds"] for e in kinds("resumed")],
-        "steps_replayed": len(steps) - len(set(steps)),
-        "bytes_copied": sum(int(e.get("bytes") or 0) for e in kinds("state_copy")),
-        "joined": [e["node"] for e in kinds("node_joined")],
-        "checkpoint_fallbacks": len(kinds("checkpoint_fallback")),
-        "every_step_once": total is not None and sorted(set(steps)) == list(range(total)),
-        "status": next((e.get("status") for e in reversed(events) if e["kind"] == "job_finished"), None),
-    }
-
-
-def print_summary(job_dir: Path) -> None:
-    """The run in a few lines: failures, detection and recovery times, replayed steps, bytes copied,
-    whether training went on from the same step without a checkpoint, and the report command."""
+def print_summary(job_dir: Path, out: Console) -> None:
+    """The run in a few sentences (dashboard/narrate.py), and the report command."""
+    from oobleck_slurm.dashboard.narrate import summary_lines
     from oobleck_slurm.protocol.events import events_path, read_events
 
-    s = run_summary(read_events(events_path(job_dir)))
-    secs = lambda xs: ", ".join(f"{x:.2f} s" for x in xs) or "-"  # noqa: E731
-    console.print(f"[bold]summary[/]: {s['status'] or 'not finished'}; {len(s['failures'])} failure(s) "
-                  f"{escape(str(s['failures'])) if s['failures'] else ''}", highlight=False)
-    if s["failures"]:
-        console.print(f"  detected in {secs(s['detection_s'])}; training resumed {secs(s['recovery_s'])} after the "
-                      f"fault; {s['steps_replayed']} step(s) replayed; {s['bytes_copied'] / 2**20:.1f} MiB of "
-                      f"parameters and optimizer state copied between replicas; joined: "
-                      f"{escape(', '.join(s['joined'])) or 'none'}", highlight=False)
-        continued = s["every_step_once"] and not s["checkpoint_fallbacks"]
-        console.print("  the trajectory went on unchanged: every step trained once, no checkpoint loaded" if continued
-                      else f"  {s['checkpoint_fallbacks']} checkpoint fallback(s): see the events", highlight=False)
-    console.print(f"  report: python -m oobleck_slurm report {escape(str(job_dir))}", highlight=False, soft_wrap=True)
+    for line in summary_lines(read_events(events_path(job_dir))):
+        out.print(escape(line), highlight=False, soft_wrap=True)
+    out.print(f"  report: python -m oobleck_slurm report {escape(str(job_dir))}", highlight=False, soft_wrap=True)
 
 
 def _supervised(job: JobDir) -> bool:
@@ -127,41 +102,45 @@ def _supervised(job: JobDir) -> bool:
     return lease is not None and not lease.done and time.time() - lease.t < 2 * job.recipe().fault_tolerance.heartbeat_lease
 
 
-def _follow(job_dir: Path, dashboard: bool, running: Callable[[], bool]) -> None:
+def _follow(job_dir: Path, mode: str, running: Callable[[], bool]) -> None:
     """Show the job until it records job_finished, or until `running()` says it ended without it
-    (a crash, a lost batch node); the events written by then are shown first."""
-    if dashboard:
+    (a crash, a lost batch node); the events written by then are shown first. `mode`: "dashboard"
+    (the live dashboard), "sentences" (dashboard/narrate.py) or "json" (each event as a JSON line)."""
+    if mode == "dashboard":
         from oobleck_slurm.dashboard.live import run_dashboard
 
         run_dashboard(job_dir, live=True, console=console, exit_when_done=True)
         return
+    from oobleck_slurm.dashboard.narrate import Narrator
     from oobleck_slurm.protocol.events import EventTail, events_path
+
+    narrator = Narrator()
+
+    def show(event: dict) -> None:
+        if mode == "json":
+            print(json.dumps(event), flush=True)
+            return
+        for line in narrator.lines(event):
+            console.print(escape(line), highlight=False, soft_wrap=True)  # event text: no markup
 
     tail = EventTail(events_path(job_dir))
     while True:
         events = tail.poll()
         for event in events:
-            _print_event(event)
+            show(event)
         if any(event["kind"] == "job_finished" for event in events):
             return
         if not running():
             for event in tail.poll():
-                _print_event(event)
+                show(event)
             return
         time.sleep(FOLLOW_POLL_S)
 
 
-def _print_event(event: dict) -> None:
-    kind = event["kind"]
-    if kind == "step":
-        console.print(f"step {event.get('step')}: loss {event.get('loss', float('nan')):.4f}, "
-                      f"{event.get('samples_per_s', 0):,.1f} samples/s", highlight=False)
-    elif kind == "eval":
-        console.print(f"eval after {event.get('step')} steps: loss {event.get('loss', float('nan')):.4f} "
-                      f"({event.get('samples')} samples)", highlight=False)
-    elif kind in ("job_started", "job_finished", "failure", "resumed", "checkpoint_fallback"):
-        fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("t", "kind"))
-        console.print(f"[bold]{escape(kind)}[/] {escape(fields)}", highlight=False)  # event text: no markup
+def _mode(args: argparse.Namespace) -> str:
+    if args.json:
+        return "json"
+    return "dashboard" if console.is_terminal and not args.no_dashboard else "sentences"
 
 
 def _submit_slurm(job: JobDir, recipe: Recipe, args: argparse.Namespace) -> int:
@@ -173,23 +152,24 @@ def _submit_slurm(job: JobDir, recipe: Recipe, args: argparse.Namespace) -> int:
         slurm_job_id = submit_slurm(job, recipe)
     except Exception as err:  # noqa: BLE001 - sbatch's refusal (bad partition, account...) is the user's to fix
         return fail(f"sbatch refused the job: {str(err).strip()}", EXIT_FAILED)
-    console.print(f"job [bold]{escape(job.job_id)}[/] submitted (Slurm job {escape(slurm_job_id)})")
-    console.print(f"folder: {escape(str(job.path))}")
+    out = err_console if args.json else console  # --json: stdout carries the events alone
+    out.print(f"job [bold]{escape(job.job_id)}[/] submitted (Slurm job {escape(slurm_job_id)})")
+    out.print(f"folder: {escape(str(job.path))}")
     if args.detach:
         return EXIT_OK
     try:
-        code = _follow_slurm(job.path, slurm_job_id, dashboard=console.is_terminal and not args.no_dashboard)
+        code = _follow_slurm(job.path, slurm_job_id, _mode(args), out)
     except KeyboardInterrupt:
-        console.print(f"[yellow]stopped following; the job goes on (cancel it with: cancel {escape(job.job_id)})[/]")
+        out.print(f"[yellow]stopped following; the job goes on (cancel it with: cancel {escape(job.job_id)})[/]")
         return 130
-    print_summary(job.path)
+    print_summary(job.path, out)
     if code != 0:
-        console.print(f"[red]job failed (exit {code}); see {escape(str(job.logs))}[/]")
+        out.print(f"[red]job failed (exit {code}); see {escape(str(job.logs))}[/]")
         return EXIT_FAILED
     return EXIT_OK
 
 
-def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
+def _follow_slurm(job_dir: Path, slurm_job_id: str, mode: str, out: Console) -> int:
     """Follow until the supervisor records job_finished, or Slurm says the job is gone without it."""
     from oobleck_slurm.cluster.slurm import in_queue
     from oobleck_slurm.protocol.events import events_path, read_events
@@ -201,11 +181,11 @@ def _follow_slurm(job_dir: Path, slurm_job_id: str, dashboard: bool) -> int:
         ids = JobDir.at(job_dir).meta().get("supervisor_jobs") or [slurm_job_id]
         return any(in_queue(str(i)) for i in ids)
 
-    _follow(job_dir, dashboard, running=running)
+    _follow(job_dir, mode, running=running)
     finished = read_events(events_path(job_dir), "job_finished")
     if finished:
         return int(finished[-1].get("exit_code") or 0)
-    console.print(f"[red]Slurm job {escape(slurm_job_id)} ended without a supervisor record (lost batch node, "
+    out.print(f"[red]Slurm job {escape(slurm_job_id)} ended without a supervisor record (lost batch node, "
                   "cancelled, or it never started); see the submitit/ folder[/]")
     return EXIT_FAILED
 

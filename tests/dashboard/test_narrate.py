@@ -1,0 +1,58 @@
+"""`submit` without a terminal (dashboard/narrate.py): recorded runs' events as sentences, step lines every
+few steps, and a summary that names what happened, with durations rounded for people."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from oobleck_slurm.dashboard.narrate import Narrator, seconds, summary_lines
+
+LOGS = Path(__file__).resolve().parent / "logs"
+
+
+def narrate(name: str) -> tuple[list[dict], list[str]]:
+    events = [json.loads(line) for line in (LOGS / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+    narrator = Narrator()
+    return events, [line for e in events for line in narrator.lines(e)]
+
+
+def test_a_failure_and_a_join_read_as_sentences() -> None:
+    events, lines = narrate("join")
+    (lost,) = [e for e in events if e["kind"] == "node_lost"]
+    resumed = next(e for e in events if e["kind"] == "resumed")  # the failure's (the join's comes later)
+    (joined,) = [e for e in events if e["kind"] == "node_joined"]
+    step = next(e["step"] for e in events if e["kind"] == "failure")
+    assert f"node2 lost at step {step}: its agent stopped answering, detected in {seconds(lost['detection_seconds'])}" in lines
+    assert (f"training resumed at step {resumed['step']}, {seconds(resumed['total_seconds'])} after the fault; "
+            "no checkpoint loaded") in lines
+    assert f"replacement r1 joined: training goes on with it, the change took {seconds(joined['seconds'])}" in lines
+    assert lines[0].startswith("job dash-join-") and "started on 4 nodes (local backend): 80 steps" in lines[0]
+    assert lines[-1].startswith("job completed after ")
+    assert not [line for line in lines if "=" in line or "{" in line]  # no field dumps
+
+
+def test_step_lines_every_few_steps_and_the_last() -> None:
+    events, lines = narrate("healthy")
+    total = next(e["steps"] for e in events if e["kind"] == "job_started")
+    shown = [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("step ")]
+    every = max(1, total // 20)
+    assert shown == sorted({*range(0, total, every), total - 1})
+    assert all(f"/{total}: loss " in line and line.endswith(" samples/s") for line in lines if line.startswith("step "))
+
+
+def test_the_summary_names_each_failure_its_recovery_and_the_join_apart() -> None:
+    events, _ = narrate("join")
+    resumed = next(e for e in events if e["kind"] == "resumed")  # the failure's (the join's comes later)
+    (joined,) = [e for e in events if e["kind"] == "node_joined"]
+    summary = summary_lines(events)
+    assert summary[0].startswith("summary: completed in ") and summary[0].endswith("; 80 of 80 steps; 1 failure")
+    assert summary[1].endswith(f"training resumed {seconds(resumed['total_seconds'])} after the fault")
+    assert summary[2] == f"  replacement r1 joined (the change took {seconds(joined['seconds'])})"
+    assert summary[3] == "  the trajectory went on unchanged: every step trained, no checkpoint loaded"
+    healthy, _ = narrate("healthy")
+    assert summary_lines(healthy)[0].endswith("no failure") and len(summary_lines(healthy)) == 1
+
+
+def test_durations_are_rounded_for_people() -> None:
+    assert [seconds(s) for s in (0.2149, 3.4567, 51.98245, 185.2)] == ["0.21 s", "3.5 s", "52 s", "3 min 05 s"]
