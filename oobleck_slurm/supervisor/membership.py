@@ -14,7 +14,10 @@ once, with the cause and time of the first evidence, whichever it was:
     faulty_metrics  the health monitor flagged its metrics (Minder-style: far from its peers', lasting)
     straggler     the health monitor found it computing slower than its peers (`detection.stragglers: evict`)
 
-The caller supplies `now` and the observations (see detection/ for the same style).
+The caller supplies `now` and the observations (see detection/ for the same style). Time-based
+judgements (`check`) are suspended once when the caller itself was not running for longer than half a
+lease (its process stopped or starved of CPU): it cannot tell silent agents from its own silence, so
+every node gets a fresh lease instead of all being declared lost at once.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Membership:
         self.worker_state: dict[str, str] = {}
         self.stopped_since: dict[str, float] = {}  # first heartbeat that saw the worker stopped
         self._lost: set[str] = set()
+        self._last_check: float | None = None
 
     # ---- what is watched -----------------------------------------------------------------------
 
@@ -125,7 +129,16 @@ class Membership:
         return self._lose(node, cause, detail, now)
 
     def check(self, now: float) -> list[Loss]:
-        """Losses that only the passing of time reveals: expired leases, and hung workers."""
+        """Losses that only the passing of time reveals: expired leases, and hung workers. None after a
+        gap of more than half a lease since the last check (module doc): every lease starts again."""
+        gap = 0.0 if self._last_check is None else now - self._last_check
+        self._last_check = now
+        if gap > self.leases.lease_s / 2:
+            for node in self.leases.members():
+                self.leases.renew(node, now)
+            for node in self.stopped_since:
+                self.stopped_since[node] = now
+            return []
         losses = []
         for node in self.leases.expired(now):
             age = self.leases.age(node, now)

@@ -63,3 +63,21 @@ def test_a_node_that_comes_back_is_watched_afresh() -> None:
     assert m.agent_lost("a", 0.5)
     m.watch("a", 10.0)
     assert not m.is_lost("a") and m.check(10.5) == []
+
+
+def test_a_supervisor_that_was_not_running_gives_every_node_a_fresh_lease() -> None:
+    # A supervisor stopped or starved of CPU for longer than half a lease read no heartbeat meanwhile:
+    # its leases ran out through its own silence. It judges nobody then, and each node gets a new lease.
+    m = Membership(lease_s=2.0, step_timeout_s=60.0)
+    for n in ("a", "b"):
+        m.watch(n, 0.0)
+    m.heartbeat("a", 0.4, "stopped")  # a's worker stopped at 0.4: hung after a lease, normally
+    assert m.check(0.5) == []
+    assert m.check(5.0) == []  # 4.5 s without a check: everyone's lease expired, and a's stop too
+    losses = []
+    t = 5.0
+    while not losses:  # checked every 0.1 s from now on; b talks again, a stays silent
+        t = round(t + 0.1, 1)
+        m.heartbeat("b", t)
+        losses = m.check(t)
+    assert t == 7.1 and sorted((loss.node, loss.cause) for loss in losses) == [("a", "heartbeat")]
