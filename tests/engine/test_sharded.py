@@ -54,6 +54,7 @@ WIDE_AND_MIXED = ExecPlan(6, 4, (PipelineSpec((0,), (0, 6), 0, 2, (4,), (True,))
                                  PipelineSpec((4, 6, 7), (0, 3, 5, 6), 2, 2, (2, 1, 1))))
 TWO_WIDE_AND_NARROW = ExecPlan(6, 4, (PipelineSpec((0, 2), (0, 3, 6), 0, 3, (2, 2), (False, True)),
                                       PipelineSpec((4, 5, 6, 7), (0, 2, 3, 5, 6), 3, 1)))
+ALONE = ExecPlan(6, 4, (PipelineSpec((4,), (0, 6), 0, 4, (4,)),))  # one resharded 4-wide stage on node 1
 
 
 def run_plans(tmp_path: Path, job: JobSpec, plans: list[tuple[int, ExecPlan]],
@@ -152,12 +153,14 @@ def test_sharded_stages_match_the_reference(tmp_path, plan):
     assert_exact(job, losses, layers)
 
 
-def test_plan_changes_between_widths_copy_named_slices_exactly(tmp_path):
+@pytest.mark.parametrize("make_job", [tiny_job, came_job], ids=["adamw", "came"])
+def test_plan_changes_between_widths_copy_named_slices_exactly(tmp_path, make_job):
     # widths 4 | 2,1,1  ->  2,2 | 1,1,1,1  ->  1 stage of 4 on node 1 alone, node 0 spare: shards
-    # re-cut on the same node, layers sent across nodes, and a width-1 layer re-sharded
-    job = tiny_job(steps=4)
-    alone = ExecPlan(6, 4, (PipelineSpec((4,), (0, 6), 0, 4, (4,)),))
-    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, TWO_WIDE_AND_NARROW), (3, alone)])
+    # re-cut on the same node, layers sent across nodes, and a width-1 layer re-sharded. CAME: first
+    # moments move as part ranges, vectors' second moments as their elements of them, row/column
+    # statistics whole
+    job = make_job(steps=4)
+    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, TWO_WIDE_AND_NARROW), (3, ALONE)])
     assert_exact(job, losses, layers)
 
 
@@ -190,22 +193,12 @@ def test_came_on_sharded_stages_matches_the_reference(tmp_path):
     assert assert_replicas_agree(tmp_path) == 6
 
 
-def test_plan_changes_between_widths_move_came_state_exactly(tmp_path):
-    # the plans of test_plan_changes_between_widths_copy_named_slices_exactly, with CAME: first moments
-    # move as part ranges, vectors' second moments as their elements of them, row/column statistics whole
-    job = came_job(steps=4)
-    alone = ExecPlan(6, 4, (PipelineSpec((4,), (0, 6), 0, 4, (4,)),))
-    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, TWO_WIDE_AND_NARROW), (3, alone)])
-    assert_exact(job, losses, layers)
-
-
 def test_came_checkpoints_are_whole_layers_between_widths(tmp_path):
     # a 4-wide stage writes whole-layer files that stages of 1 and 2 read (step 1); stages of 1 write the
     # next, which a stage of 4 reads (step 3)
     job = came_job(steps=4)
     narrow_first = ExecPlan(6, 4, (PipelineSpec((4, 5, 6, 7), (0, 2, 3, 5, 6), 0, 2),
                                    PipelineSpec((0, 2), (0, 3, 6), 2, 2, (2, 2), (True, False))))
-    alone = ExecPlan(6, 4, (PipelineSpec((4,), (0, 6), 0, 4, (4,)),))
-    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, narrow_first), (3, alone)], checkpoints=(1, 2))
+    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, narrow_first), (3, ALONE)], checkpoints=(1, 2))
     assert_exact(job, losses, layers)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step1", "step3"]
