@@ -2,9 +2,9 @@
 
     python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--out PATH] [--only a,b,...]
 
-Written for one H100 (at most 25 minutes, `--device cuda`, bf16, slices of the 1.3B GPT shape) and
-runnable on a 2-core CPU machine in under 2 minutes (`--device cpu`, fp32, the `tiny` preset), so
-that the script itself is tested where no GPU is at hand (tests/benchmarks/test_gpu_acceptance.py).
+Written for one H100 (at most 25 minutes, `--device cuda`, bf16, slices of the 1.3B GPT shape, or
+of Llama 3.2 1B with `--family llama`) and runnable on a 2-core CPU machine in under 2 minutes
+(`--device cpu`, fp32, the `tiny` preset), so that the script itself is tested where no GPU is at hand (tests/benchmarks/test_gpu_acceptance.py).
 Writes one JSON file (benchmarks/results/gpu_acceptance.json by default), prints a table, and exits
 with 1 if any section failed (a skipped section, with its reason, does not fail the run).
 
@@ -27,9 +27,9 @@ a  abort_rebuild   Training through the engine's real `Worker` on a one-rank pla
                    worker that trained the same steps without a failure (torch.equal on every
                    tensor), and so must every loss. A second uninterrupted run is the control: if it
                    differs from the first, the device is not reproducible and the comparison says
-                   nothing about recovery (so on CUDA the section runs under
-                   torch.use_deterministic_algorithms, warn-only, and CUBLAS_WORKSPACE_CONFIG=:4096:8;
-                   the warnings of nondeterministic kernels are recorded).
+                   nothing about recovery (so the job sets `training.deterministic`, as a recipe
+                   can: deterministic kernels, not warn-only, and cuBLAS's fixed workspace; on the
+                   first H200 run, warn-only, cuDNN's attention backward made two runs differ).
 b  throughput      tokens/s and MFU (6 * params * tokens/s / peak dense bf16 FLOP/s of
                    planning/gpus.py, "unknown" elsewhere) of the engine's step (Worker.train_step on
                    a one-stage plan: Stage forward/backward, abortable waits, per-layer optimizers)
@@ -147,6 +147,7 @@ class Settings:
 
     device: str  # "cuda" or "cpu"
     precision: str
+    family: str  # gpt | llama
     preset: str
     n_layer: int  # transformer blocks of the slice (the preset's shape otherwise)
     microbatch_size: int
@@ -178,21 +179,22 @@ class Settings:
         return "nccl" if self.cuda else "gloo"
 
     def job(self, steps: int, microbatch_size: int | None = None, microbatches: int | None = None,
-            d_model: int | None = None) -> JobSpec:
+            d_model: int | None = None, deterministic: bool = False) -> JobSpec:
         """The job every section trains: a slice of the preset's shape, random tokens (no I/O),
-        AdamW, global-norm clipping, warm-up then cosine."""
+        AdamW, global-norm clipping, warm-up then cosine. `deterministic`: the recipe's
+        `training.deterministic`, for the sections that compare runs bitwise (a, f)."""
         from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
-        from oobleck_slurm.models import gpt_config
+        from oobleck_slurm.models import preset
 
         mbs = microbatch_size or self.microbatch_size
         m = microbatches or self.microbatches
         shape = {"n_layer": self.n_layer, **({"d_model": d_model} if d_model else {})}
         return JobSpec(
-            model=ModelSpec(gpt_config(self.preset, **shape)),
+            model=ModelSpec(preset(self.family, self.preset, **shape)),
             data=DataSpec("random", num_samples=max(64, 4 * mbs * m), seed=1),
             optim=OptimSpec("adamw", lr=1e-3, weight_decay=0.1),
             train=TrainSpec(steps=steps, microbatch_size=mbs, num_microbatches=m, seed=0, grad_clip=1.0,
-                            warmup_steps=1, precision=self.precision),
+                            warmup_steps=1, precision=self.precision, deterministic=deterministic),
             backend=self.backend,
         )
 
@@ -214,16 +216,18 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     def pick(value: Any, on_cuda: Any, on_cpu: Any) -> Any:
         return value if value is not None else (on_cuda if cuda else on_cpu)
 
-    preset = pick(args.preset, "1.3b", "tiny")
-    from oobleck_slurm.models import GPT_PRESETS
+    from oobleck_slurm.models import PRESETS
 
-    if preset not in GPT_PRESETS:
-        raise SystemExit(f"--preset {preset!r}: known presets are {', '.join(GPT_PRESETS)}")
+    presets = PRESETS[args.family]
+    preset = pick(args.preset, {"gpt": "1.3b", "llama": "3.2-1b"}[args.family], "tiny")
+    if preset not in presets:
+        raise SystemExit(f"--preset {preset!r}: known {args.family} presets are {', '.join(presets)}")
     return Settings(
         device=args.device,
         precision=pick(args.precision, "bf16", "fp32"),
+        family=args.family,
         preset=preset,
-        n_layer=pick(args.layers, 4, GPT_PRESETS[preset].n_layer),
+        n_layer=pick(args.layers, 4, presets[preset].n_layer),
         microbatch_size=pick(args.microbatch_size, 4, 2),
         microbatches=pick(args.microbatches, 4, 4),
         steps=pick(args.steps, 6, 6),
@@ -324,22 +328,18 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str,
 
 @contextlib.contextmanager
 def reproducible(s: Settings) -> Iterator[list[str]]:
-    """On CUDA: deterministic algorithms (warn-only) for a bitwise comparison between runs; yields the
-    warnings of the kernels torch knows to be nondeterministic (recorded, they explain a mismatch)."""
+    """Around runs compared bitwise, whose jobs set `training.deterministic` (the worker then makes every
+    kernel deterministic, as in a job): yields the warnings torch gives about nondeterminism (recorded,
+    they would explain a mismatch). The first GPU run, warn-only, found cuDNN's attention backward
+    nondeterministic: two uninterrupted runs differed by 5e-3."""
     seen: list[str] = []
     if not s.cuda:
         yield seen
         return
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("default")  # once per place that warns
-            yield seen
-        seen.extend(sorted({str(w.message)[:300] for w in caught}))
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # once per place that warns
+        yield seen
+    seen.extend(sorted({str(w.message)[:300] for w in caught if "determinis" in str(w.message)}))
 
 
 def planned(s: Settings, job: JobSpec, nodes: int) -> tuple[ExecPlan, Profile, Plan]:
@@ -607,7 +607,7 @@ def run_with_failures(s: Settings, job: JobSpec, plan: ExecPlan,
 
 
 def section_abort_rebuild(s: Settings, rec: Record) -> None:
-    job = s.job(steps=max(5, s.steps))
+    job = s.job(steps=max(5, s.steps), deterministic=True)
     plan, _profile, _plan = planned(s, job, 1)
     rec.results["config"] = {"model": dataclasses.asdict(job.model.config), "steps": job.train.steps,
                              "microbatch_size": job.train.microbatch_size,
@@ -670,9 +670,8 @@ def engine_times(s: Settings, job: JobSpec, plan: ExecPlan) -> list[float]:
 
 def plain_model(job: JobSpec, device: torch.device) -> torch.nn.Sequential:
     """The same layers, initialised as the engine initialises them, as one module."""
-    from oobleck_slurm.models.gpt.model import build_layers
-
-    return torch.nn.Sequential(*build_layers(job.model.config, job.train.seed)).to(device, job.train.param_dtype)
+    cfg = job.model.config
+    return torch.nn.Sequential(*cfg.build_layers(job.train.seed, 0, cfg.num_layers)).to(device, job.train.param_dtype)
 
 
 def plain_optimizer(job: JobSpec, model: torch.nn.Module, device: torch.device, fused: bool) -> torch.optim.Optimizer:
@@ -733,7 +732,8 @@ def section_throughput(s: Settings, rec: Record) -> None:
     job = s.job(steps=s.warmup + s.timed)
     plan, _profile, _plan = planned(s, job, 1)
     params = job.model.config.num_params
-    embedding = job.model.config.embedding_params
+    cfg = job.model.config  # the first layer's parameters: the embedding (with GPT's positions)
+    embedding = cfg.embedding_params if hasattr(cfg, "embedding_params") else math.prod(cfg.layer_shapes()[0][0])
     tokens = job.train.global_batch_size * job.model.seq_len
     gpu, peak = peak_flops(s)
     fused = "fused=True" if s.cuda else "foreach=True"
@@ -1268,7 +1268,8 @@ def run_pipeline(s: Settings, job: JobSpec, plan: ExecPlan, devices: list[int], 
 
 def section_two_stage_pipeline(s: Settings, rec: Record) -> None:
     variants = pipeline_variants(s)
-    job = s.job(steps=s.pipe_steps, microbatch_size=s.pipe_microbatch_size, microbatches=s.pipe_microbatches)
+    job = s.job(steps=s.pipe_steps, microbatch_size=s.pipe_microbatch_size, microbatches=s.pipe_microbatches,
+                deterministic=True)
     plan, _profile, _plan = planned(s, job, 2)
     g = job.model.config
     element = torch.tensor([], dtype=job.train.param_dtype).element_size()
@@ -1352,10 +1353,14 @@ def section_main(key: str, s: Settings) -> Record:
 
 
 def section_env(s: Settings, key: str) -> dict[str, str]:
-    """The sections that compare runs bitwise (a, f) get cuBLAS's deterministic workspace setting on a
-    GPU (read when cuBLAS starts, so per process: section b's timings keep the default)."""
+    """The sections that compare runs bitwise (a, f) get cuBLAS's deterministic workspace from their
+    process's start, as `training.deterministic` gives a worker: there the planner may run matrix
+    products on the GPU (a measured profile) before the first worker exists, and cuBLAS reads the
+    setting once (so section b's timings keep the default)."""
+    from oobleck_slurm.engine.worker import CUBLAS_DETERMINISTIC_WORKSPACE
+
     if s.cuda and key in ("a", "f") and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
-        return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        return {"CUBLAS_WORKSPACE_CONFIG": CUBLAS_DETERMINISTIC_WORKSPACE}
     return {}
 
 
@@ -1462,7 +1467,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated sections, e.g. a,c (default: all)")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default=None,
                     help="default: bf16 on CUDA, fp32 on the CPU")
-    ap.add_argument("--preset", default=None, help="GPT shape (default: 1.3b on CUDA, tiny on the CPU)")
+    ap.add_argument("--family", choices=["gpt", "llama"], default="gpt", help="model family (default gpt)")
+    ap.add_argument("--preset", default=None,
+                    help="the family's shape (default: gpt 1.3b or llama 3.2-1b on CUDA, tiny on the CPU)")
     ap.add_argument("--layers", type=int, default=None, help="transformer blocks of the slice (default: 4 on CUDA)")
     ap.add_argument("--microbatch-size", type=int, default=None)
     ap.add_argument("--microbatches", type=int, default=None, help="microbatches per step")
@@ -1503,7 +1510,7 @@ def main(argv: list[str] | None = None) -> int:
                            "settings": dataclasses.asdict(s), "environment": environment(s)}
     e = out["environment"]
     console.print(f"[bold]GPU acceptance[/] on {escape(str(e.get('device_name', 'CPU')))}: torch {e['torch']}, "
-                  f"CUDA {e['cuda_build']}, NCCL {e['nccl']}; {s.preset} x {s.n_layer} blocks, {s.precision}")
+                  f"CUDA {e['cuda_build']}, NCCL {e['nccl']}; {s.family} {s.preset} x {s.n_layer} blocks, {s.precision}")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     records: list[Record] = []

@@ -108,6 +108,7 @@ class TrainSpec:
     eval_interval: int = 0  # the validation loss every this many steps and at the end; 0: never
     recompute: bool = False  # activations recomputed in the backward (stage.py)
     eval_samples: int = 0
+    deterministic: bool = False  # deterministic CUDA kernels (worker.use_deterministic_kernels)
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "num_microbatches"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -109,6 +110,20 @@ class PendingStep:
     total_sq: float
 
 
+# cuBLAS's deterministic workspace (the CUDA docs' "Results reproducibility"); PyTorch reads it when its
+# first cuBLAS handle starts, so it must be set before the process's first matrix product on a GPU.
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def use_deterministic_kernels() -> None:
+    """`training.deterministic`: every kernel of this process deterministic from now on. Not warn-only:
+    a kernel with only a nondeterministic version raises (naming itself) rather than silently breaking
+    the bitwise agreement between a recovered run and an uninterrupted one; cuDNN's attention backward,
+    nondeterministic by default, switches to its deterministic algorithm only then."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+
+
 class ComputeClock:
     """A step's forward and backward time: wall time on the CPU; on a GPU, CUDA events around the
     kernels, since the CPU only launches them asynchronously (its own time would be launch time)."""
@@ -152,6 +167,8 @@ def check_supported(job: JobSpec) -> None:
 class Worker:
     def __init__(self, job: JobSpec, rank: int, device: torch.device | None = None) -> None:
         check_supported(job)
+        if job.train.deterministic:
+            use_deterministic_kernels()
         self.job = job
         self.rank = rank
         self.device = device or torch.device("cpu")

@@ -276,6 +276,10 @@ class TrainingConfig:
     # (what makes a 70B model fit without tensor parallelism).
     recompute: bool = False
     eval_samples: int = field(default=64, metadata=check(positive))
+    # Deterministic kernels on GPUs (torch.use_deterministic_algorithms, cuBLAS's fixed workspace): two
+    # runs, or a recovered run and an uninterrupted one, then agree bitwise, for some speed; a kernel
+    # with no deterministic version stops the job with torch's error naming it. CPUs are deterministic.
+    deterministic: bool = False
 
     @property
     def global_microbatches(self) -> int:

@@ -105,3 +105,17 @@ def test_two_stage_pipeline_on_gloo_matches_one_stage(run):
         assert [x["exit_code"] for x in r["ranks"]] == [0, 0], name
         assert r["vs_one_stage"]["equal"], (name, r["vs_one_stage"])
         assert len(r["losses"]) == f["results"]["config"]["steps"]
+
+
+@pytest.mark.slow
+def test_a_llama_slice_recovers_bitwise(tmp_path: Path) -> None:
+    # --family llama (on a GPU: Llama 3.2 1B's shape, GQA through SDPA, RoPE, SwiGLU): the same sections
+    out = tmp_path / "llama.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--family", "llama", "--only", "a", "--out", str(out)],
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False, cwd=SCRIPT.parent.parent,
+    )
+    result = json.loads(out.read_text())
+    assert done.returncode == 0 and result["passed"], f"{_failures(result)}\n{done.stdout[-3000:]}"
+    assert result["settings"]["family"] == "llama" and result["sections"]["a"]["results"]["config"]["model"]["n_kv_heads"]
+    assert result["sections"]["a"]["results"]["recovered_vs_reference"]["equal"]

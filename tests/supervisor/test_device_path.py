@@ -5,6 +5,7 @@ collective, and how workers per node follow from a recipe."""
 from __future__ import annotations
 
 import datetime as dt
+import os
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,34 @@ def test_workers_per_node_follow_the_gpus_and_split_the_cores(tmp_path: Path) ->
     assert cluster("cluster: {nodes: 4}\n").devices_per_node == 1
     with pytest.raises(RecipeError, match="cluster.workers_per_node: one worker runs per GPU"):
         cluster("cluster: {nodes: 2, gpus_per_node: 4, workers_per_node: 2}\nfault_tolerance: {f: 1}\n")
+
+
+
+def test_training_deterministic_reaches_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first H200 run found cuDNN's attention backward nondeterministic: two uninterrupted runs then
+    # differ, and so does a recovered one. A recipe's `training.deterministic` makes the worker's kernels
+    # deterministic (not warn-only) with cuBLAS's fixed workspace, set before its first matrix product.
+    from dataclasses import replace
+
+    from oobleck_slurm.engine.from_recipe import job_from_recipe
+    from oobleck_slurm.engine.spec import DataSpec
+    from oobleck_slurm.engine.worker import CUBLAS_DETERMINISTIC_WORKSPACE, Worker
+
+    def job(training: str):  # noqa: ANN202
+        path = tmp_path / "r.yaml"
+        path.write_text(f"model: {{family: llama, size: tiny}}\ntraining: {{global_batch_size: 8, "
+                        f"microbatch_size: 2{training}}}\n")
+        return job_from_recipe(load_recipe(path), tmp_path / "tokens.bin")
+
+    assert not job("").train.deterministic  # off unless asked
+    on = replace(job(", deterministic: true"), data=DataSpec("random", num_samples=16, seed=1))
+    assert on.train.deterministic
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        Worker(on, 0)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_DETERMINISTIC_WORKSPACE
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
