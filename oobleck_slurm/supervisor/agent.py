@@ -77,7 +77,7 @@ from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.agent_health import DRILLS, MetricsReporter, NodeDrills
 from oobleck_slurm.supervisor.server import connect
-from oobleck_slurm.supervisor.warm import HEALTH_MODULE, WORKER_MODULE, WarmProcess, WarmServer
+from oobleck_slurm.supervisor.warm import HEALTH_MODULE, WORKER_MODULE, WarmProcess, WarmServer, preloaded
 
 # Set in every NCCL worker's environment, before torch starts (docs/nccl.md, "Aborting"): torch's watchdog must never act on its own (it sleeps 60 s, then tears the process down);
 # the generation design aborts groups itself (engine/abort.py), and a timeout dump key left in the root
@@ -147,7 +147,8 @@ class Agent:
         self.drills = NodeDrills(lambda: [w.pid for w in self.workers if w.poll() is None])
         # Started before registering, in the main thread (its PR_SET_PDEATHSIG follows this thread): its
         # imports overlap the registration, a replacement's health check and the supervisor's planning.
-        self.warm = WarmServer(timeouts=self.timeouts)
+        # An agent forked by the job's server (the local backend) is warm already: its server is its fork.
+        self.warm = WarmServer(timeouts=self.timeouts, fork_here=preloaded())
         self._warm_restarts = 0
         self.epoch = int(self.address.get("epoch", 1))  # the supervisor's (lease.py): only a higher one replaces it
         self.failover_s = float(self.address.get("failover_s", 0.0))  # how long a new supervisor is awaited

@@ -8,16 +8,19 @@
                     training node is its own one-node `--exclusive` job whose batch step is its agent,
                     exactly like a replacement, so that no node's loss (the supervisor's included)
                     ends the others; replacements as with SrunLauncher
-    LocalLauncher   agents as local processes named node1, node2, ... (the embedded default)
+    LocalLauncher   agents as local processes named node1, node2, ... (the embedded default), forked
+                    from one warm server of the job
 
 The supervisor above them is the same. Every Slurm command is run by cluster/slurm.py.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from oobleck_slurm.cluster.slurm import NodeHealth, SlurmError
 from oobleck_slurm.errors import InfrastructureError, JobTimeoutError
 from oobleck_slurm.exit_codes import EXIT_OK
 from oobleck_slurm.recipe import ClusterConfig
+from oobleck_slurm.supervisor.warm import WarmProcess, WarmServer
 
 AGENT_MODULE = "oobleck_slurm.supervisor.agent"
 
@@ -37,7 +41,7 @@ AGENT_MODULE = "oobleck_slurm.supervisor.agent"
 class AgentLauncher(Protocol):
     # The process whose exit means "the node's task ended"; None when the agent is its own job's batch
     # step (NodeJobLauncher): its loss is then seen by its connection, heartbeats and Slurm's node state.
-    def launch(self, node: str) -> subprocess.Popen | None: ...
+    def launch(self, node: str) -> subprocess.Popen | WarmProcess | None: ...
     def request(self, token: str) -> str | None: ...  # ask for one more node; a handle (job id) or None
     def node_states(self, nodes: Sequence[str]) -> dict[str, NodeHealth] | None: ...  # None: no such view
     def close(self) -> None: ...  # cancel outstanding requests
@@ -155,16 +159,31 @@ class NodeJobLauncher(SrunLauncher):
 
 
 class LocalLauncher:
-    """Virtual nodes: each agent is a local process; a replacement is one more."""
+    """Virtual nodes: each agent is a local process; a replacement is one more. They share this
+    machine, so they are forked from one warm server of the job (supervisor/warm.py), which imports
+    torch and the engine once for every node's agent, warm server and workers; an agent starts cold
+    if that server cannot fork it. Its agents outlive it (`detached`): they must outlive this
+    supervisor, for its standby to take over."""
 
     def __init__(self, job_dir: Path) -> None:
         self.job = JobDir.at(job_dir)
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | WarmProcess] = []
+        # Its PR_SET_PDEATHSIG follows the thread that starts it: the main thread's, which lives as long
+        # as this process (a supervisor that took over in another thread starts its agents cold).
+        self.server = WarmServer() if threading.current_thread() is threading.main_thread() else None
 
-    def launch(self, node: str, *extra: str) -> subprocess.Popen:
-        with open(self.job.agent_log(node), "ab") as out:  # the child keeps its own descriptor
-            proc = subprocess.Popen(agent_argv(self.job.path, "--node", node, *extra), stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    def launch(self, node: str, *extra: str) -> subprocess.Popen | WarmProcess:
+        argv = agent_argv(self.job.path, "--node", node, *extra)
+        log = self.job.agent_log(node)
+        proc: subprocess.Popen | WarmProcess | None = None
+        if self.server is not None:
+            try:
+                proc = self.server.spawn(AGENT_MODULE, argv[3:], os.environ, str(log), detached=True)
+            except OSError as err:
+                print(f"supervisor: {err}; the agent of {node} starts cold", file=sys.stderr, flush=True)
+        if proc is None:
+            with open(log, "ab") as out:  # the child keeps its own descriptor
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs.append(proc)
         return proc
 
@@ -180,3 +199,5 @@ class LocalLauncher:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+        if self.server is not None:
+            self.server.close()

@@ -42,11 +42,15 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from oobleck_slurm.errors import InternalError
 from oobleck_slurm.protocol.messages import HealthResult, Heartbeat, Message
 from oobleck_slurm.protocol.wire import Channel
 from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss
+
+if TYPE_CHECKING:
+    from oobleck_slurm.supervisor.warm import WarmProcess
 
 # ---- a node's life: pure ---------------------------------------------------------------------------
 
@@ -167,7 +171,7 @@ class NodeRecord:
     request: str | None = None  # the replacement's Slurm job id (local: the agent's pid)
     trusted: bool = False  # its workers may start without a health check (an initial member, or it ran)
     agent: AgentConn | None = None
-    step: subprocess.Popen | None = None  # the srun step (local: the process) running its agent, until it ends
+    step: subprocess.Popen | WarmProcess | None = None  # the srun step (local: the process) running its agent, until it ends
     last_beat: Heartbeat | None = None
     fault_at: float | None = None  # when a drill injected a fault (detection times are measured from it)
     health_check: str | None = None  # the store prefix of the health check in progress

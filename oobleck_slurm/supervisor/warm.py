@@ -30,6 +30,13 @@ Death: the server gets SIGKILL when the agent dies (PR_SET_PDEATHSIG, relative t
 that started it: the agent's main thread), and each child gets SIGKILL when the server dies: an
 agent's death takes its server and its workers with it. The server also kills its children and exits
 when its stdin closes (the agent closed it, or is gone).
+
+One server per job on the local backend (`LocalLauncher`): its virtual nodes share one machine, so
+their agents are forked from one server too (request `"detached": true`: no PR_SET_PDEATHSIG, not
+killed when the server ends, so that they outlive a lost supervisor as agents started cold did). An
+agent forked warm has every preloaded module already: its own server is then a fork of the agent
+itself (`ForkedServer`, before the agent starts any thread), not a new interpreter. A 4-node local
+job then imports torch in 2 processes (the supervisor and this server), not 5 or 6.
 """
 
 from __future__ import annotations
@@ -106,7 +113,8 @@ def _child(request: dict[str, Any], server: int, close: tuple[int, ...]) -> None
     """In the forked child: become the worker `python -m MODULE ARGV` would have been, run it, leave."""
     code = 1
     try:
-        die_with_parent(server)
+        if not request.get("detached"):
+            die_with_parent(server)
         signal.set_wakeup_fd(-1)
         for fd in close:
             os.close(fd)
@@ -152,6 +160,11 @@ def _spawn(request: dict[str, Any], close: tuple[int, ...]) -> dict[str, Any]:
     return {"spawned": request.get("spawn"), "pid": pid}
 
 
+def preloaded() -> bool:
+    """Whether this process has imported every preloaded module (a process forked by a server has)."""
+    return all(module in sys.modules for stage in PRELOAD_STAGES for module in stage)
+
+
 def _cuda_initialised() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and bool(torch.cuda.is_initialized())
@@ -170,11 +183,15 @@ def serve(agent: int) -> int:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the select (set_wakeup_fd)
     t0 = time.process_time()
-    stages = list(PRELOAD_STAGES)
-    loaded: set[str] = set()
+    # A server forked from a warm process (`ForkedServer`) has every stage already: ready at once.
+    stages = [stage for stage in PRELOAD_STAGES if not all(module in sys.modules for module in stage)]
+    loaded: set[str] = {module for stage in PRELOAD_STAGES if stage not in stages for module in stage}
     pending: list[dict[str, Any]] = []
     children: set[int] = set()
+    detached: set[int] = set()  # children that outlive the server (agents of the local backend)
     buffer = b""
+    if not stages:
+        _send({"ready": 0.0})
     while True:
         # While modules remain to import, only look (timeout 0); then wait for a request or an exit.
         readable, _, _ = select.select([0, wake_r], [], [], 0 if stages else None)
@@ -185,6 +202,7 @@ def serve(agent: int) -> int:
             if pid == 0:
                 break
             children.discard(pid)
+            detached.discard(pid)
             _send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
         if 0 in readable:
             data = os.read(0, 65536)
@@ -202,6 +220,8 @@ def serve(agent: int) -> int:
                 reply = _spawn(request, close=(wake_r, wake_w))
                 if "pid" in reply:
                     children.add(reply["pid"])
+                    if request.get("detached"):
+                        detached.add(reply["pid"])
                 _send(reply)
             if serve_now and stages:  # one stage an iteration
                 stage = stages.pop(0)
@@ -213,10 +233,69 @@ def serve(agent: int) -> int:
                     return 1
                 if not stages:
                     _send({"ready": time.process_time() - t0})
-    for pid in children:
+    for pid in children - detached:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return 0
+
+
+class ForkedServer:
+    """A server forked from this process, which has imported every preloaded module and runs no other
+    thread (an agent forked by a job's server, before it starts its threads): what `WarmServer` uses of
+    the subprocess.Popen it otherwise starts (pid, stdin, stdout, wait, kill), no interpreter started."""
+
+    def __init__(self) -> None:
+        requests_r, requests_w = os.pipe()
+        replies_r, replies_w = os.pipe()
+        agent = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the server: its stdin and stdout are the pipes, as a started one's are
+            code = 1
+            try:
+                os.dup2(requests_r, 0)
+                os.dup2(replies_w, 1)
+                for fd in (requests_r, requests_w, replies_r, replies_w):
+                    os.close(fd)  # the write end of its own stdin above all: EOF when the agent goes
+                os.environ.update(SERVER_ENV)
+                code = serve(agent)
+            except BaseException:  # noqa: BLE001 - the child must never return into the agent
+                traceback.print_exc()
+            os._exit(code)
+        os.close(requests_r)
+        os.close(replies_w)
+        self.pid = pid
+        self.stdin: IO[bytes] | None = os.fdopen(requests_w, "wb")
+        self.stdout: IO[bytes] | None = os.fdopen(replies_r, "rb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by another thread's poll, which sets the code now
+                pid, status = 0, 0
+                time.sleep(0.01)
+                if self.returncode is None:
+                    self.returncode = -signal.SIGKILL
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"warm server {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
 
 # ---- the agent's side ---------------------------------------------------------------------------------
@@ -256,12 +335,19 @@ class WarmProcess:
 class WarmServer:
     """The agent's fork server (see the module's doc): `spawn` a module's main in a warm child."""
 
-    def __init__(self, env: Mapping[str, str] | None = None, timeouts: JobTimeouts = DEFAULT_TIMEOUTS) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None, timeouts: JobTimeouts = DEFAULT_TIMEOUTS,
+                 fork_here: bool = False) -> None:
+        """`fork_here`: this process is warm itself (an agent forked by a job's server: `preloaded`), so
+        the server is its fork, if it runs no other thread yet; else a new interpreter."""
         self.timeouts = timeouts
-        base = dict(os.environ if env is None else env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "oobleck_slurm.supervisor.warm", str(os.getpid()), "-" * TITLE_ROOM],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**base, **SERVER_ENV})
+        self.proc: subprocess.Popen | ForkedServer
+        if fork_here and env is None and preloaded() and threading.active_count() == 1:
+            self.proc = ForkedServer()
+        else:
+            base = dict(os.environ if env is None else env)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "oobleck_slurm.supervisor.warm", str(os.getpid()), "-" * TITLE_ROOM],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**base, **SERVER_ENV})
         self.ready = threading.Event()
         self.preload_s: float | None = None
         self._lock = threading.Lock()  # one spawn request at a time: its reply is the next "spawned"
@@ -316,11 +402,13 @@ class WarmServer:
             self.proc.wait(self.timeouts.warm_orphan_wait)
 
     def spawn(self, module: str, argv: list[str], env: Mapping[str, str], log: str,
-              cwd: str | None = None) -> WarmProcess:
+              cwd: str | None = None, detached: bool = False) -> WarmProcess:
         """Fork `python -m module argv` from the server: its process once the server forked it. Waits
-        for the server's imports if they are still under way. OSError if the server is gone."""
+        for the server's imports if they are still under way. OSError if the server is gone.
+        `detached`: the child outlives the server (it is neither killed with it nor when it ends)."""
         timeout = self.timeouts.warm_spawn_timeout
-        request: dict[str, Any] = {"module": module, "argv": list(argv), "env": dict(env), "log": log, "cwd": cwd or os.getcwd()}
+        request: dict[str, Any] = {"module": module, "argv": list(argv), "env": dict(env), "log": log,
+                                   "cwd": cwd or os.getcwd(), "detached": detached}
         with self._lock:
             if self._gone.is_set():
                 raise OSError(f"the warm server (pid {self.pid}) is gone")

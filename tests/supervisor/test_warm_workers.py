@@ -5,6 +5,7 @@ server played by this test, and the death of an agent taking its server and work
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -206,3 +207,41 @@ def test_a_health_check_is_forked_once_torch_is_in_without_waiting_for_the_worke
         assert warm.ready.wait(120)
     finally:
         warm.close()
+
+
+def test_a_local_jobs_agents_are_forked_warm_and_fork_their_own_servers(tmp_path: Path) -> None:
+    """The local backend's one server per job (LocalLauncher): an agent it forks is warm, so the agent's
+    own server is the agent's fork (no import of torch per virtual node), its workers are forked from
+    that, the agent outlives the job's server (detached: a standby supervisor must find it alive), and
+    the agent's death still takes its server with it."""
+    job = JobDir.at(tmp_path / "job")
+    (job.path / "logs").mkdir(parents=True)
+    supervisor = Supervisor(job)
+    job.write_supervisor_address(host="127.0.0.1", port=supervisor.server.port, epoch=1)
+    jobs_server = WarmServer()
+    agent = None
+    try:
+        assert jobs_server.ready.wait(120)
+        agent = jobs_server.spawn("oobleck_slurm.supervisor.agent", [str(job.path), "--node", "n1"], dict(os.environ),
+                                  str(job.agent_log("n1")), cwd=str(REPO), detached=True)
+        until("the registration", lambda: supervisor.first(Register))
+        assert psutil.Process(agent.pid).ppid() == jobs_server.pid
+        assert psutil.Process(agent.pid).cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.supervisor.agent"]
+        server = warm_server_of(agent)  # type: ignore[arg-type]
+        assert server.cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.supervisor.warm"]
+        # A fork of a warm process: a fresh interpreter would have spent seconds importing torch.
+        assert server.cpu_times().user + server.cpu_times().system < IMPORT_CPU_S / 4
+        supervisor.send(Start(node_id="n1", workers=2, threads=1, device="cpu"))
+        exit_ = until("the workers' exit", lambda: supervisor.first(WorkerExit))
+        assert exit_.code == 1 and "FileNotFoundError" in job.worker_log("n1", 0).read_text()
+        jobs_server.close()  # returns once the server exited, after killing what it kills: not the agent
+        assert psutil.Process(agent.pid).status() != psutil.STATUS_ZOMBIE and server.is_running()
+        supervisor.send(Drill(how="agent", worker=0))  # kill -9 of the agent
+        until("the agent gone", lambda: gone(agent.pid), timeout=30)  # type: ignore[union-attr]
+        until("its warm server gone", lambda: gone(server.pid), timeout=30)
+    finally:
+        if agent is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(agent.pid, signal.SIGKILL)
+        jobs_server.close()
+        supervisor.server.stop()
