@@ -127,7 +127,7 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
 
     recipe = tmp_path / "drill.yaml"
     recipe.write_text("name: drill\ncluster: {backend: local, nodes: 4, workers_per_node: 2, cpus_per_node: 2, "
-                      "memory_per_device: 10MB}\nmodel: {size: tiny}\n"
+                      "memory_per_device: 8MB}\nmodel: {size: tiny}\n"
                       "training: {global_batch_size: 16, microbatch_size: 2, steps: 24, precision: fp64, optimizer: {name: came}}\n"
                       "fault_tolerance: {f: 0, checkpoint_interval: 0, replacement: none}\n")
     result = submit(tmp_path, str(recipe), "--detach", "--estimate", "A100-40")

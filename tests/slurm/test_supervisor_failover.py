@@ -168,7 +168,14 @@ def test_training_node_lost_under_failover(slurm_cluster, tmp_path: Path) -> Non
         while lab.run("squeue", "-h", "-j", ",".join(node_jobs), "-o", "%i").split():
             assert time.monotonic() < deadline, "the training node jobs did not end after the job"
             time.sleep(0.2)
-        states = [lab.run("sacct", "-n", "-X", "-P", "-j", j, "-o", "State").split()[0] for j in node_jobs]
+
+        def sacct_states() -> list[str]:
+            return [lab.run("sacct", "-n", "-X", "-P", "-j", j, "-o", "State").split()[0] for j in node_jobs]
+
+        # Accounting lags squeue: under load sacct still said RUNNING for a job squeue no longer listed.
+        while {"PENDING", "RUNNING", "COMPLETING"} & set(states := sacct_states()):
+            assert time.monotonic() < deadline, f"sacct never recorded the node jobs' ends: {states}"
+            time.sleep(0.2)
         print(f"training node {victim} killed: node jobs {dict(zip(node_jobs, states))}")
         assert states.count("COMPLETED") == 3, states
     finally:
