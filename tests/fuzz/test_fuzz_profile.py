@@ -63,7 +63,9 @@ def mutated_profiles(draw: st.DrawFn) -> dict[str, Any]:
         if how == "delete":
             del parent[where[-1]]
         elif how == "retype":
-            parent[where[-1]] = draw(ODD)
+            # a copy: ODD's lists and dicts are shared by every test case, and a later mutation of this
+            # document may delete inside them (hypothesis then reports the changed draws as flaky)
+            parent[where[-1]] = copy.deepcopy(draw(ODD))
         elif isinstance(doc.get("layers"), list) and doc["layers"]:
             doc["layers"] = doc["layers"] + doc["layers"][: draw(st.integers(1, 3))]
         if not isinstance(doc, dict) or not paths(doc):
