@@ -78,11 +78,23 @@ def slurm_drill() -> ModuleType:
     return _slurm_module("drill")
 
 
+def _uses_the_lab(item: pytest.Item) -> bool:
+    return item.get_closest_marker("slurm") is not None or "slurm_cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (tests/run_all.sh: `-n 2 --dist loadgroup`) every test of the Slurm lab runs
+    in one worker: the lab is one cluster, held by one test session at a time (`SlurmLab.exclusive`)."""
+    for item in items:
+        if _uses_the_lab(item):
+            item.add_marker(pytest.mark.xdist_group("slurm_lab"))
+
+
 @pytest.fixture(autouse=True)
 def _slurm_reset_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """For Slurm tests: start the lab if needed, and afterwards put it back as start.sh left it
     (no jobs, node1..node4 idle, spares stopped), so that tests do not depend on each other."""
-    if request.node.get_closest_marker("slurm") is None and "slurm_cluster" not in request.fixturenames:
+    if not _uses_the_lab(request.node):
         yield
         return
     lab = request.getfixturevalue("slurm_cluster")
