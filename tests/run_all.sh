@@ -24,4 +24,6 @@ fi
 # munge and MariaDB if missing); starting it here first keeps its install time out of test timeouts.
 bash tests/slurm/start.sh
 
-exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+# Two pytest-xdist workers: most of the suite waits on real jobs' processes, so two sessions fill the
+# cores better than one; the Slurm lab's tests all run in one of them (tests/conftest.py).
+exec "$PY" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup "$@"
