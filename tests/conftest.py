@@ -82,12 +82,16 @@ def _uses_the_lab(item: pytest.Item) -> bool:
     return item.get_closest_marker("slurm") is not None or "slurm_cluster" in getattr(item, "fixturenames", ())
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which names each test's group from these marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (tests/run_all.sh: `-n 2 --dist loadgroup`) every test of the Slurm lab runs
-    in one worker: the lab is one cluster, held by one test session at a time (`SlurmLab.exclusive`)."""
+    in one worker: the lab is one cluster, held by one test session at a time (`SlurmLab.exclusive`).
+    They come first, so that this longest group starts at once while the other worker takes the rest
+    (handed out in collection order); started last, it ran alone for its ~6 minutes."""
     for item in items:
         if _uses_the_lab(item):
             item.add_marker(pytest.mark.xdist_group("slurm_lab"))
+    items.sort(key=lambda item: not _uses_the_lab(item))  # stable: otherwise the collection's order
 
 
 @pytest.fixture(autouse=True)
