@@ -160,9 +160,13 @@ def _spawn(request: dict[str, Any], close: tuple[int, ...]) -> dict[str, Any]:
     return {"spawned": request.get("spawn"), "pid": pid}
 
 
+def _imported(stage: tuple[str, ...]) -> bool:
+    return all(module in sys.modules for module in stage)
+
+
 def preloaded() -> bool:
     """Whether this process has imported every preloaded module (a process forked by a server has)."""
-    return all(module in sys.modules for stage in PRELOAD_STAGES for module in stage)
+    return all(_imported(stage) for stage in PRELOAD_STAGES)
 
 
 def _cuda_initialised() -> bool:
@@ -184,8 +188,8 @@ def serve(agent: int) -> int:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the select (set_wakeup_fd)
     t0 = time.process_time()
     # A server forked from a warm process (`ForkedServer`) has every stage already: ready at once.
-    stages = [stage for stage in PRELOAD_STAGES if not all(module in sys.modules for module in stage)]
-    loaded: set[str] = {module for stage in PRELOAD_STAGES if stage not in stages for module in stage}
+    stages = [stage for stage in PRELOAD_STAGES if not _imported(stage)]
+    loaded: set[str] = {module for stage in PRELOAD_STAGES if _imported(stage) for module in stage}
     pending: list[dict[str, Any]] = []
     children: set[int] = set()
     detached: set[int] = set()  # children that outlive the server (agents of the local backend)
