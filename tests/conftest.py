@@ -87,11 +87,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (tests/run_all.sh: `-n 2 --dist loadgroup`) every test of the Slurm lab runs
     in one worker: the lab is one cluster, held by one test session at a time (`SlurmLab.exclusive`).
     They come first, so that this longest group starts at once while the other worker takes the rest
-    (handed out in collection order); started last, it ran alone for its ~6 minutes."""
+    (handed out in collection order); started last, it ran alone for its ~6 minutes. A module's tests
+    that share a module-scoped fixture (a measurement made once for all of them) run in one worker."""
     for item in items:
         if _uses_the_lab(item):
             item.add_marker(pytest.mark.xdist_group("slurm_lab"))
-    items.sort(key=lambda item: not _uses_the_lab(item))  # stable: otherwise the collection's order
+        elif _shares_a_module_fixture(item):  # made once, not once per worker
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    # stable: then the slow tests (real jobs), so that the short ones fill the workers' ends
+    items.sort(key=lambda item: (not _uses_the_lab(item), item.get_closest_marker("slow") is None))
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs[-1].scope in ("module", "class", "package")
+                                    for defs in info.name2fixturedefs.values() if defs)
 
 
 @pytest.fixture(autouse=True)

@@ -278,7 +278,7 @@ class SlurmLab:
         self.kill_node(node)
         self.set_down(node, SPARE_REASON)
 
-    def reset(self, timeout: float = 60) -> None:
+    def reset(self, timeout: float = 120) -> None:
         """Back to the state start.sh leaves: no jobs, node1..node4 up and idle, spares stopped.
 
         Run between tests so that each one starts from the same cluster, whatever the last one
@@ -293,9 +293,16 @@ class SlurmLab:
         for node in self.nodes:  # a job on a dead node stays COMPLETING until the node is back
             if self.slurmd_process(node) is None:
                 self._launch_slurmd(node, timeout)
-        while self.job_ids():
+        # A job that Slurm requeues (a node failure races the first scancel) is pending again under
+        # the same id: it is cancelled again every few seconds until the queue is empty.
+        next_cancel = time.monotonic() + 5
+        while jobs := self.job_ids():
             if time.monotonic() > deadline:
-                raise LabError(f"jobs {self.job_ids()} still in the queue {timeout}s after scancel")
+                states = self.run("squeue", "-h", "-o", "%A %T %R").strip().replace("\n", "; ")
+                raise LabError(f"jobs still in the queue {timeout}s after scancel: {states}")
+            if time.monotonic() > next_cancel:
+                self.run("scancel", *jobs)
+                next_cancel = time.monotonic() + 5
             time.sleep(0.2)
         for node in self.nodes:
             self.start_node(node, timeout=max(1.0, deadline - time.monotonic()))
