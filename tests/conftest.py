@@ -118,5 +118,11 @@ def _slurm_reset_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def templates_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One templates cache for the session's jobs (profiles and templates are made once per input)."""
-    return tmp_path_factory.mktemp("templates_cache")
+    """One templates cache for the session's jobs (profiles and templates are made once per input),
+    shared by the xdist workers: the cache is safe with concurrent writers (planning/test_cache.py)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's base folder, above each worker's own
+    path = root / "templates_cache"
+    path.mkdir(exist_ok=True)
+    return path

@@ -1,5 +1,6 @@
 """One worker process of a hand-planned job (tests/engine/test_sharded.py): `python sharded_run.py
-OUT_DIR PORT RANK WORLD`. It reads OUT_DIR/job.json (a JobSpec) and OUT_DIR/plans.json (one ExecPlan per
+OUT_DIR PORT RANK WORLD`, or forked with that argv by a warm server (the test's, as an agent's forks
+its workers: torch is imported once, not once per rank). It reads OUT_DIR/job.json (a JobSpec) and OUT_DIR/plans.json (one ExecPlan per
 generation, with the step each one starts at), trains through them on real gloo groups built on the
 test's store, and writes its per-step losses (rank 0) and the layers it gathers whole (first pipeline)
 to OUT_DIR, and every replica's gathered layers (`replicas<rank>.pt`, by (layer key, rank)). A generation
@@ -58,7 +59,9 @@ def gathered(worker: Worker, plan: ExecPlan, rank: int) -> tuple[dict, dict]:
     return first, every
 
 
-def main(out: Path, port: int, rank: int, world: int) -> None:
+def main(argv: list[str]) -> None:
+    """`OUT_DIR PORT RANK WORLD`: as a script, or forked by the test's warm server (supervisor/warm.py)."""
+    out, port, rank, world = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     torch.set_num_threads(1)
     job = JobSpec.from_json((out / "job.json").read_text())
     plans = json.loads((out / "plans.json").read_text())
@@ -116,7 +119,7 @@ def main(out: Path, port: int, rank: int, world: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1:])
     sys.stdout.flush()
     # as the real worker does (elastic_process.main): the failed generation's groups still hold stuck
     # gloo operations whose threads must not be joined by the interpreter's exit

@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from oobleck_slurm.cluster.jobdir import META_FILE, JobDir
 from oobleck_slurm.errors import (
@@ -55,9 +55,13 @@ from oobleck_slurm.errors import (
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
+if TYPE_CHECKING:
+    from oobleck_slurm.supervisor.warm import WarmServer
+
 # Statuses after which a requeue cannot help (a job's meta from before `requeue` was recorded).
 OVER = ("unrecoverable", "completed", "cancelled")
 STANDBY_POLL_S = 0.05  # a standby looks at the primary's lease this often: bounds its detection of a kill -9
+SUPERVISOR_MODULE = "oobleck_slurm.supervisor.main"  # how a standby is started (python -m, or forked warm)
 
 
 def advertised_host() -> str:
@@ -307,7 +311,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         # A supervisor thawed after a takeover (SIGSTOP, then SIGCONT) leaves before its threads act on
         # connections that are no longer its own.
         signal.signal(signal.SIGCONT, lambda signum, frame: lease.check())
-    standby = start_standby(job, backend, exclude=[h for h in (host, previous_host) if h]) if failover else None
+    standby = (start_standby(job, backend, exclude=[h for h in (host, previous_host) if h],
+                            server=launcher.server if isinstance(launcher, LocalLauncher) else None)
+               if failover else None)
     observer.start()
     tensorboard = TensorBoardThread(job, timeouts.tensorboard_poll, lease.check) if recipe.logging.tensorboard else None
     try:
@@ -422,10 +428,11 @@ class LeaseKeeper:
             renew(self.job, self.epoch, done=done)
 
 
-def start_standby(job: JobDir, backend: str, exclude: list[str]) -> Callable[[], None] | None:
+def start_standby(job: JobDir, backend: str, exclude: list[str],
+                  server: WarmServer | None = None) -> Callable[[], None] | None:
     """A second supervisor that takes over if this one is lost; returns what ends it (None: none could be
     started). Local backend: a process on this machine, in the job's process group, so that `cancel` ends
-    it too. Slurm: its own small one-node job, on none of the `exclude` nodes (this supervisor's, and a
+    it too; forked from the job's warm `server` if there is one (detached: it outlives that server). Slurm: its own small one-node job, on none of the `exclude` nodes (this supervisor's, and a
     lost primary's), recorded in meta.json (`supervisor_jobs`) for `cancel` and `kill-node`."""
     if backend == "slurm":
         from oobleck_slurm.cluster import slurm
@@ -447,10 +454,17 @@ def start_standby(job: JobDir, backend: str, exclude: list[str]) -> Callable[[],
                 print(f"supervisor: scancel of the standby job {job_id} failed: {err}", file=sys.stderr)
 
         return cancel
-    log = open(job.logs / f"supervisor-standby-{os.getpid()}.log", "wb")  # noqa: SIM115 - owned by the child
+    log_path = job.logs / f"supervisor-standby-{os.getpid()}.log"
+    argv = [str(job.path), "--backend", backend, "--standby"]
+    if server is not None:  # forked warm: it imports nothing, where a new interpreter spends seconds of CPU
+        try:
+            warm = server.spawn(SUPERVISOR_MODULE, argv, os.environ, str(log_path), detached=True)
+            return lambda: warm.send_signal(signal.SIGTERM) if warm.poll() is None else None
+        except OSError as err:
+            print(f"supervisor: {err}; the standby starts cold", file=sys.stderr, flush=True)
+    log = open(log_path, "wb")  # noqa: SIM115 - owned by the child
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job.path), "--backend",
-                                 backend, "--standby"], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", SUPERVISOR_MODULE, *argv], stdout=log, stderr=subprocess.STDOUT)
     finally:
         log.close()
     return lambda: proc.terminate() if proc.poll() is None else None

@@ -10,9 +10,8 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from oobleck_slurm.engine.shard import factored_moves, slice_moves, vector_spans
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.models import gpt_config
 from oobleck_slurm.protocol import keys
+from oobleck_slurm.supervisor.warm import WarmProcess, WarmServer
 
 pytestmark = pytest.mark.slow
 RUN = Path(__file__).resolve().parents[1] / "sharded_run.py"
@@ -57,7 +57,20 @@ TWO_WIDE_AND_NARROW = ExecPlan(6, 4, (PipelineSpec((0, 2), (0, 3, 6), 0, 3, (2, 
 ALONE = ExecPlan(6, 4, (PipelineSpec((4,), (0, 6), 0, 4, (4,)),))  # one resharded 4-wide stage on node 1
 
 
-def run_plans(tmp_path: Path, job: JobSpec, plans: list[tuple[int, ExecPlan]],
+@pytest.fixture(scope="module")
+def warm() -> Iterator[WarmServer]:
+    """The ranks are forked from one warm server (supervisor/warm.py), as an agent forks its workers:
+    torch and the engine are imported once for the module, not once per rank (8 per test)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(RUN.parent), os.environ.get("PYTHONPATH", "")])}
+    server = WarmServer(env=env)
+    try:
+        assert server.ready.wait(JOB_TIMEOUT_S) and server.alive()
+        yield server
+    finally:
+        server.close()
+
+
+def run_plans(warm: WarmServer, tmp_path: Path, job: JobSpec, plans: list[tuple[int, ExecPlan]],
               kill: dict | None = None, checkpoints: tuple[int, ...] = ()) -> tuple[dict[int, float], dict]:
     """Run `plans` [(first step, plan)] on 8 worker processes. With `kill` {"ranks", "step", "wait"}
     those ranks kill -9 themselves inside that step of the first plan; this process then plays the
@@ -72,19 +85,19 @@ def run_plans(tmp_path: Path, job: JobSpec, plans: list[tuple[int, ExecPlan]],
     (tmp_path / "plans.json").write_text(json.dumps(entries))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_NCCL_ORDER": "1"}
-    procs = [subprocess.Popen([sys.executable, str(RUN), str(tmp_path), str(store.port), str(r), str(WORLD)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = [tmp_path / f"rank{r}.log" for r in range(WORLD)]
+    procs = [warm.spawn(RUN.stem, [str(tmp_path), str(store.port), str(r), str(WORLD)], env, str(logs[r]))
              for r in range(WORLD)]
-    outputs = []
     try:
         if kill is not None:
             coordinate(store, procs, kill)
         for p in procs:
-            outputs.append(p.communicate(timeout=JOB_TIMEOUT_S)[0])
+            p.wait(timeout=JOB_TIMEOUT_S)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    outputs = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
     codes = [p.returncode for p in procs]
     expected = [-9 if kill and r in kill["ranks"] else 0 for r in range(WORLD)]
     assert codes == expected, "\n".join(f"--- rank {r} ({c}) ---\n{o[-3000:]}" for r, (c, o) in enumerate(zip(codes, outputs)))
@@ -116,7 +129,7 @@ def assert_replicas_agree(tmp_path: Path, rtol: float = 1e-5) -> int:
     return compared
 
 
-def coordinate(store: dist.TCPStore, procs: list[subprocess.Popen], kill: dict) -> None:
+def coordinate(store: dist.TCPStore, procs: list[WarmProcess], kill: dict) -> None:
     """The coordinator's part of a failure of generation 0 (module doc of run_plans)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while any(procs[r].poll() is None for r in kill["ranks"]):  # detection: the processes' exits
@@ -147,29 +160,29 @@ def assert_exact(job: JobSpec, losses: dict[int, float], layers: dict, rtol: flo
 
 
 @pytest.mark.parametrize("plan", [WIDE_AND_MIXED, TWO_WIDE_AND_NARROW], ids=["w4+w2-1-1", "w2-2+w1x4"])
-def test_sharded_stages_match_the_reference(tmp_path, plan):
+def test_sharded_stages_match_the_reference(warm, tmp_path, plan):
     job = tiny_job()
-    losses, layers = run_plans(tmp_path, job, [(0, plan)])
+    losses, layers = run_plans(warm, tmp_path, job, [(0, plan)])
     assert_exact(job, losses, layers)
 
 
 @pytest.mark.parametrize("make_job", [tiny_job, came_job], ids=["adamw", "came"])
-def test_plan_changes_between_widths_copy_named_slices_exactly(tmp_path, make_job):
+def test_plan_changes_between_widths_copy_named_slices_exactly(warm, tmp_path, make_job):
     # widths 4 | 2,1,1  ->  2,2 | 1,1,1,1  ->  1 stage of 4 on node 1 alone, node 0 spare: shards
     # re-cut on the same node, layers sent across nodes, and a width-1 layer re-sharded. CAME: first
     # moments move as part ranges, vectors' second moments as their elements of them, row/column
     # statistics whole
     job = make_job(steps=4)
-    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, TWO_WIDE_AND_NARROW), (3, ALONE)])
+    losses, layers = run_plans(warm, tmp_path, job, [(0, WIDE_AND_MIXED), (1, TWO_WIDE_AND_NARROW), (3, ALONE)])
     assert_exact(job, losses, layers)
 
 
-def test_kill_9_of_a_node_mid_step_regroups_the_survivors_at_another_width(tmp_path):
+def test_kill_9_of_a_node_mid_step_regroups_the_survivors_at_another_width(warm, tmp_path):
     # node 1 (ranks 4-7: a stage of 2 and two of 1) is killed inside step 2, in its third wait; node 0
     # (the 4-wide replica) goes on alone as two stages of 2: shards re-cut, the step completed or replayed
     job = tiny_job(steps=4)
     halves = ExecPlan(6, 4, (PipelineSpec((0, 2), (0, 3, 6), 0, 4, (2, 2), (True, False)),))
-    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (2, halves)],
+    losses, layers = run_plans(warm, tmp_path, job, [(0, WIDE_AND_MIXED), (2, halves)],
                                kill={"ranks": [4, 5, 6, 7], "step": 2, "wait": 3})
     assert_exact(job, losses, layers)
 
@@ -184,21 +197,21 @@ def test_came_statistics_come_whole_from_the_replica_of_the_shard():
     assert vector_spans([(4, 3), (3,), (2, 2), (5,)], 10, 20) == [(12, 15), (19, 20)]
 
 
-def test_came_on_sharded_stages_matches_the_reference(tmp_path):
+def test_came_on_sharded_stages_matches_the_reference(warm, tmp_path):
     job = came_job()
-    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED)])
+    losses, layers = run_plans(warm, tmp_path, job, [(0, WIDE_AND_MIXED)])
     assert_exact(job, losses, layers)
     # each layer has a replica at width 4 and one at width 2 or 1: gathered whole, their CAME state agrees
     assert any(name.endswith(".exp_avg_sq_row") for name in layers["block.00"])
     assert assert_replicas_agree(tmp_path) == 6
 
 
-def test_came_checkpoints_are_whole_layers_between_widths(tmp_path):
+def test_came_checkpoints_are_whole_layers_between_widths(warm, tmp_path):
     # a 4-wide stage writes whole-layer files that stages of 1 and 2 read (step 1); stages of 1 write the
     # next, which a stage of 4 reads (step 3)
     job = came_job(steps=4)
     narrow_first = ExecPlan(6, 4, (PipelineSpec((4, 5, 6, 7), (0, 2, 3, 5, 6), 0, 2),
                                    PipelineSpec((0, 2), (0, 3, 6), 2, 2, (2, 2), (True, False))))
-    losses, layers = run_plans(tmp_path, job, [(0, WIDE_AND_MIXED), (1, narrow_first), (3, ALONE)], checkpoints=(1, 2))
+    losses, layers = run_plans(warm, tmp_path, job, [(0, WIDE_AND_MIXED), (1, narrow_first), (3, ALONE)], checkpoints=(1, 2))
     assert_exact(job, losses, layers)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step1", "step3"]

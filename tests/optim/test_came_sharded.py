@@ -125,7 +125,7 @@ def assert_slices_match(whole: list[torch.Tensor], opt: CAME, results: list[list
 
 def test_came_on_shards_equals_came_on_the_whole_tensor(tmp_path: Path) -> None:
     out = str(tmp_path / "out")
-    mp.start_processes(rank_main, args=(str(tmp_path / "store"), out), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(rank_main, args=(str(tmp_path / "store"), out), nprocs=WORLD, start_method="fork")  # forked: no import per rank
     results = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     assert any(hi == lo for res in results for _, _, lo, hi in res["pieces"])  # a rank held nothing of some tensor
     whole, opt = reference(None)

@@ -151,12 +151,15 @@ def test_a_supervisor_stopped_with_sigterm_is_not_taken_over(tmp_path, templates
 def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, templates_cache):
     """SIGSTOP of the primary (what `kill-node JOB supervisor --how freeze` does): its connections stay
     open, so agents and workers learn of the takeover only from the higher epoch in the job folder.
+    The standby was forked warm from the job's server.
     The standby takes over once the lease lapses; the thawed primary finds the higher epoch and leaves
     without acting; the job completes on the reference's trajectory with no checkpoint."""
     import os
     import signal
+    import sys
     import time
 
+    import psutil
     from jobrun import JobRun, read_events
 
     from oobleck_slurm.cluster.lease import read_lease
@@ -169,6 +172,11 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
         wait_until("step 3", lambda: [e for e in read_events(events, "step") if e["step"] >= 3])
         lease = read_lease(job)
         assert lease is not None and lease.pid == primary.pid
+        # The standby is forked from the job's warm server, so it imported nothing itself: a fresh
+        # interpreter spends seconds of CPU on torch at the job's start, when the workers need the cores.
+        (standby,) = [p for p in psutil.Process(primary.pid).children(recursive=True) if "--standby" in p.cmdline()]
+        assert standby.parent().cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.supervisor.warm"]
+        assert sum(standby.cpu_times()[:2]) < 0.5
         os.kill(primary.pid, signal.SIGSTOP)
         frozen_at = time.time()
         (takeover,) = wait_until("the takeover", lambda: read_events(events, "takeover"))
