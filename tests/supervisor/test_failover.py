@@ -209,7 +209,7 @@ def test_a_supervisor_killed_during_a_straggler_rebalance_is_taken_over(tmp_path
 
     from oobleck_slurm.cluster.lease import read_lease
 
-    recipe = tiny_recipe(steps=120)
+    recipe = tiny_recipe(steps=70)  # the rebalance comes near step 20
     recipe["drills"] = [{"step": 10, "node": "node2", "how": "slow"}]
     job, primary, events, t0 = start_job(tmp_path, recipe, templates_cache)
     try:
