@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,10 +55,12 @@ def prepare_job(recipe: Recipe, *, cache_dir: str | os.PathLike[str] = "template
 def start_local(job: JobDir) -> subprocess.Popen:
     """Run the job's supervisor on this machine (local backend), in its own process session so that
     the job outlives the caller and can be stopped as a whole (`os.killpg`)."""
+    from oobleck_slurm.supervisor.main import local_supervisor_command
+
     log = open(job.logs / SUPERVISOR_LOG, "wb")  # noqa: SIM115 - owned by the child
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "oobleck_slurm.supervisor.main", str(job.path), "--backend", "local"],
+            local_supervisor_command(job.path),
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
             start_new_session=True)
     finally:

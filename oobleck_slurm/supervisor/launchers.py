@@ -160,8 +160,9 @@ class NodeJobLauncher(SrunLauncher):
 
 class LocalLauncher:
     """Virtual nodes: each agent is a local process; a replacement is one more. They share this
-    machine, so they are forked from one warm server of the job (supervisor/warm.py), which imports
-    torch and the engine once for every node's agent, warm server and workers; an agent starts cold
+    machine, so they are forked from one warm server of the job (supervisor/warm.py), a fork of this
+    supervisor that imports the engine once for every node's agent, warm server and workers (torch is
+    in already: the supervisor runs the job's store); an agent starts cold
     if that server cannot fork it. Its agents outlive it (`detached`): they must outlive this
     supervisor, for its standby to take over."""
 
@@ -170,7 +171,7 @@ class LocalLauncher:
         self.procs: list[subprocess.Popen | WarmProcess] = []
         # Its PR_SET_PDEATHSIG follows the thread that starts it: the main thread's, which lives as long
         # as this process (a supervisor that took over in another thread starts its agents cold).
-        self.server = WarmServer() if threading.current_thread() is threading.main_thread() else None
+        self.server = WarmServer(fork_here=True) if threading.current_thread() is threading.main_thread() else None
 
     def launch(self, node: str, *extra: str) -> subprocess.Popen | WarmProcess:
         argv = agent_argv(self.job.path, "--node", node, *extra)

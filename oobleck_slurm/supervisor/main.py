@@ -428,6 +428,16 @@ class LeaseKeeper:
             renew(self.job, self.epoch, done=done)
 
 
+def local_supervisor_command(job_dir: Path, *extra: str) -> list[str]:
+    """How a local job's supervisor is started (`submit`, a cold standby). Its job's warm server is a
+    fork of it (LocalLauncher), whose children show their command lines in the room of this argv:
+    `--title-room` reserves warm.TITLE_ROOM bytes of it, hidden once the supervisor runs (`main`)."""
+    from oobleck_slurm.supervisor.warm import TITLE_ROOM
+
+    return [sys.executable, "-m", SUPERVISOR_MODULE, str(job_dir), "--backend", "local", *extra,
+            "--title-room", "_" * TITLE_ROOM]
+
+
 def start_standby(job: JobDir, backend: str, exclude: list[str],
                   server: WarmServer | None = None) -> Callable[[], None] | None:
     """A second supervisor that takes over if this one is lost; returns what ends it (None: none could be
@@ -464,7 +474,8 @@ def start_standby(job: JobDir, backend: str, exclude: list[str],
             print(f"supervisor: {err}; the standby starts cold", file=sys.stderr, flush=True)
     log = open(log_path, "wb")  # noqa: SIM115 - owned by the child
     try:
-        proc = subprocess.Popen([sys.executable, "-m", SUPERVISOR_MODULE, *argv], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(local_supervisor_command(job.path, "--standby") if backend == "local" else
+                                [sys.executable, "-m", SUPERVISOR_MODULE, *argv], stdout=log, stderr=subprocess.STDOUT)
     finally:
         log.close()
     return lambda: proc.terminate() if proc.poll() is None else None
@@ -535,7 +546,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job_dir", type=Path)
     parser.add_argument("--backend", choices=["slurm", "local"], default="slurm")
     parser.add_argument("--standby", action="store_true", help="take over if the primary supervisor is lost")
+    parser.add_argument("--title-room", default="", help=argparse.SUPPRESS)  # see local_supervisor_command
     args = parser.parse_args(argv)
+    if args.title_room:
+        from oobleck_slurm.supervisor.warm import set_command_line
+
+        shown = [str(args.job_dir), "--backend", args.backend] + (["--standby"] if args.standby else [])
+        set_command_line([sys.executable, "-m", SUPERVISOR_MODULE, *shown])
     if not (args.job_dir / META_FILE).is_file():
         print(f"supervisor: {args.job_dir} is not a job folder (no {META_FILE})", file=sys.stderr)
         return EXIT_FAILED

@@ -35,8 +35,11 @@ One server per job on the local backend (`LocalLauncher`): its virtual nodes sha
 their agents are forked from one server too (request `"detached": true`: no PR_SET_PDEATHSIG, not
 killed when the server ends, so that they outlive a lost supervisor as agents started cold did). An
 agent forked warm has every preloaded module already: its own server is then a fork of the agent
-itself (`ForkedServer`, before the agent starts any thread), not a new interpreter. A 4-node local
-job then imports torch in 2 processes (the supervisor and this server), not 5 or 6.
+itself (`ForkedServer`, before the agent starts any thread), not a new interpreter. The job's server
+is itself a fork of the supervisor, which has imported torch already (it runs the job's store): the
+fork imports only the rest. A 4-node local job then imports torch once, not 5 or 6 times. A forked
+server's children show their command lines in the argv room of the process it was forked from: the
+local supervisor is started with `TITLE_ROOM` bytes of it (`--title-room`, hidden once it runs).
 """
 
 from __future__ import annotations
@@ -182,6 +185,7 @@ def serve(agent: int) -> int:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # as the workers: only the agent acts on it
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handler of a supervisor it was forked from
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -244,9 +248,10 @@ def serve(agent: int) -> int:
 
 
 class ForkedServer:
-    """A server forked from this process, which has imported every preloaded module and runs no other
-    thread (an agent forked by a job's server, before it starts its threads): what `WarmServer` uses of
-    the subprocess.Popen it otherwise starts (pid, stdin, stdout, wait, kill), no interpreter started."""
+    """A server forked from this process, which runs no other thread (an agent forked by a job's server,
+    before it starts its threads; a local job's supervisor, before it starts any): what `WarmServer`
+    uses of the subprocess.Popen it otherwise starts (pid, stdin, stdout, wait, kill), no interpreter
+    started. The fork imports the preload stages this process has not imported."""
 
     def __init__(self) -> None:
         requests_r, requests_w = os.pipe()
@@ -341,11 +346,11 @@ class WarmServer:
 
     def __init__(self, env: Mapping[str, str] | None = None, timeouts: JobTimeouts = DEFAULT_TIMEOUTS,
                  fork_here: bool = False) -> None:
-        """`fork_here`: this process is warm itself (an agent forked by a job's server: `preloaded`), so
-        the server is its fork, if it runs no other thread yet; else a new interpreter."""
+        """`fork_here`: the server is a fork of this process (warm itself, or partly: it imports the
+        rest), if it runs no other thread yet; else a new interpreter."""
         self.timeouts = timeouts
         self.proc: subprocess.Popen | ForkedServer
-        if fork_here and env is None and preloaded() and threading.active_count() == 1:
+        if fork_here and env is None and threading.active_count() == 1:
             self.proc = ForkedServer()
         else:
             base = dict(os.environ if env is None else env)

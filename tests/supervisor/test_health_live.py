@@ -7,6 +7,7 @@ working, slower) is found and handled while training goes on, on the failure-fre
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -89,8 +90,10 @@ def test_a_slow_node_is_rebalanced_and_a_leaking_node_evicted(tmp_path: Path, te
         t_fault = kill_node(job, "node2", "slow")
         decision = wait_for(job, "a rebalance", lambda ev: [
             e for e in ev if e["kind"] == "straggler" and e["action"] == "rebalance" and "node2" in e["nodes"]])[0]
-        assert decision["t"] - t_fault <= HANDLED_WITHIN_S and decision["nodes"]["node2"] >= 1.3, decision
-        assert "computes" in decision["detail"]
+        # Judged over the window (the threshold, 1.3x); its pipeline's share follows how slow it is now
+        # (the recent samples, never under the release, 1.15x): on a busy machine that can be less.
+        judged = float(re.search(r"computes ([\d.]+)x", decision["detail"]).group(1))  # type: ignore[union-attr]
+        assert decision["t"] - t_fault <= HANDLED_WITHIN_S and judged >= 1.3 and decision["nodes"]["node2"] >= 1.15, decision
         steps = len(read_events(job / "events.jsonl", "step"))
         wait_for(job, "training after the decision", lambda ev: len([e for e in ev if e["kind"] == "step"]) > steps + 5)
         assert [e for e in read_events(job / "events.jsonl", "node_lost") if e["cause"] == "straggler"] == []
