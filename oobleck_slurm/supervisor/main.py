@@ -442,8 +442,9 @@ def start_standby(job: JobDir, backend: str, exclude: list[str],
                   server: WarmServer | None = None) -> Callable[[], None] | None:
     """A second supervisor that takes over if this one is lost; returns what ends it (None: none could be
     started). Local backend: a process on this machine, in the job's process group, so that `cancel` ends
-    it too; forked from the job's warm `server` if there is one (detached: it outlives that server). Slurm: its own small one-node job, on none of the `exclude` nodes (this supervisor's, and a
-    lost primary's), recorded in meta.json (`supervisor_jobs`) for `cancel` and `kill-node`."""
+    it too; forked from the job's warm `server` if there is one (detached: it outlives that server).
+    Slurm: its own small one-node job, on none of the `exclude` nodes (this supervisor's, and a lost
+    primary's), recorded in meta.json (`supervisor_jobs`) for `cancel` and `kill-node`."""
     if backend == "slurm":
         from oobleck_slurm.cluster import slurm
 
@@ -465,17 +466,16 @@ def start_standby(job: JobDir, backend: str, exclude: list[str],
 
         return cancel
     log_path = job.logs / f"supervisor-standby-{os.getpid()}.log"
-    argv = [str(job.path), "--backend", backend, "--standby"]
     if server is not None:  # forked warm: it imports nothing, where a new interpreter spends seconds of CPU
         try:
-            warm = server.spawn(SUPERVISOR_MODULE, argv, os.environ, str(log_path), detached=True)
+            warm = server.spawn(SUPERVISOR_MODULE, [str(job.path), "--backend", "local", "--standby"], os.environ,
+                                str(log_path), detached=True)
             return lambda: warm.send_signal(signal.SIGTERM) if warm.poll() is None else None
         except OSError as err:
             print(f"supervisor: {err}; the standby starts cold", file=sys.stderr, flush=True)
     log = open(log_path, "wb")  # noqa: SIM115 - owned by the child
     try:
-        proc = subprocess.Popen(local_supervisor_command(job.path, "--standby") if backend == "local" else
-                                [sys.executable, "-m", SUPERVISOR_MODULE, *argv], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(local_supervisor_command(job.path, "--standby"), stdout=log, stderr=subprocess.STDOUT)
     finally:
         log.close()
     return lambda: proc.terminate() if proc.poll() is None else None
@@ -548,11 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standby", action="store_true", help="take over if the primary supervisor is lost")
     parser.add_argument("--title-room", default="", help=argparse.SUPPRESS)  # see local_supervisor_command
     args = parser.parse_args(argv)
-    if args.title_room:
+    if args.title_room:  # the command line it was started with, less the room
         from oobleck_slurm.supervisor.warm import set_command_line
 
-        shown = [str(args.job_dir), "--backend", args.backend] + (["--standby"] if args.standby else [])
-        set_command_line([sys.executable, "-m", SUPERVISOR_MODULE, *shown])
+        given = sys.argv[1:] if argv is None else argv
+        set_command_line([sys.executable, "-m", SUPERVISOR_MODULE,
+                          *[a for a in given if a not in ("--title-room", args.title_room)]])
     if not (args.job_dir / META_FILE).is_file():
         print(f"supervisor: {args.job_dir} is not a job folder (no {META_FILE})", file=sys.stderr)
         return EXIT_FAILED

@@ -181,6 +181,9 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
         # That server is a fork of the primary, which had imported torch: it imported only the rest
         # (~1 s of CPU; a fresh interpreter's preload takes ~3 s).
         assert server.ppid() == primary.pid and sum(server.cpu_times()[:2]) < 2.0
+        # the primary's own command line, its argv room (--title-room) hidden
+        assert psutil.Process(primary.pid).cmdline() == [sys.executable, "-m", "oobleck_slurm.supervisor.main",
+                                                         str(job.path), "--backend", "local"]
         os.kill(primary.pid, signal.SIGSTOP)
         frozen_at = time.time()
         (takeover,) = wait_until("the takeover", lambda: read_events(events, "takeover"))
