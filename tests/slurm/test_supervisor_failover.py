@@ -22,7 +22,10 @@ from oobleck_slurm.protocol.events import read_events
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 120
+# Enough steps that the takeover comes mid-training. The kill follows step 5 by a CLI call (~2 s). A
+# killed supervisor's workers stall at once (its connections close), but a frozen one's train on until
+# its lease lapses (2.5 s: about 30 steps here).
+STEPS = 80
 RECIPE = """extends: {repo}/recipes/lab-slurm.yaml
 cluster:
   time: "00:15:00"
@@ -93,19 +96,23 @@ def test_supervisor_lost_standby_job_takes_over(slurm_cluster, tmp_path: Path, h
     job = submit(tmp_path)
     try:
         started = wait_for(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"], 180)[0]
-        wait_for(job, "step 5", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 5], 240)
-        meta = json.loads((job / "meta.json").read_text())
+        # The standby's job, submitted once the primary runs, then running; then step 5: the kill follows
+        # step 5 at once, well before the last step.
+        deadline = time.monotonic() + 60
+        while len((meta := json.loads((job / "meta.json").read_text())).get("supervisor_jobs", [])) < 2:
+            assert time.monotonic() < deadline, f"no standby job in meta.json: {meta}"
+            time.sleep(0.2)
         primary_job, standby_job = meta["supervisor_jobs"][:2]
         primary_node = meta["supervisor"]["host"]
         assert started["supervisor_node"] == primary_node
         assert primary_node not in started["nodes"]  # the training nodes are jobs of their own
-        assert len(meta["node_jobs"]) == 4
-        deadline = time.monotonic() + 60
         while lab.run("squeue", "-h", "-j", standby_job, "-o", "%T").strip() != "RUNNING":
             assert time.monotonic() < deadline, f"the standby's job {standby_job} does not run"
             time.sleep(0.2)
         standby_node = job_node(lab, standby_job)
         assert standby_node != primary_node
+        wait_for(job, "step 5", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 5], 240)
+        assert len(json.loads((job / "meta.json").read_text())["node_jobs"]) == 4
 
         if how == "machine":
             lab.kill_node(primary_node)

@@ -90,13 +90,14 @@ def test_kill_down_freeze_each_recovers_and_refills(slurm_cluster, slurm_drill, 
         print(cancel.stdout, cancel.stderr)
 
 
+TWO_WORKER_STEPS = 40  # the kill follows step 3 by a CLI call (~2 s) and is found by its exit at once
 TWO_WORKERS = """extends: {repo}/recipes/lab-slurm.yaml
 cluster:
   workers_per_node: 2
   cpus_per_node: 2
   time: "00:15:00"
 training:
-  steps: 60
+  steps: {steps}
   precision: fp64
 fault_tolerance:
   heartbeat_lease: 10  # the kill is found by its exit; 8 fp64 workers on 2 busy cores can starve an agent 2.5 s
@@ -116,7 +117,7 @@ def test_two_workers_per_node_on_slurm_survive_kill_9_of_one(slurm_cluster, tmp_
     from oobleck_slurm.engine.spec import JobSpec
 
     recipe = tmp_path / "lab2.yaml"
-    recipe.write_text(TWO_WORKERS.format(repo=REPO))
+    recipe.write_text(TWO_WORKERS.format(repo=REPO, steps=TWO_WORKER_STEPS))
     done = cli(tmp_path, "submit", str(recipe), "--detach")
     assert done.returncode == 0, done.stdout + done.stderr
     (job,) = (tmp_path / "jobs").iterdir()
@@ -142,7 +143,7 @@ def test_two_workers_per_node_on_slurm_survive_kill_9_of_one(slurm_cluster, tmp_
         assert [(e["node"], e["cause"]) for e in lost] == [(victim, "process_exit")], lost
         losses = {e["step"]: e["loss"] for e in read_events(events, "step")}
         ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
-        assert sorted(losses) == list(range(60))
+        assert sorted(losses) == list(range(TWO_WORKER_STEPS))
         assert all(abs(losses[s] - r) <= 1e-5 * abs(r) for s, r in enumerate(ref)), (losses, ref)
     finally:
         print(cli(tmp_path, "cancel", str(job)).stdout)
