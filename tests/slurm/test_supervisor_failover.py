@@ -74,6 +74,23 @@ def submit(tmp_path: Path) -> Path:
     return job
 
 
+def node_job_states(lab, node_jobs: list[str]) -> list[str]:
+    """Each training node job's final state in accounting, once the agents told to shut down ended them."""
+    deadline = time.monotonic() + 60
+    while lab.run("squeue", "-h", "-j", ",".join(node_jobs), "-o", "%i").split():
+        assert time.monotonic() < deadline, "the training node jobs did not end after the job"
+        time.sleep(0.2)
+
+    def sacct_states() -> list[str]:
+        return [lab.run("sacct", "-n", "-X", "-P", "-j", j, "-o", "State").split()[0] for j in node_jobs]
+
+    # Accounting lags squeue: under load sacct still said RUNNING for a job squeue no longer listed.
+    while {"PENDING", "RUNNING", "COMPLETING"} & set(states := sacct_states()):
+        assert time.monotonic() < deadline, f"sacct never recorded the node jobs' ends: {states}"
+        time.sleep(0.2)
+    return states
+
+
 def job_node(lab, job_id: str) -> str:
     """The node a running one-node job runs on."""
     return parse_scontrol_records(lab.run("scontrol", "show", "job", "-o", job_id))[0]["NodeList"]
@@ -83,7 +100,10 @@ def job_node(lab, job_id: str) -> str:
 def test_supervisor_lost_standby_job_takes_over(slurm_cluster, tmp_path: Path, how: str) -> None:
     """`node`: `kill-node --how node`, every process of the job on the primary's node SIGKILLed (its job
     ends); `freeze`: the primary SIGSTOPped (its connections stay open; the new primary cancels its
-    job); `machine`: the lab kills the whole node, its slurmd too (Slurm marks it DOWN later)."""
+    job); `machine`: the lab kills the whole node, its slurmd too (Slurm marks it DOWN later).
+
+    `node` first loses a training node the same way: that ends only its own job, the others go on (3
+    nodes) under the same supervisor, and after the takeover the 3 node jobs end COMPLETED with the job."""
     from reference import train_reference  # tests/reference.py
 
     from oobleck_slurm.engine.spec import JobSpec
@@ -112,7 +132,17 @@ def test_supervisor_lost_standby_job_takes_over(slurm_cluster, tmp_path: Path, h
         standby_node = job_node(lab, standby_job)
         assert standby_node != primary_node
         wait_for(job, "step 5", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 5], 240)
-        assert len(json.loads((job / "meta.json").read_text())["node_jobs"]) == 4
+        node_jobs = json.loads((job / "meta.json").read_text())["node_jobs"]
+        assert len(node_jobs) == 4
+        victim = None
+        if how == "node":  # a training node's loss first: recovered by the primary, no takeover
+            victim = started["nodes"][1]
+            kill = cli(tmp_path, "kill-node", str(job), victim, "--how", "node")
+            assert kill.returncode == 0, kill.stdout + kill.stderr
+            lost = wait_for(job, "node_lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"], 60)
+            wait_for(job, "resumed after the node's loss",
+                     lambda ev: [e for e in ev if e["kind"] == "resumed" and e["t"] > lost[0]["t"]], 120)
+            assert not read_events(job / "events.jsonl", "takeover")
 
         if how == "machine":
             lab.kill_node(primary_node)
@@ -129,61 +159,21 @@ def test_supervisor_lost_standby_job_takes_over(slurm_cluster, tmp_path: Path, h
 
         events = read_events(job / "events.jsonl")
         assert not [e for e in events if e["kind"] == "checkpoint_fallback"]
-        assert not [e for e in events if e["kind"] == "node_lost"]
+        assert [e["node"] for e in events if e["kind"] == "node_lost"] == ([victim] if victim else [])
+        assert [e["epoch"] for e in events if e["kind"] == "takeover"] == [2]
         losses = {e["step"]: e["loss"] for e in events if e["kind"] == "step"}
         ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
         assert sorted(losses) == list(range(STEPS))
         assert all(abs(losses[s] - r) <= 1e-5 * abs(r) for s, r in enumerate(ref)), (losses, ref)
         new_primary = json.loads((job / "meta.json").read_text())["supervisor"]["host"]
         assert new_primary == standby_node
+        if victim:
+            states = node_job_states(lab, node_jobs)
+            print(f"training node {victim} killed: node jobs {dict(zip(node_jobs, states))}")
+            assert states.count("COMPLETED") == 3, states
         print(f"{how}: supervisor {primary_node} (job {primary_job}) killed; standby {standby_node} (job {standby_job}) "
               f"took over: lease age {takeover['lease_age']:.2f}s, agents back {takeover['seconds']:.2f}s, "
               f"training resumed {resumed['t'] - killed_at:.2f}s after the kill at step {resumed['step']}; "
               f"primary's job: {lab.run('sacct', '-n', '-X', '-P', '-j', primary_job, '-o', 'State,ExitCode')}")
-    finally:
-        print(cli(tmp_path, "cancel", str(job)).stdout)
-
-
-def test_training_node_lost_under_failover(slurm_cluster, tmp_path: Path) -> None:
-    """A training node's loss ends only its own job: the others go on (3 nodes), the job completes
-    with the failure-free losses, and no supervisor changes."""
-    from reference import train_reference  # tests/reference.py
-
-    from oobleck_slurm.engine.spec import JobSpec
-
-    lab = slurm_cluster
-    for _ in range(2):  # 4 exclusive training nodes, the primary's and the standby's jobs
-        lab.start_spare()
-    job = submit(tmp_path)
-    try:
-        started = wait_for(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"], 180)[0]
-        wait_for(job, "step 5", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 5], 240)
-        victim = started["nodes"][1]
-        kill = cli(tmp_path, "kill-node", str(job), victim, "--how", "node")
-        assert kill.returncode == 0, kill.stdout + kill.stderr
-        finished = wait_for(job, "job_finished", lambda ev: [e for e in ev if e["kind"] == "job_finished"], 600)[0]
-        assert finished["status"] == "completed", finished
-        events = read_events(job / "events.jsonl")
-        assert [e["node"] for e in events if e["kind"] == "node_lost"] == [victim]
-        assert not [e for e in events if e["kind"] in ("takeover", "checkpoint_fallback")]
-        losses = {e["step"]: e["loss"] for e in events if e["kind"] == "step"}
-        ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
-        assert sorted(losses) == list(range(STEPS))
-        assert all(abs(losses[s] - r) <= 1e-5 * abs(r) for s, r in enumerate(ref)), (losses, ref)
-        node_jobs = json.loads((job / "meta.json").read_text())["node_jobs"]
-        deadline = time.monotonic() + 60  # the agents told to shut down end their jobs
-        while lab.run("squeue", "-h", "-j", ",".join(node_jobs), "-o", "%i").split():
-            assert time.monotonic() < deadline, "the training node jobs did not end after the job"
-            time.sleep(0.2)
-
-        def sacct_states() -> list[str]:
-            return [lab.run("sacct", "-n", "-X", "-P", "-j", j, "-o", "State").split()[0] for j in node_jobs]
-
-        # Accounting lags squeue: under load sacct still said RUNNING for a job squeue no longer listed.
-        while {"PENDING", "RUNNING", "COMPLETING"} & set(states := sacct_states()):
-            assert time.monotonic() < deadline, f"sacct never recorded the node jobs' ends: {states}"
-            time.sleep(0.2)
-        print(f"training node {victim} killed: node jobs {dict(zip(node_jobs, states))}")
-        assert states.count("COMPLETED") == 3, states
     finally:
         print(cli(tmp_path, "cancel", str(job)).stdout)
