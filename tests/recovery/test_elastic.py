@@ -72,7 +72,7 @@ def test_replacement_joins_and_receives_layers_from_replicas(tmp_path, templates
     """After the loss one pipeline and a spare node remain; the replacement and the spare form a new
     pipeline whose layers (parameters and optimizer state) are copied from the surviving replica."""
     faults = [{"node": "node1", "step": 2, "at": "wait:3"}]
-    recipe = tiny_recipe(steps=70, replacement="request", **TWO_NODE_PIPELINES)
+    recipe = tiny_recipe(steps=40, replacement="request", **TWO_NODE_PIPELINES)  # the join comes by step ~5
     run = run_job(tmp_path, recipe, templates_cache, faults=faults)
     assert_matches_reference(run)
     joined = run.kind("node_joined")

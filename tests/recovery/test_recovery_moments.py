@@ -51,7 +51,7 @@ def test_a_failure_while_a_replacement_joins(tmp_path, templates_cache):
     # node2 dies in step 2; its replacement r1 joins (generation 2); node3 dies while the members build
     # the join generation's groups: the join completes with the recovery that follows.
     faults = [{"node": "node2", "step": 2, "at": "wait:2"}, {"node": "node3", "generation": 2, "at": "groups"}]
-    run = run_job(tmp_path, tiny_recipe(nodes=4, steps=100, f=1, replacement="request"), templates_cache,
+    run = run_job(tmp_path, tiny_recipe(nodes=4, steps=40, f=1, replacement="request"), templates_cache,
                   faults=faults)
     assert_recovered_in_memory(run, ["node2", "node3"])
     assert "r1" in [e["node"] for e in run.kind("node_joined")]

@@ -66,7 +66,7 @@ def test_kill_9_of_a_node_with_sharded_stages_keeps_the_trajectory(tmp_path, tem
 def test_a_replacement_joins_and_the_widths_change_between_plans(tmp_path, templates_cache):
     # node1 (half of the 2-node pipeline of 2-wide stages) is killed -9 at step 3 and a replacement
     # asked for; each plan change re-cuts the stages' shards from the replicas in memory
-    recipe = sharded_recipe(3, steps=40, replacement="request")
+    recipe = sharded_recipe(3, steps=20, replacement="request")  # the join comes by step ~5
     recipe["drills"] = [{"step": 3, "node": "node1", "how": "worker"}]
     run = run_job(tmp_path, recipe, templates_cache, timeout=JOB_TIMEOUT_S)
     assert [e["node"] for e in run.kind("node_joined")] == ["r1"]

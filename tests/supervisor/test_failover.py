@@ -66,7 +66,7 @@ def test_a_supervisor_killed_during_a_recovery_is_taken_over(tmp_path, templates
 def test_a_supervisor_killed_during_a_replacement_join_is_taken_over(tmp_path, templates_cache):
     # node1's worker dies at step 3, a replacement is asked for; the supervisor dies while it starts: the
     # standby keeps asking for it (the pending join is in the durable state) and it joins
-    recipe = tiny_recipe(steps=60, replacement="request", nodes=4, f=0, memory="14MB")
+    recipe = tiny_recipe(steps=30, replacement="request", nodes=4, f=0, memory="14MB")  # r1 joins by step ~6
     recipe["drills"] = [{"step": 3, "node": "node1", "how": "worker"}, {"step": 5, "how": "supervisor"}]
     run = run_job(tmp_path, recipe, templates_cache)
     assert [e["epoch"] for e in run.kind("takeover")] == [2]
