@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from oobleck_slurm.protocol.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,22 +178,3 @@ def test_submitted_4x2_job_survives_kill_9_of_one_worker(tmp_path: Path) -> None
     assert sorted(p.name for p in (job_dir / "logs").glob("worker-*.log")) == [
         f"worker-node{n}-{w}.log" for n in range(1, 5) for w in (0, 1)]
     assert_matches_reference(run)  # every step once, its loss and the final parameters
-
-
-@pytest.mark.slurm
-def test_submit_slurm_follows_the_job_to_its_end(slurm_cluster, tmp_path: Path) -> None:
-    """Without --detach, `submit` follows a Slurm job's event log until the supervisor's job_finished
-    and exits with its code; with --json its stdout is the event stream, one JSON object a line, and
-    what it says to people goes to stderr."""
-    recipe = tmp_path / "lab.yaml"
-    recipe.write_text(f"extends: {REPO / 'recipes' / 'lab-slurm.yaml'}\ntraining:\n  steps: 4\n")
-    result = submit(tmp_path, str(recipe), "--json", timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    (job_dir,) = (tmp_path / "jobs").iterdir()
-    slurm_job_id = json.loads((job_dir / "meta.json").read_text())["slurm_job_id"]
-    assert f"submitted (Slurm job {slurm_job_id})" in result.stderr.replace("\n", " ")
-    events = [json.loads(line) for line in result.stdout.splitlines()]  # every line is JSON
-    assert events == read_events(job_dir / "events.jsonl")[: len(events)]  # the job's own events, in order
-    assert [e["step"] for e in events if e["kind"] == "step"] == list(range(4))
-    assert events[-1]["kind"] == "job_finished" and events[-1]["status"] == "completed"
-    assert "summary: completed" in result.stderr

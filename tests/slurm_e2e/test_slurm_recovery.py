@@ -111,21 +111,32 @@ fault_tolerance:
 
 def test_two_workers_per_node_on_slurm_survive_kill_9_of_one(slurm_cluster, tmp_path: Path) -> None:
     """The lab with 2 workers per node (8 ranks over 4 srun steps): kill -9 of one worker takes its
-    node out, the other nodes' workers keep their processes, every step's loss equals the reference."""
+    node out, the other nodes' workers keep their processes, every step's loss equals the reference.
+
+    `submit` runs attached, as a user runs it without --detach: it follows the Slurm job's event log to
+    the supervisor's job_finished and exits with its code; with --json its stdout is the event stream,
+    one JSON object a line, and what it says to people goes to stderr."""
+    import time
+
     from reference import train_reference  # tests/reference.py
 
     from oobleck_slurm.engine.spec import JobSpec
 
     recipe = tmp_path / "lab2.yaml"
     recipe.write_text(TWO_WORKERS.format(repo=REPO, steps=TWO_WORKER_STEPS))
-    done = cli(tmp_path, "submit", str(recipe), "--detach")
-    assert done.returncode == 0, done.stdout + done.stderr
-    (job,) = (tmp_path / "jobs").iterdir()
+    out, err = tmp_path / "submit.out", tmp_path / "submit.err"
+    with out.open("w") as stdout, err.open("w") as stderr:  # files: the stream may outgrow a pipe's buffer
+        follower = subprocess.Popen([sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--json"],
+                                    cwd=tmp_path, stdout=stdout, stderr=stderr, text=True)
+    job = None
     try:
-        events = job / "events.jsonl"
-        import time
-
         deadline = time.monotonic() + 180
+        while not (jobs := list((tmp_path / "jobs").glob("*"))):
+            assert follower.poll() is None, err.read_text()
+            assert time.monotonic() < deadline, "no job folder"
+            time.sleep(0.2)
+        (job,) = jobs
+        events = job / "events.jsonl"
         while not [e for e in read_events(events, "step") if e["step"] >= 3]:
             assert time.monotonic() < deadline, "no step 3"
             time.sleep(0.2)
@@ -134,9 +145,7 @@ def test_two_workers_per_node_on_slurm_survive_kill_9_of_one(slurm_cluster, tmp_
         victim = read_events(events, "job_started")[0]["nodes"][1]  # not the batch node (the supervisor's)
         kill = cli(tmp_path, "kill-node", str(job), victim, "--how", "worker", "--worker", "1")
         assert kill.returncode == 0, kill.stdout + kill.stderr
-        while not read_events(events, "job_finished"):
-            assert time.monotonic() < deadline + 300, "the job did not finish"
-            time.sleep(0.5)
+        assert follower.wait(timeout=300) == 0, err.read_text()
         (finished,) = read_events(events, "job_finished")
         assert finished["status"] == "completed", finished
         lost = read_events(events, "node_lost")
@@ -145,5 +154,17 @@ def test_two_workers_per_node_on_slurm_survive_kill_9_of_one(slurm_cluster, tmp_
         ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
         assert sorted(losses) == list(range(TWO_WORKER_STEPS))
         assert all(abs(losses[s] - r) <= 1e-5 * abs(r) for s, r in enumerate(ref)), (losses, ref)
+
+        said = err.read_text()
+        slurm_job_id = json.loads((job / "meta.json").read_text())["slurm_job_id"]
+        assert f"submitted (Slurm job {slurm_job_id})" in said.replace("\n", " ")
+        streamed = [json.loads(line) for line in out.read_text().splitlines()]  # every line is JSON
+        assert streamed == read_events(events)[: len(streamed)]  # the job's own events, in order
+        assert [e["step"] for e in streamed if e["kind"] == "step"] == list(range(TWO_WORKER_STEPS))
+        assert streamed[-1]["kind"] == "job_finished" and streamed[-1]["status"] == "completed"
+        assert "summary: completed" in said
     finally:
-        print(cli(tmp_path, "cancel", str(job)).stdout)
+        if follower.poll() is None:
+            follower.kill()
+        if job is not None:
+            print(cli(tmp_path, "cancel", str(job)).stdout)
