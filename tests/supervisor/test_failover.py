@@ -164,9 +164,10 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
 
     from oobleck_slurm.cluster.lease import read_lease
 
-    # A short lease, so that the takeover comes while training goes on (the workers train through the
-    # freeze: with a 12 s lease a quiet machine finishes all 150 steps before it).
-    recipe = tiny_recipe(steps=150, heartbeat_lease=4.0, collective_timeout=3.0)
+    # A short lease, so that the takeover comes while training goes on: the workers train through the
+    # freeze, ~0.1 s a step on a quiet machine, so the takeover comes near step 45 there (step 26 under
+    # the whole suite's load); 90 steps leave it twice that.
+    recipe = tiny_recipe(steps=90, heartbeat_lease=4.0, collective_timeout=3.0)
     job, primary, events, t0 = start_job(tmp_path, recipe, templates_cache)
     try:
         wait_until("step 3", lambda: [e for e in read_events(events, "step") if e["step"] >= 3])
