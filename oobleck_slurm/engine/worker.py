@@ -660,7 +660,7 @@ class Worker:
         if role is not None:
             if role.is_last:
                 metrics[0] = loss_sum
-            if role.is_first:
+            if role.is_first and role.index == 0:  # one rank per pipeline: the metrics are summed
                 metrics[1 + role.pipeline] = schedule_s
         metrics[1 + num_p + self.rank] = clock.seconds()
         if self.device.type == "cuda":  # what the planner's memory model is checked against

@@ -61,6 +61,10 @@ def test_kill_9_of_a_node_with_sharded_stages_keeps_the_trajectory(tmp_path, tem
     assert run.kind("resumed") and not run.kind("checkpoint_fallback")
     assert not (run.job.checkpoints / "step3").exists()  # recovered from memory, not a checkpoint
     assert_matches_reference(run)
+    # each pipeline's schedule time is reported once, not once per rank of its wide first stage
+    # (the step's metrics are summed over the world): within its step's time, not 2 or 4 times it
+    ratios = sorted(max(e["pipeline_seconds"]) / e["seconds"] for e in run.kind("step"))
+    assert ratios[len(ratios) // 2] < 1.3, ratios
 
 
 def test_a_replacement_joins_and_the_widths_change_between_plans(tmp_path, templates_cache):
