@@ -23,7 +23,8 @@ processes (gloo, one thread each on CPU):
 4. Optimizer-state bytes per parameter, AdamW vs CAME, on the real per-layer optimizers after one step.
 5. engine_wide (issue 23): 2 nodes x 4 workers, `cluster.max_stage_devices: 4`, planned with the
    measured profile of this machine (the planner's own choice of stage widths), against DDP on the
-   same 8 worker processes, run one after the other in this run; `--only wide` runs just this.
+   same 8 worker processes, run one after the other in this run (`--rounds N`: N times, the median of
+   the rounds' ratios); `--only wide` runs just this.
 Writes benchmarks/results/bench_engine.json.
 
 `--device cuda` (NOT RUN ON A GPU YET: written and checked on a CPU-only machine, where it stops with
@@ -285,18 +286,32 @@ def state_bytes_per_param(name: str) -> float:
 
 
 def wide_vs_ddp(common: dict[str, Any], root: Path, cache: Path, drop: int, timeout: float, steps: int,
-                gbs: int, console: Console) -> tuple[list[dict[str, Any]], dict[str, float]]:
+                gbs: int, console: Console, rounds: int = 1) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """engine_wide (2 nodes x 4 workers, stages up to a node wide, the measured profile: what the
-    planner picks for this machine) and DDP on the same 8 processes."""
+    planner picks for this machine) and DDP on the same 8 processes, one after the other, `rounds`
+    times: the ratio is the median of the rounds' ratios (each round's two runs are close in time, so
+    the machine's drift between rounds cancels)."""
     d = recipe_dict(nodes=2, workers=4, name="eng-wide", **common)
     d["cluster"]["max_stage_devices"] = 4
-    console.print("  engine_wide: 2 nodes x 4 workers, max_stage_devices 4, measured profile ...")
-    wide = engine_job("engine_wide", d, root, cache, None, drop, timeout)
-    spec = wide.pop("spec")
-    console.print(f"    plan: {wide['partition']}")
-    console.print("  ddp_8: 8 processes ...")
-    ddp8 = reference("ddp_8", run_baseline("ddp", spec, 8, steps, "cpu"), gbs, drop, "8 x 1 stage", 8)
-    return [wide, ddp8], {"engine_wide_over_ddp_8": wide["samples_per_s"] / ddp8["samples_per_s"]}
+    rows: list[dict[str, Any]] = []
+    per_round: list[float] = []
+    for k in range(rounds):
+        tag = f" (round {k + 1} of {rounds})" if rounds > 1 else ""
+        console.print(f"  engine_wide: 2 nodes x 4 workers, max_stage_devices 4, measured profile{tag} ...")
+        wide = engine_job("engine_wide", d, root, cache, None, drop, timeout)
+        spec = wide.pop("spec")
+        console.print(f"    plan: {wide['partition']}")
+        console.print(f"  ddp_8: 8 processes{tag} ...")
+        ddp8 = reference("ddp_8", run_baseline("ddp", spec, 8, steps, "cpu"), gbs, drop, "8 x 1 stage", 8)
+        per_round.append(wide["samples_per_s"] / ddp8["samples_per_s"])
+        if rounds > 1:
+            console.print(f"    round {k + 1}: engine_wide / ddp_8 = {per_round[-1]:.3f}")
+            wide["name"], ddp8["name"] = f"engine_wide #{k + 1}", f"ddp_8 #{k + 1}"
+        rows += [wide, ddp8]
+    ratios: dict[str, Any] = {"engine_wide_over_ddp_8": median(per_round)}
+    if rounds > 1:
+        ratios["engine_wide_over_ddp_8_rounds"] = per_round
+    return rows, ratios
 
 
 def predicted_vs_measured(steps: int, root: Path, cache: Path, drop: int, timeout: float) -> dict[str, Any]:
@@ -363,6 +378,8 @@ def main() -> None:
     ap.add_argument("--json", default=str(RESULTS))
     ap.add_argument("--only", choices=["all", "wide"], default="all",
                     help="wide: only engine_wide against DDP on 8 processes (CPU)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="engine_wide and DDP one after the other this many times; the ratio is the rounds' median")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -414,7 +431,8 @@ def main() -> None:
                          f"processes takes whole microbatches or equal slices of them) and --microbatch-size "
                          f"{mbs} a multiple of 4 (a 4-wide stage splits each microbatch)")
             console.print(f"[bold]sharded stages vs DDP[/]: {args.preset}, {m} x {mbs} samples/step, {precision}")
-            rows, ratios = wide_vs_ddp(common, root, cache, args.drop, args.timeout, args.steps, gbs, console)
+            rows, ratios = wide_vs_ddp(common, root, cache, args.drop, args.timeout, args.steps, gbs, console,
+                                       args.rounds)
         else:
             w = args.workers
             if m % w or m % 4:
@@ -443,7 +461,8 @@ def main() -> None:
                       "engine_span_over_ddp_4": span["samples_per_s"] / ddp_runs[4]["samples_per_s"],
                       "engine_span_over_pipelining_1f1b": span["samples_per_s"] / pp["samples_per_s"]}
             if m % 8 == 0 and mbs % 4 == 0:
-                wide_rows, wide_ratios = wide_vs_ddp(common, root, cache, args.drop, args.timeout, args.steps, gbs, console)
+                wide_rows, wide_ratios = wide_vs_ddp(common, root, cache, args.drop, args.timeout, args.steps, gbs,
+                                                     console, args.rounds)
                 rows += wide_rows
                 ratios.update(wide_ratios)
         table = Table(title=f"samples/s (median of rank 0's steps, first {args.drop} dropped)")
@@ -457,7 +476,7 @@ def main() -> None:
         t_ratio.add_column("ratio")
         t_ratio.add_column("value")
         for k, v in ratios.items():
-            t_ratio.add_row(k, f"{v:.3f}")
+            t_ratio.add_row(k, ", ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else f"{v:.3f}")
         console.print(t_ratio)
         out.update(config={"workers": args.workers, "preset": args.preset, "steps": args.steps, "drop": args.drop,
                            "microbatches": m, "microbatch_size": mbs, "precision": precision, "estimate": estimate},

@@ -76,6 +76,7 @@ def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str],
         train=TrainSpec(steps=t.steps, microbatch_size=t.microbatch_size, num_microbatches=t.global_microbatches,
                         seed=t.seed, grad_clip=t.grad_clip, warmup_steps=s.warmup_steps, decay=s.decay,
                         min_lr=s.min_lr, precision=t.precision, eval_interval=t.eval_interval, recompute=t.recompute,
-                        eval_samples=t.eval_samples if t.eval_interval else 0, deterministic=t.deterministic),
+                        eval_samples=t.eval_samples if t.eval_interval else 0, deterministic=t.deterministic,
+                        bucket_mb=t.bucket_mb),
         backend="nccl" if recipe.cluster.gpus_per_node > 0 else "gloo",
     )

@@ -35,6 +35,14 @@ When (`StageParams`), in the stage's mode (planning/cost.py: the planner keeps a
   layer's backward, then is reduce-scattered and added to the rank's gradient shard.
 Each shard's pieces are then all-reduced across the pipelines. Every collective is posted by the engine
 on its own groups and waited on through the generation's abortable waits.
+
+Buckets (kept): consecutive layers go as one collective, as DDP buckets its all-reduces, up to
+`training.bucket_mb` of full-size buffer per bucket: one all-gather and one reduce-scatter per bucket
+instead of per layer, the layers' shards side by side in a flat buffer (rank-major: chunk j holds every
+layer's shard j), copied in before and out after (`BucketWork`). The first layer to run is a bucket of
+its own, so that its forward waits for its gather alone; a layer of at least the cap is always alone, as
+are a model's large layers on GPUs, where nothing is copied. What a collective costs on top of its bytes
+is why: gloo's reduce-scatter takes ~20 ms of 4 CPU ranks' time a call, whatever its size.
 """
 
 from __future__ import annotations
@@ -56,6 +64,24 @@ from oobleck_slurm.optim.came_sharded import FACTORED_KEYS, CamePiece, ShardedCA
 # Elementwise state, sharded like the parameters: AdamW's two moments; CAME's first moment and the
 # second moment of its parameters of fewer than two dimensions (zero over the matrices' elements).
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def bucket_runs(nbytes: list[int], cap: float, first_alone: bool) -> list[list[int]]:
+    """Positions 0..len-1 (layers in the order their collectives are posted, of `nbytes` full-size bytes
+    each) cut into runs of consecutive positions: a run closes once it holds `cap` bytes or more; with
+    `first_alone`, position 0 is a run of its own (module doc, buckets)."""
+    runs: list[list[int]] = []
+    run: list[int] = []
+    total = 0.0
+    for pos, size in enumerate(nbytes):
+        run.append(pos)
+        total += size
+        if total >= cap or (first_alone and pos == 0):
+            runs.append(run)
+            run, total = [], 0.0
+    if run:
+        runs.append(run)
+    return runs
 
 
 def padded(n: int) -> int:
@@ -248,12 +274,21 @@ class ShardedLayer:
     def _chunks(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t[j * self.size : (j + 1) * self.size] for j in range(self.width)]
 
-    def gather(self, group: Group) -> dist.Work:
-        """Post the all-gather of the shards into the full buffer (allocated again first)."""
+    @property
+    def nbytes(self) -> int:
+        """The full-size buffer's bytes (what a bucket counts)."""
+        return self.full.numel() * self.full.element_size()
+
+    def allocate(self) -> None:
+        """Allocate the full buffer again (its values are undefined until a gather fills it)."""
         storage = self.full.untyped_storage()
         if storage.size() == 0:
-            storage.resize_(self.full.numel() * self.full.element_size())
+            storage.resize_(self.nbytes)
         self.gathered = True
+
+    def gather(self, group: Group) -> dist.Work:
+        """Post the all-gather of the shards into the full buffer (allocated again first)."""
+        self.allocate()
         return group.allgather([self._chunks(self.full)], [self.shard])
 
     def release(self) -> None:
@@ -365,33 +400,112 @@ class ShardedLayer:
         raise RuntimeError("an optimizer parameter that is no segment of the shard")
 
 
+class BucketWork:
+    """One collective over a bucket of a stage's layers (positions in the stage) and the copy out of its
+    flat buffer that completes it (`complete`, once; nothing to copy for a bucket of one layer)."""
+
+    def __init__(self, positions: list[int], work: dist.Work, unpack: Callable[[], None] | None) -> None:
+        self.positions, self.work, self.unpack = positions, work, unpack
+        self.done = False
+
+    def complete(self, wait: Callable[[dist.Work], None]) -> None:
+        if not self.done:
+            wait(self.work)
+            if self.unpack is not None:
+                self.unpack()
+            self.done = True
+
+
+def gather_bucket(layers: list[ShardedLayer], positions: list[int], group: Group) -> BucketWork:
+    """Post one all-gather of the layers' shards into their full buffers (allocated first)."""
+    if len(positions) == 1:
+        return BucketWork(positions, layers[positions[0]].gather(group), None)
+    members = [layers[p] for p in positions]
+    width = members[0].width
+    send = torch.cat([layer.shard for layer in members])
+    recv = send.new_empty(width * send.numel())
+    for layer in members:
+        layer.allocate()
+    work = group.allgather([list(recv.chunk(width))], [send])
+
+    def unpack() -> None:
+        rows, offset = recv.view(width, -1), 0
+        for layer in members:
+            layer.full.view(width, layer.size).copy_(rows[:, offset : offset + layer.size])
+            offset += layer.size
+
+    return BucketWork(positions, work, unpack)
+
+
+def reduce_scatter_bucket(layers: list[ShardedLayer], positions: list[int], group: Group,
+                          by_allreduce: bool) -> BucketWork:
+    """Post one SUM reduce-scatter of the layers' full gradients into their gradient shards (kept: once
+    per step, when the gradients are final). `by_allreduce` (comm.SCATTER_BY_ALLREDUCE): as an all-reduce
+    of the whole gradients, in place, of which each rank keeps its shard."""
+    members = [layers[p] for p in positions]  # in the order given: their pieces are reduced in it
+    width, index = members[0].width, members[0].index
+    if len(members) == 1 and not by_allreduce:
+        return BucketWork(positions, members[0].reduce_scatter(group), None)
+    if len(members) == 1:
+        flat = members[0].grad_full.view(width, -1)
+    else:
+        flat = torch.cat([layer.grad_full.view(width, layer.size) for layer in members], dim=1)  # rank-major
+    mine = flat[index] if by_allreduce else flat.new_empty(flat.shape[1])
+    work = group.allreduce([flat]) if by_allreduce else group.reduce_scatter([mine], [list(flat)])
+
+    def unpack() -> None:
+        offset = 0
+        for layer in members:
+            layer.grad_shard.copy_(mine[offset : offset + layer.size])
+            offset += layer.size
+
+    return BucketWork(positions, work, unpack)
+
+
 class StageParams:
     """Gathers a wide stage's layers around their use, in the stage's mode (module doc): `before(i, d)`
-    makes layer i's parameters whole for a forward (d = 1) or a backward (d = -1), posting the gather of
-    layer i + d (the next to run) first; `after(i, d)` ends that use. Every rank of the stage runs the
-    same sequence, so the stage group's collectives match."""
+    makes layer i's parameters whole for a forward (d = 1) or a backward (d = -1), `after(i, d)` ends
+    that use. Kept: the step's first use posts every layer's gather, in buckets; `scatter(i)`, as the
+    step's gradient of layer i is complete (the stage's last layer first), returns the reduce-scatter
+    of its bucket once the bucket is complete. Resharded: one layer at a time, the gather of layer
+    i + d (the next to run) posted first. Every rank of the stage runs the same sequence, so the stage
+    group's collectives match."""
 
     def __init__(self, layers: list[ShardedLayer], group: Group, wait: Callable[[dist.Work], None],
-                 keep: bool) -> None:
+                 keep: bool, bucket_bytes: float, scatter_by_allreduce: bool) -> None:
         self.layers, self.group, self.wait, self.keep = layers, group, wait, keep
-        self.pending: dict[int, dist.Work] = {}
+        self.bucket_bytes, self.scatter_by_allreduce = bucket_bytes, scatter_by_allreduce
+        self.pending: dict[int, BucketWork] = {}  # position -> the gather in flight that holds it
         self.whole: set[int] = set()  # kept: layers gathered this step
+        # kept: the reduce-scatter buckets, from the stage's last layer down, by the layer that closes each
+        down = list(reversed(range(len(layers))))
+        runs = bucket_runs([layers[p].nbytes for p in down], bucket_bytes, first_alone=False)
+        self.closes = {down[run[-1]] for run in runs}
+        self.filling: list[int] = []  # kept: layers whose step gradient is complete, not yet scattered
 
-    def _post(self, i: int) -> None:
-        if 0 <= i < len(self.layers) and i not in self.pending and i not in self.whole:
-            self.pending[i] = self.layers[i].gather(self.group)
+    def _post(self, positions: list[int]) -> None:
+        work = gather_bucket(self.layers, positions, self.group)
+        for p in positions:
+            self.pending[p] = work
 
     def before(self, i: int, direction: int) -> None:
-        if self.keep:  # every gather posted at the first use: they run behind the compute of the first layers
-            for j in range(len(self.layers)):
-                self._post(j if direction > 0 else len(self.layers) - 1 - j)
-        self._post(i)
-        self._post(i + direction)
-        if i in self.pending:
-            self.wait(self.pending.pop(i))
         if self.keep:
-            self.whole.add(i)
-        elif direction < 0:
+            if not self.whole and not self.pending:  # the step's first use: every gather, in buckets
+                order = list(range(len(self.layers)))[::direction]
+                for run in bucket_runs([self.layers[p].nbytes for p in order], self.bucket_bytes, first_alone=True):
+                    self._post([order[k] for k in run])
+        else:
+            for j in (i, i + direction):
+                if 0 <= j < len(self.layers) and j not in self.pending:
+                    self._post([j])
+        work = self.pending.get(i)
+        if work is not None:
+            work.complete(self.wait)
+            for p in work.positions:
+                del self.pending[p]
+                if self.keep:
+                    self.whole.add(p)
+        if not self.keep and direction < 0:
             self.layers[i].open_grad()
 
     def after(self, i: int, direction: int) -> None:
@@ -402,11 +516,21 @@ class StageParams:
         if i not in self.pending:  # a prefetched gather is kept
             self.layers[i].release()
 
+    def scatter(self, i: int) -> BucketWork | None:
+        """Kept: layer i's gradient for the step is complete. The reduce-scatter of its bucket, posted,
+        once i closes the bucket; else None (it goes with the bucket's later layers)."""
+        self.filling.append(i)
+        if i not in self.closes:
+            return None
+        work = reduce_scatter_bucket(self.layers, self.filling, self.group, self.scatter_by_allreduce)
+        self.filling = []
+        return work
+
     def finish(self) -> None:
         """Wait for a prefetch nobody used and free everything (end of a schedule)."""
-        for i, work in list(self.pending.items()):
-            self.wait(work)
-            del self.pending[i]
+        for work in {id(w): w for w in self.pending.values()}.values():
+            work.complete(self.wait)
+        self.pending.clear()
         for layer in self.layers:
             layer.release()
         self.whole.clear()

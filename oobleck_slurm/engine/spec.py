@@ -109,11 +109,14 @@ class TrainSpec:
     recompute: bool = False  # activations recomputed in the backward (stage.py)
     eval_samples: int = 0
     deterministic: bool = False  # deterministic CUDA kernels (worker.use_deterministic_kernels)
+    bucket_mb: float = 25.0  # kept sharded stages' collectives, consecutive layers up to this (shard.py)
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "num_microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training: {name} must be >= 1, got {getattr(self, name)}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"training: bucket_mb must be > 0, got {self.bucket_mb}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"training: precision must be one of {PRECISIONS}, got {self.precision!r}")
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from oobleck_slurm.engine.batches import StepBatches, open_dataset, open_validation
 from oobleck_slurm.engine.checkpoint import layer_payload, load_layer
-from oobleck_slurm.engine.comm import Generation, step_timeout_waits
+from oobleck_slurm.engine.comm import SCATTER_BY_ALLREDUCE, Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
 from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, reduce_pieces, sample_range
 from oobleck_slurm.engine.lr import lr_at
@@ -40,6 +40,7 @@ from oobleck_slurm.engine.nccl_order import P2POp
 from oobleck_slurm.engine.schedule import one_f_one_b
 from oobleck_slurm.engine.shard import (
     MOMENTS,
+    BucketWork,
     ShardedLayer,
     StageParams,
     factored_moves,
@@ -545,7 +546,8 @@ class Worker:
         clock = ComputeClock(self.device)
         schedule_s = 0.0
 
-        scattering: list[tuple[torch.distributed.Work, int]] = []  # kept stages' reduce-scatters in flight
+        scattering: list[BucketWork] = []  # kept stages' reduce-scatters in flight
+        gather: StageParams | None = None
 
         def post_pieces(index: int) -> None:
             """All-reduce the layer's gradient across the pipelines, in place: whole, or (a wide stage
@@ -559,30 +561,32 @@ class Worker:
 
         def flush_scatters() -> None:
             while scattering:
-                work, index = scattering.pop(0)
-                gen.wait(work)  # the pieces read its result
-                post_pieces(index)
+                work = scattering.pop(0)
+                work.complete(gen.wait)  # the pieces read its result
+                for position in work.positions:
+                    post_pieces(role.layers.start + position)  # type: ignore[union-attr]
 
         def reduce_layer(index: int) -> None:
-            """The layer's gradient is complete. A kept stage reduce-scatters it first, asynchronously:
-            its pieces are posted once the next layer's backward is done (or at the schedule's end),
-            so the scatter runs behind that backward. Resharded, each microbatch's backward already
-            scattered into the shard (shard.py)."""
+            """The layer's gradient is complete. A kept stage reduce-scatters it first, asynchronously,
+            with the rest of its bucket (shard.py): the bucket's pieces are posted once the next layer's
+            backward is done (or at the schedule's end), so the scatter runs behind that backward.
+            Resharded, each microbatch's backward already scattered into the shard."""
             flush_scatters()
-            sharded = self.shards.get(index)
-            if sharded is not None and gen.stage is not None and role.keep:  # type: ignore[union-attr]
-                scattering.append((sharded.reduce_scatter(gen.stage), index))
+            if gather is not None and role.keep:  # type: ignore[union-attr]
+                work = gather.scatter(index - role.layers.start)  # type: ignore[union-attr]
+                if work is not None:
+                    scattering.append(work)
                 return
             post_pieces(index)
 
         if role is not None:
             my_lo, my_hi = sample_range(b, role.width, role.index)
             held = [self.layers[i] for i in role.layers]
-            gather = None
             if role.width > 1:
                 if gen.stage is None:
                     raise RuntimeError(f"rank {self.rank}: a stage of {role.width} ranks without its group")
-                gather = StageParams([self.shards[i] for i in role.layers], gen.stage, gen.wait, role.keep)
+                gather = StageParams([self.shards[i] for i in role.layers], gen.stage, gen.wait, role.keep,
+                                     self.job.train.bucket_mb * 2**20, SCATTER_BY_ALLREDUCE[gen.backend])
             stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
                           bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute,
                           params=gather)

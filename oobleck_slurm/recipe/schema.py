@@ -280,6 +280,10 @@ class TrainingConfig:
     # runs, or a recovered run and an uninterrupted one, then agree bitwise, for some speed; a kernel
     # with no deterministic version stops the job with torch's error naming it. CPUs are deterministic.
     deterministic: bool = False
+    # Sharded stages that keep their layers gathered: consecutive layers go as one all-gather and one
+    # reduce-scatter up to this many MB of full-size buffers (as DDP's bucket_cap_mb); a larger layer
+    # goes alone. Fewer, larger collectives cost less; smaller ones start sooner.
+    bucket_mb: float = field(default=25.0, metadata=check(positive))
 
     @property
     def global_microbatches(self) -> int:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec, PlanError, edge_pieces, layer_groups, reduce_pieces
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.schedule import one_f_one_b
+from oobleck_slurm.engine.shard import bucket_runs
 
 
 @given(st.integers(1, 6), st.integers(0, 12), st.data())
@@ -114,3 +115,17 @@ def test_slice_moves_recut_shards_on_a_node_and_copy_whole_replicas_across():
     assert slice_moves([((4,), range(0, 1))], held, []) == [(0, 4, 4, 0, 64)]
     with pytest.raises(RuntimeError, match="no whole replica"):
         slice_moves([((5,), range(0, 1))], {0: {0: (2, 0)}}, [(0, 0, 5)])
+
+
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=30), st.integers(1, 300), st.booleans())
+def test_bucket_runs_cut_layers_in_order_at_the_cap(sizes, cap, first_alone):
+    runs = bucket_runs(sizes, cap, first_alone)
+    assert [p for run in runs for p in run] == list(range(len(sizes)))  # every layer once, in order
+    if first_alone:
+        assert runs[0] == [0]
+    for k, run in enumerate(runs):
+        body = run if not (first_alone and k == 0) else []
+        # a run closes at the first layer that brings it to the cap, never earlier; only the last may be short
+        assert all(sum(sizes[p] for p in body[:j]) < cap for j in range(1, len(body)))
+        if body and k < len(runs) - 1:
+            assert sum(sizes[p] for p in body) >= cap

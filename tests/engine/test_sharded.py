@@ -159,9 +159,13 @@ def assert_exact(job: JobSpec, losses: dict[int, float], layers: dict, rtol: flo
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-6  # training moved: the comparison can fail
 
 
-@pytest.mark.parametrize("plan", [WIDE_AND_MIXED, TWO_WIDE_AND_NARROW], ids=["w4+w2-1-1", "w2-2+w1x4"])
-def test_sharded_stages_match_the_reference(warm, tmp_path, plan):
-    job = tiny_job()
+# bucket_mb 0.7 (the tiny model's layers are 0.16, 0.38 x 4 and 0.13 MB in fp64): the kept 4-wide
+# stage gathers [0] [1 2] [3 4] [5] and reduce-scatters [5 4 3] [2 1] [0], while the other pipeline's
+# stages reduce each layer alone; by default each collective takes all the stage's layers but the first
+@pytest.mark.parametrize(("plan", "bucket_mb"), [(WIDE_AND_MIXED, 25.0), (WIDE_AND_MIXED, 0.7), (TWO_WIDE_AND_NARROW, 25.0)],
+                         ids=["w4+w2-1-1", "w4+w2-1-1-buckets", "w2-2+w1x4"])
+def test_sharded_stages_match_the_reference(warm, tmp_path, plan, bucket_mb):
+    job = dataclasses.replace(tiny_job(), train=dataclasses.replace(tiny_job().train, bucket_mb=bucket_mb))
     losses, layers = run_plans(warm, tmp_path, job, [(0, plan)])
     assert_exact(job, losses, layers)
 
