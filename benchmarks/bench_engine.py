@@ -100,8 +100,9 @@ def _accumulation_steps(job: Any, model: torch.nn.Module, forward: Any, device: 
     from oobleck_slurm.models.loss import lm_loss
 
     t = job.train
+    # the implementation the engine uses (optim/build.py): fused on the CPU, foreach on GPUs
     opt = torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay,
-                            foreach=device.type == "cuda")
+                            foreach=device.type == "cuda", fused=device.type == "cpu" or None)
     batches = _batches(job)
     times = []
     for step in range(steps):
@@ -152,7 +153,7 @@ def _pipelining_steps(job: Any, rank: int, world: int, steps: int, bounds: list[
     sub = torch.nn.Sequential(*build_layers(job.model.config, t.seed, bounds[rank], bounds[rank + 1]))
     stage = PipelineStage(sub, rank, world, torch.device("cpu"))
     sched = Schedule1F1B(stage, n_microbatches=t.num_microbatches, loss_fn=lm_loss)
-    opt = torch.optim.AdamW(sub.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay, foreach=False)
+    opt = torch.optim.AdamW(sub.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay, fused=True)
     batches = _batches(job)
     times = []
     for step in range(steps):

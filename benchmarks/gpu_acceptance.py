@@ -34,7 +34,7 @@ b  throughput      tokens/s and MFU (6 * params * tokens/s / peak dense bf16 FLO
                    planning/gpus.py, "unknown" elsewhere) of the engine's step (Worker.train_step on
                    a one-stage plan: Stage forward/backward, abortable waits, per-layer optimizers)
                    against a plain PyTorch loop over the same layers and batches (torch.optim.AdamW
-                   defaults), plain + fused AdamW (fused on CUDA, foreach on the CPU), and plain +
+                   defaults), plain + fused AdamW (torch's fused kernel, CUDA or CPU), and plain +
                    fused AdamW + torch.compile (in a child process bounded by `--compile-budget`; a
                    compile that fails or overruns is skipped with its reason). Medians over timed
                    steps after warm-up, synchronised on CUDA; ratios engine / each reference.
@@ -677,7 +677,7 @@ def plain_model(job: JobSpec, device: torch.device) -> torch.nn.Sequential:
 def plain_optimizer(job: JobSpec, model: torch.nn.Module, device: torch.device, fused: bool) -> torch.optim.Optimizer:
     kw: dict[str, Any] = {}
     if fused:
-        kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        kw = {"fused": True}  # torch's fused AdamW kernel, on CUDA and on the CPU
     return torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay, **kw)
 
 
@@ -736,7 +736,7 @@ def section_throughput(s: Settings, rec: Record) -> None:
     embedding = cfg.embedding_params if hasattr(cfg, "embedding_params") else math.prod(cfg.layer_shapes()[0][0])
     tokens = job.train.global_batch_size * job.model.seq_len
     gpu, peak = peak_flops(s)
-    fused = "fused=True" if s.cuda else "foreach=True"
+    fused = "fused=True"
     rec.results["config"] = {"model": dataclasses.asdict(job.model.config), "parameters": params,
                              "tokens_per_step": tokens, "warmup_steps": s.warmup, "timed_steps": s.timed,
                              "precision": s.precision, "threads": torch.get_num_threads(),
