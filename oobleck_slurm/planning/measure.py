@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -189,13 +190,27 @@ def layer_workspace(
     return spaces
 
 
-def _link_worker(rank: int, init_file: str, backend: str, large_n: int) -> tuple[float, float, float, float] | None:
-    """One of the two processes of `measure_links`; rank 0 returns the medians."""
+def _link_worker(rank: int, init_file: str, backend: str, large_n: int,
+                 timeout_s: float) -> tuple[float, float, float, float] | None:
+    """One end of `measure_links`, on a 2-rank group of its own (no default group: rank 0 runs in the
+    planning command's process); rank 0 returns the medians."""
+    import datetime as dt
+
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=2)
+    timeout = dt.timedelta(seconds=timeout_s)
+    store = dist.FileStore(init_file, 2)
+    store.set_timeout(timeout)
+    backend_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        backend_pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+    else:
+        backend_pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    # torch's stubs give these classes none of the operations they have at run time (engine/comm.py)
+    pg = cast(dist.ProcessGroup, backend_pg)
     small = torch.zeros(16, device=device)
     large = torch.zeros(large_n // 4, device=device)
 
@@ -205,11 +220,11 @@ def _link_worker(rank: int, init_file: str, backend: str, large_n: int) -> tuple
             _sync(device)
             t0 = time.perf_counter()
             if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
+                pg.send([buf], 1, 0).wait()
+                pg.recv([buf], 1, 0).wait()
             else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+                pg.recv([buf], 0, 0).wait()
+                pg.send([buf], 0, 0).wait()
             _sync(device)
             times.append((time.perf_counter() - t0) / 2)
         return statistics.median(times)
@@ -219,48 +234,55 @@ def _link_worker(rank: int, init_file: str, backend: str, large_n: int) -> tuple
         for _ in range(reps):
             _sync(device)
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            pg.allreduce([buf]).wait()
             _sync(device)
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
     pingpong(small, 3)
     result = (pingpong(small, 30), pingpong(large, 5), allreduce(small, 20), allreduce(large, 5))
-    dist.barrier()
-    dist.destroy_process_group()
+    pg.allreduce([small]).wait()  # neither end leaves before the other is done
     return result if rank == 0 else None
 
 
 def measure_links(large_bytes: int = 8 << 20, timeout_s: float = 120.0) -> dict[str, Link]:
-    """Alpha-beta links fitted from real transfers between two fresh local processes.
+    """Alpha-beta links fitted from real transfers between this process and a fresh local one.
 
-    The processes are started as `python -m oobleck_slurm.planning.measure`, not with
-    multiprocessing's spawn, which would re-run the CLI's unguarded __main__ in each child.
+    This process is rank 0 (torch is imported here already: one cold start instead of two, ~2 s of CPU);
+    the other is started as `python -m oobleck_slurm.planning.measure`, not with multiprocessing's
+    spawn, which would re-run the CLI's unguarded __main__ in the child.
     """
-    import json
     import subprocess
     import sys
 
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        cmd = [sys.executable, "-m", "oobleck_slurm.planning.measure", init_file, backend, str(large_bytes)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [
-            subprocess.Popen([*cmd, str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for rank in range(2)
-        ]
+        cmd = [sys.executable, "-m", "oobleck_slurm.planning.measure", init_file, backend, str(large_bytes),
+               str(timeout_s)]
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+        error: BaseException | None = None
+        result = None
         try:
-            outs = [p.communicate(timeout=timeout_s) for p in procs]
+            torch.set_num_threads(1)  # as the child, and as each CPU worker of a job
+            result = _link_worker(0, init_file, backend, large_bytes, timeout_s)
+        except RuntimeError as e:  # the child died or never connected: its stderr says why
+            error = e
+            child.kill()
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    if any(p.returncode for p in procs):
-        errors = "; ".join(err.strip().splitlines()[-1] for (_, err), p in zip(outs, procs) if p.returncode and err.strip())
-        raise RuntimeError(f"link measurement between two local processes failed: {errors or 'no message'}")
-    lat, big, ar_small, ar_big = json.loads(outs[0][0])
+            torch.set_num_threads(threads)
+            try:
+                _, err = child.communicate(timeout=timeout_s)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+    if error is not None or child.returncode or result is None:
+        why = (err.strip().splitlines() or [""])[-1] if child.returncode and err.strip() else str(error or "")
+        raise RuntimeError(f"link measurement between two local processes failed: {why or 'no message'}")
+    lat, big, ar_small, ar_big = result
     p2p = Link(lat, large_bytes / max(big - lat, 1e-9))
     # Ring all-reduce of 2 ranks: 2 alpha + bytes / bw (see cost.allreduce_time).
     ar = Link(ar_small / 2, large_bytes / max(ar_big - ar_small, 1e-9))
@@ -329,11 +351,9 @@ def profile_model(
     )
 
 
-if __name__ == "__main__":  # one process of measure_links: INIT_FILE BACKEND LARGE_BYTES RANK
-    import json
+if __name__ == "__main__":  # the other end of measure_links: INIT_FILE BACKEND LARGE_BYTES TIMEOUT_S
     import sys
 
-    _init, _backend, _large, _rank = sys.argv[1:5]
-    _result = _link_worker(int(_rank), _init, _backend, int(_large))
-    if _result is not None:
-        print(json.dumps(_result))
+    torch.set_num_threads(1)
+    _init, _backend, _large, _timeout = sys.argv[1:5]
+    _link_worker(1, _init, _backend, int(_large), float(_timeout))
