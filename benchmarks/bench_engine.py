@@ -100,9 +100,9 @@ def _accumulation_steps(job: Any, model: torch.nn.Module, forward: Any, device: 
     from oobleck_slurm.models.loss import lm_loss
 
     t = job.train
-    # the implementation the engine uses (optim/build.py): fused on the CPU, foreach on GPUs
+    # the implementation the engine uses (optim/build.py): torch's fused kernel
     opt = torch.optim.AdamW(model.parameters(), lr=job.optim.lr, weight_decay=job.optim.weight_decay,
-                            foreach=device.type == "cuda", fused=device.type == "cpu" or None)
+                            fused=True)
     batches = _batches(job)
     times = []
     for step in range(steps):

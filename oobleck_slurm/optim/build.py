@@ -30,12 +30,11 @@ def build_optimizer(
     """'adamw' (betas (0.9, 0.999), eps 1e-8) or 'came' (betas (0.9, 0.999, 0.9999), eps
     (1e-30, 1e-16), clip threshold 1), both with decoupled weight decay.
 
-    AdamW updates its tensors together (foreach) on a GPU, where one kernel per operation over all
-    of a layer's tensors beats one per tensor, and with torch's fused kernel on the CPU (one vectorised
-    pass per tensor: 2-3x faster than one operation at a time over the tiny and mini GPTs' layers in
-    fp32, 2x in fp64; foreach has no fast path there). Replicas of a layer run the same kind on the same
-    tensors (the engine makes one optimizer per layer), so they stay bitwise equal, which recovery relies
-    on when it copies state.
+    AdamW runs torch's fused kernel on a GPU and on the CPU: on a GPU one kernel updates all of a
+    layer's tensors (the foreach path launches one per operation), on the CPU one vectorised pass per
+    tensor is 2-3x faster than one operation at a time over the tiny and mini GPTs' layers in fp32, 2x
+    in fp64. Replicas of a layer run the same kind on the same tensors (the engine makes one optimizer
+    per layer), so they stay bitwise equal, which recovery relies on when it copies state.
     """
     _check_name(name)
     if name == "adamw":
@@ -45,10 +44,9 @@ def build_optimizer(
             raise ValueError(f"adamw: betas must be 2 values and eps one number, got {betas}, {eps}")
         groups: list[Any] = list(params)
         tensors = [t for g in groups for t in (g["params"] if isinstance(g, dict) else [g])]
-        on_gpu = bool(tensors) and all(t.is_cuda for t in tensors)
-        on_cpu = bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+        fusable = bool(tensors) and all(t.device.type in ("cuda", "cpu") for t in tensors)
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=float(eps), weight_decay=weight_decay,
-                                 foreach=on_gpu, fused=on_cpu or None)
+                                 fused=fusable or None)
     came_betas, came_eps = came_betas_eps(betas, eps)
     return CAME(params, lr=lr, betas=came_betas, eps=came_eps, weight_decay=weight_decay)
 
@@ -74,10 +72,11 @@ def optimizer_name(opt: torch.optim.Optimizer) -> str:
 
 
 def state_layout(
-    name: str, shape: tuple[int, ...], param_dtype: torch.dtype, amsgrad: bool = False
+    name: str, shape: tuple[int, ...], param_dtype: torch.dtype, amsgrad: bool = False, fused: bool = True
 ) -> StateLayout:
-    """The state tensors optimizer `name` keeps for one parameter of this shape and dtype."""
+    """The state tensors optimizer `name` keeps for one parameter of this shape and dtype (`fused`:
+    AdamW's kernel, as `build_optimizer` picks it on CPUs and GPUs)."""
     _check_name(name)
     if name == "adamw":
-        return adamw_state_layout(tuple(shape), param_dtype, amsgrad)
+        return adamw_state_layout(tuple(shape), param_dtype, amsgrad, fused)
     return came_state_layout(tuple(shape), param_dtype)

@@ -20,7 +20,7 @@ class TensorLayout:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    on_cpu: bool = False  # step counters: torch's AdamW requires them on the CPU
+    on_cpu: bool = False  # step counters torch keeps on the CPU (CAME's; AdamW's unless fused)
 
     @property
     def nbytes(self) -> int:
@@ -31,13 +31,18 @@ StateLayout = dict[str, TensorLayout]
 
 
 def adamw_state_layout(
-    shape: tuple[int, ...], param_dtype: torch.dtype, amsgrad: bool = False
+    shape: tuple[int, ...], param_dtype: torch.dtype, amsgrad: bool = False, fused: bool = False
 ) -> StateLayout:
-    """torch.optim.AdamW (foreach=False, not fused/capturable): step + two full moments."""
-    # torch keeps the step as a CPU scalar of its "scalar dtype": float64 under a float64 default.
-    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    """torch.optim.AdamW, not capturable: step + two full moments. torch keeps a fused AdamW's step as
+    a float32 scalar on the parameter's device, and any other's as a CPU scalar of its "scalar dtype"
+    (float64 under a float64 default)."""
+    if fused:
+        step = TensorLayout((), torch.float32)
+    else:
+        step = TensorLayout((), torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32,
+                            on_cpu=True)
     layout: StateLayout = {
-        "step": TensorLayout((), step_dtype, on_cpu=True),
+        "step": step,
         "exp_avg": TensorLayout(tuple(shape), param_dtype),
         "exp_avg_sq": TensorLayout(tuple(shape), param_dtype),
     }

@@ -30,7 +30,8 @@ def _params(opt: torch.optim.Optimizer) -> Iterator[tuple[int, torch.Tensor, dic
 
 
 def _param_layout(opt: torch.optim.Optimizer, p: torch.Tensor, group: dict) -> dict[str, TensorLayout]:
-    return state_layout(optimizer_name(opt), tuple(p.shape), p.dtype, bool(group.get("amsgrad")))
+    return state_layout(optimizer_name(opt), tuple(p.shape), p.dtype, bool(group.get("amsgrad")),
+                        bool(group.get("fused")))
 
 
 def _device(spec: TensorLayout, p: torch.Tensor) -> torch.device:
@@ -81,7 +82,7 @@ def load_optimizer_state_tensors(opt: torch.optim.Optimizer, tensors: Mapping[st
     """Restore state from `tensors` (names as in `optimizer_state_spec`), in place.
 
     Existing state tensors are overwritten with copy_ (their storage is kept); missing ones are
-    created on the parameter's device (the CPU for step counters). Every name must be present,
+    created where the optimizer keeps them (the parameter's device, or the CPU for unfused step counters). Every name must be present,
     with the right shape and dtype, and no other: a partial load would silently mix two states.
     """
     spec = optimizer_state_spec(opt)

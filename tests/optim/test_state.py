@@ -17,11 +17,14 @@ from oobleck_slurm.optim import (
 )
 
 SHAPES = [(12, 8), (8,), (3, 5, 4)]
+# Where the step counters live differs by device and optimizer kind (torch keeps a fused AdamW's on the
+# parameter's device): on a GPU machine the same tests check the CUDA placement recovery relies on.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def make_params(seed: int) -> list[torch.nn.Parameter]:
+def make_params(seed: int, device: str = "cpu") -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in SHAPES]
 
 
 def make_opt(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -32,13 +35,24 @@ def make_opt(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimiz
 
 def feed(params, opt, gen: torch.Generator) -> None:
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
     opt.step()
 
 
+@pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", OPTIMIZER_NAMES)
-def test_spec_matches_the_state_a_real_step_creates(name: str) -> None:
-    params = make_params(0)
+def test_spec_matches_the_state_a_real_step_creates(name: str, device: str, default_dtype: torch.dtype) -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)  # torch picks an unfused AdamW's step dtype from it
+    try:
+        check_spec_matches_a_real_step(name, device)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def check_spec_matches_a_real_step(name: str, device: str) -> None:
+    params = make_params(0, device)
     opt = make_opt(name, params)
     spec_before = optimizer_state_spec(opt)  # from the parameters alone
     feed(params, opt, torch.Generator().manual_seed(1))
@@ -50,16 +64,17 @@ def test_spec_matches_the_state_a_real_step_creates(name: str) -> None:
     assert list(optimizer_state_tensors(opt)) == list(spec_before)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", OPTIMIZER_NAMES)
-def test_state_copied_midway_continues_bitwise_equal(name: str) -> None:
-    params_a = make_params(0)
+def test_state_copied_midway_continues_bitwise_equal(name: str, device: str) -> None:
+    params_a = make_params(0, device)
     opt_a = make_opt(name, params_a)
     gen_a = torch.Generator().manual_seed(7)
     for _ in range(3):
         feed(params_a, opt_a, gen_a)
 
     # A fresh receiver: allocate from its own parameters, "receive" tensor by tensor, load.
-    params_b = make_params(99)
+    params_b = make_params(99, device)
     opt_b = make_opt(name, params_b)
     buffers = empty_state_tensors(opt_b)
     for key, t in optimizer_state_tensors(opt_a).items():
@@ -70,7 +85,7 @@ def test_state_copied_midway_continues_bitwise_equal(name: str) -> None:
             pb.copy_(pa)
 
     # A receiver that already has (different) state is overwritten in place.
-    params_c = make_params(5)
+    params_c = make_params(5, device)
     opt_c = make_opt(name, params_c)
     feed(params_c, opt_c, torch.Generator().manual_seed(3))
     before = {k: t.data_ptr() for k, t in optimizer_state_tensors(opt_c).items()}
