@@ -12,6 +12,9 @@ element range j of each of its layers' flat buffers and computes samples [j*b/g,
 microbatch. Shard boundaries of the widths (powers of two up to SHARD_ALIGN) nest, so gradients are
 all-reduced across replicas in pieces at the widest holder's boundaries (`reduce_pieces`), and
 activations cross a stage boundary as the overlaps of the two stages' sample ranges (`edge_pieces`).
+A pipeline's only stage may be wider than the microbatch splits evenly: it then computes k
+microbatches per pass (`planning.cost.stage_fold`), each rank its share of their k*b samples
+(`pass_slices`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oobleck_slurm.errors import InternalError
+from oobleck_slurm.planning.cost import stage_fold
 
 
 class PlanError(InternalError, ValueError):
@@ -259,6 +263,23 @@ def layer_groups(plan: ExecPlan) -> dict[tuple[int, ...], list[int]]:
 def sample_range(b: int, width: int, index: int) -> tuple[int, int]:
     """The samples of a microbatch of `b` that rank `index` of a stage of `width` computes."""
     return index * b // width, (index + 1) * b // width
+
+
+Slice = tuple[int, int, int]  # (microbatch of the pipeline's slice, first sample, end)
+
+
+def pass_slices(b: int, width: int, index: int, mb_count: int) -> list[list[Slice]]:
+    """For each pass of a stage over its pipeline's `mb_count` microbatches of `b` samples, what rank
+    `index` of the stage's `width` computes. A pass is one microbatch where the width divides b (the
+    rank's `sample_range` of it), else k = `stage_fold(b, width)` consecutive microbatches whose samples
+    split evenly; the last pass may hold fewer, and then some ranks nothing (an empty list)."""
+    k = stage_fold(b, width)
+    out = []
+    for first in range(0, mb_count, k):
+        lo, hi = sample_range(min(k, mb_count - first) * b, width, index)
+        out.append([(m, max(lo - (m - first) * b, 0), min(hi - (m - first) * b, b))
+                    for m in range(first + lo // b, first + (hi + b - 1) // b) if lo < hi])
+    return out
 
 
 def edge_pieces(b: int, sender: tuple[int, ...], receiver: tuple[int, ...]) -> list[tuple[int, int, int, int]]:

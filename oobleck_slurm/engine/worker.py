@@ -34,7 +34,7 @@ from oobleck_slurm.engine.batches import StepBatches, open_dataset, open_validat
 from oobleck_slurm.engine.checkpoint import layer_payload, load_layer
 from oobleck_slurm.engine.comm import SCATTER_BY_ALLREDUCE, Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
-from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, reduce_pieces, sample_range
+from oobleck_slurm.engine.layout import ExecPlan, Role, Slice, edge_pieces, pass_slices, reduce_pieces, sample_range
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.nccl_order import P2POp
 from oobleck_slurm.engine.schedule import one_f_one_b
@@ -57,6 +57,7 @@ from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
 from oobleck_slurm.optim.came_sharded import ShardedCAME
+from oobleck_slurm.planning.cost import stage_fold
 from oobleck_slurm.protocol.records import StepResult
 
 
@@ -254,9 +255,11 @@ class Worker:
         needed = set(role.layers) if role else set()
         received = 0
         self.pending = None  # a plan change starts at a step boundary (recovery.reach_step ran before)
-        if role is not None and self.job.train.microbatch_size % role.width:
-            raise ValueError(f"a stage of {role.width} ranks splits each microbatch between them: the "
-                             f"microbatch size {self.job.train.microbatch_size} must be a multiple of {role.width}")
+        b = self.job.train.microbatch_size
+        if role is not None and stage_fold(b, role.width) > 1 and (role.num_stages > 1 or not role.keep):
+            raise ValueError(f"a stage of {role.width} ranks splits each microbatch between them: the microbatch "
+                             f"size {b} must be a multiple of {role.width}, unless the stage is its pipeline's "
+                             f"only one and kept (it then computes several microbatches per pass)")
         if source == "seed":
             self._clear_layers()
             for index in sorted(needed):
@@ -459,6 +462,14 @@ class Worker:
 
     # ---- one step -----------------------------------------------------------------------------
 
+    def _samples(self, mb_start: int, slices: list[Slice]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens and targets of one pass (layout.pass_slices), on the device."""
+        parts = [(t[lo:hi], y[lo:hi]) for (t, y), (_, lo, hi) in
+                 zip((self.batches.microbatch(self.step, mb_start + m) for m, _, _ in slices), slices)]
+        if len(parts) == 1:
+            return parts[0][0].to(self.device), parts[0][1].to(self.device)
+        return (torch.cat([t for t, _ in parts]).to(self.device), torch.cat([y for _, y in parts]).to(self.device))
+
     def _boundary_buffer(self, index: int, samples: int | None = None) -> torch.Tensor:
         """A receive buffer for the tensor entering layer `index` (or its gradient), for `samples`
         samples (default: a whole microbatch)."""
@@ -580,7 +591,12 @@ class Worker:
             post_pieces(index)
 
         if role is not None:
-            my_lo, my_hi = sample_range(b, role.width, role.index)
+            my_lo = sample_range(b, role.width, role.index)[0]  # edges: pipelines of several stages, one
+            # microbatch per pass
+            passes = pass_slices(b, role.width, role.index, role.mb_count)
+            # reduce behind the last pass this rank computes: a folded stage's last, partial pass may
+            # give it no sample, and being kept it then skips that pass (no collective runs per pass)
+            last_pass = max((i for i, slices in enumerate(passes) if slices), default=-1)
             held = [self.layers[i] for i in role.layers]
             if role.width > 1:
                 if gen.stage is None:
@@ -590,23 +606,24 @@ class Worker:
             stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
                           bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute,
                           params=gather)
-            # each rank of a wide stage takes the mean over its 1/width of the samples: the stage's
-            # sum over its ranks is the microbatch's mean
-            scale = 1.0 / plan.num_microbatches / role.width
-            last_mb = role.mb_count - 1
-            for op, m in one_f_one_b(role.stage, role.num_stages, role.mb_count):
+            for op, m in one_f_one_b(role.stage, role.num_stages, len(passes)):
+                samples = sum(hi - lo for _, lo, hi in passes[m])
+                if not samples:
+                    continue
                 if op == "F":
                     y = None
                     if role.is_first or role.is_last:
-                        tokens, y = self.batches.microbatch(self.step, role.mb_start + m)
-                        tokens, y = tokens[my_lo:my_hi].to(self.device), y[my_lo:my_hi].to(self.device)
+                        tokens, y = self._samples(role.mb_start, passes[m])
                     if role.is_first:
                         x = tokens
                     else:
-                        x = self._boundary_buffer(role.layers.start, my_hi - my_lo)
+                        x = self._boundary_buffer(role.layers.start, samples)
                         receive(x, role.prev_ranks, 2 * m)
+                    # each rank takes the mean over its samples, weighted by their share of a microbatch:
+                    # the sum over the stage's ranks is the mean of the pass's microbatches' means
+                    scale = samples / b / plan.num_microbatches
                     with clock.span():
-                        out = stage.forward(m, x, y, scale, split=m == last_mb)
+                        out = stage.forward(m, x, y, scale, split=m == last_pass)
                     if role.is_last:
                         loss_sum += out.double()  # on the device: no host sync per microbatch
                     else:
@@ -614,17 +631,17 @@ class Worker:
                 else:
                     grad = None
                     if not role.is_last:
-                        grad = self._boundary_buffer(role.layers.stop, my_hi - my_lo)
+                        grad = self._boundary_buffer(role.layers.stop, samples)
                         receive(grad, role.next_ranks, 2 * m + 1)
                     with clock.span():
-                        grad_in = stage.backward(m, grad, reduce_layer if m == last_mb else None)
+                        grad_in = stage.backward(m, grad, reduce_layer if m == last_pass else None)
                     if not role.is_first:
                         if grad_in is None:
                             raise RuntimeError("a stage after the first returned no input gradient")
                         post_send("grad", grad_in, role.prev_ranks, 2 * m + 1)
             if gather is not None:
                 gather.finish()
-            if role.mb_count == 0:  # no microbatch: still take part in every layer's all-reduce
+            if last_pass < 0:  # no sample this step: still take part in every layer's all-reduce
                 for index in reversed(role.layers):
                     reduce_layer(index)
             flush_scatters()

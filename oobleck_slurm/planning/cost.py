@@ -10,9 +10,17 @@ devices_per_node; `max_stage_devices` bounds it). Every device of the pipeline h
 
 Sharded stages (g > 1), the contract for the engine (engine/shard.py): ZeRO inside the stage. Each
 device holds 1/g of the stage's layers' parameters (the master copy) and optimizer state, and each
-microbatch's m samples are split across the devices (data parallel inside the stage): the busiest
-device runs c = ceil(m / g) / m of the microbatch (c = 1/g: the planner only offers widths that
-divide m, `templates.allowed_stage_devices`). Collectives run on the intra-node collective link
+microbatch's m samples are split across the devices (data parallel inside the stage): each device
+runs c = 1/g of the microbatch (the planner offers a stage in a pipeline of several only widths that
+divide m, `templates.allowed_stage_devices`).
+
+A pipeline's only stage may be wider than that (a whole node, `templates.folded_width`): it then
+computes k = g / gcd(g, m) microbatches in one pass (`stage_fold`), each device m / gcd(g, m) of their
+k m samples, so c = 1 / gcd(g, m) of a microbatch per pass and w_i below is charged per pass / k. Such
+a stage is always kept (below), so a pass has no collective and a device with no sample in the step's
+last, partial pass (the pipeline's microbatches need not be a multiple of k) skips it. The model
+charges each microbatch 1/k of a pass, so it counts a partial pass as less than the whole pass it
+takes. Collectives run on the intra-node collective link
 (`allreduce_intra`), ring algorithm, in the parameters' dtype (what the engine gathers):
 
     allgather(bytes, g) = reduce_scatter(bytes, g) = (g - 1) alpha + (g - 1) / g * bytes / bw
@@ -157,10 +165,17 @@ def allgather_time(link: Link, nbytes: float, participants: int) -> float:
     return (k - 1) * link.latency_s + (k - 1) / k * nbytes / link.bandwidth_Bps
 
 
+def stage_fold(microbatch_size: int, devices: int) -> int:
+    """k: how many microbatches a stage of `devices` computes in one pass (module doc): 1 where the
+    devices divide the microbatch's samples, else the fewest whole microbatches whose samples they do."""
+    return devices // math.gcd(microbatch_size, devices)
+
+
 def work_fraction(profile: Profile, devices: int) -> float:
-    """c: the share of a microbatch's samples (its compute, its activations) on a stage's busiest device."""
+    """c: the share of a microbatch's samples (its compute, its activations) a stage's busiest device
+    computes in one pass (module doc: 1/g, or 1/gcd(g, m) for a folded stage)."""
     m = profile.microbatch_size
-    return math.ceil(m / devices) / m
+    return (m // math.gcd(m, devices)) / m
 
 
 def gathered_bytes(profile: Profile, layer: LayerProfile) -> float:
@@ -217,9 +232,10 @@ def stage_time(profile: Profile, start: int, stop: int, devices: int, first_devi
         comm += 2 * p2p_time(boundary_link(profile, first_device), c * profile.layers[start - 1].output_bytes)
     if stop < profile.num_layers:
         comm += 2 * p2p_time(boundary_link(profile, first_device + devices), c * profile.layers[stop - 1].output_bytes)
+    k = stage_fold(profile.microbatch_size, devices)  # a pass of k microbatches, charged per microbatch
     if keep:
-        return compute + comm
-    return compute + comm + exposed_shard_time(profile, layers, devices, c, profile.link("allreduce_intra"))
+        return (compute + comm) / k
+    return (compute + comm + exposed_shard_time(profile, layers, devices, c, profile.link("allreduce_intra"))) / k
 
 
 def stage_once_time(profile: Profile, start: int, stop: int, devices: int, keep: bool) -> float:

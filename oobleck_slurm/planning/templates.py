@@ -30,6 +30,10 @@ devices_per_node and the microbatch size (a stage splits each microbatch's sampl
 `max_stage_devices` (`cluster.max_stage_devices`, default 1). A stage of g > 1 devices is sharded
 inside the stage, kept or resharded (see `cost`). Whether a stage of g devices fits in the current
 node, and its in-flight bound min(N_b, r - g + 1), depend only on r, so the DP stays exact over widths.
+
+One more 1-node template is not in the DP's space: the whole node as the pipeline's only stage when
+the node's devices do not divide the microbatch size (`folded_width`; the stage computes several
+microbatches per pass, `cost.stage_fold`). It is evaluated alone and taken where it beats the DP's.
 """
 
 from __future__ import annotations
@@ -123,6 +127,16 @@ def allowed_stage_devices(devices_per_node: int, max_stage_devices: int = 1, mic
     devices_per_node and, when given, the microbatch size."""
     return [g for g in range(1, min(devices_per_node, max_stage_devices) + 1)
             if g & (g - 1) == 0 and devices_per_node % g == 0 and (not microbatch_size or microbatch_size % g == 0)]
+
+
+def folded_width(devices_per_node: int, max_stage_devices: int, microbatch_size: int) -> int | None:
+    """The width of a 1-node template's only stage that folds microbatches (module doc): the node's
+    devices, where `allowed_stage_devices` leaves them out only because they do not divide the
+    microbatch size; else None."""
+    d = devices_per_node
+    if 1 < d <= max_stage_devices and d & (d - 1) == 0 and microbatch_size % d:
+        return d
+    return None
 
 
 def fits_in_node(devices_per_node: int, devices_left: int, g: int) -> bool:
@@ -362,7 +376,7 @@ def generate_templates(
     top = min(max_nodes, (tab.L * max(tab.gs)) // d)
     sizes = list(range(min_nodes, top + 1))
     if not sizes:
-        return []
+        return _with_folded(profile, {}, min_nodes, nb_of(1), num_microbatches, max_stage_devices)
     r_all = d * top
     cands = tab.candidates()
     least_peak = _run_pass(tab, INF, r_all, minmax=True).value[:, 0]
@@ -399,7 +413,22 @@ def generate_templates(
                 absorb(res, n)
     if progress:
         progress(len(sizes), len(sizes))
-    return [template_from_stages(profile, n, chosen[n], nb_of(n), num_microbatches) for n in sizes if n in chosen]
+    out = {n: template_from_stages(profile, n, chosen[n], nb_of(n), num_microbatches) for n in sizes if n in chosen}
+    return _with_folded(profile, out, min_nodes, nb_of(1), num_microbatches, max_stage_devices)
+
+
+def _with_folded(profile: Profile, templates: dict[int, PipelineTemplate], min_nodes: int, nb: int,
+                 num_microbatches: int, max_stage_devices: int) -> list[PipelineTemplate]:
+    """`templates` by node count, with the 1-node template replaced by the folded one (module doc) where
+    that is faster; smallest first."""
+    g = folded_width(profile.devices_per_node, max_stage_devices, profile.microbatch_size)
+    if g is not None and min_nodes == 1:
+        folded = template_from_stages(profile, 1, [(0, profile.num_layers, 0, g)], nb, num_microbatches)
+        # kept or not at all: a resharded stage's ranks must run every pass, and a partial one has none
+        fits = folded.stages[0].keep and folded.stages[0].memory_bytes <= cost.usable_memory(profile)
+        if fits and folded.iteration_time_s < (templates[1].iteration_time_s if 1 in templates else INF):
+            templates[1] = folded
+    return [templates[n] for n in sorted(templates)]
 
 
 def explain_infeasible(profile: Profile, num_microbatches: int, max_stage_devices: int = 1) -> str:

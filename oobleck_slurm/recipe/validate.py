@@ -204,9 +204,10 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
             f"must divide the devices per node ({c.devices_per_node}), got {c.max_stage_devices}")
     else:
         # the widths the planner may pick (planning/templates.allowed_stage_devices); the engine splits
-        # each microbatch's samples evenly over a stage
+        # each microbatch's samples evenly over a stage, except a whole node's only stage, which may
+        # compute several microbatches per pass (templates.folded_width)
         wide = [g for g in range(2, c.max_stage_devices + 1) if c.devices_per_node % g == 0]
-        if uneven := [g for g in wide if t.microbatch_size % g]:
+        if uneven := [g for g in wide if t.microbatch_size % g and g != c.devices_per_node]:
             add(("cluster", "max_stage_devices"),
                 f"a stage of g workers splits each microbatch between them: microbatch_size {t.microbatch_size} "
                 f"is not a multiple of the stage width(s) {uneven} (lower max_stage_devices or raise microbatch_size)")

@@ -7,10 +7,20 @@ from exec_plans import make_plan
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec, PlanError, edge_pieces, layer_groups, reduce_pieces
+from oobleck_slurm.engine.layout import (
+    ExecPlan,
+    PipelineSpec,
+    PlanError,
+    edge_pieces,
+    layer_groups,
+    pass_slices,
+    reduce_pieces,
+    sample_range,
+)
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.schedule import one_f_one_b
 from oobleck_slurm.engine.shard import bucket_runs
+from oobleck_slurm.planning.cost import stage_fold
 
 
 @given(st.integers(1, 6), st.integers(0, 12), st.data())
@@ -129,3 +139,22 @@ def test_bucket_runs_cut_layers_in_order_at_the_cap(sizes, cap, first_alone):
         assert all(sum(sizes[p] for p in body[:j]) < cap for j in range(1, len(body)))
         if body and k < len(runs) - 1:
             assert sum(sizes[p] for p in body) >= cap
+
+
+@given(st.integers(1, 8), st.sampled_from([1, 2, 4, 8]), st.integers(0, 9))
+def test_pass_slices_give_every_sample_to_one_rank(b, width, mb_count):
+    k = stage_fold(b, width)
+    per_rank = [pass_slices(b, width, index, mb_count) for index in range(width)]
+    assert all(len(passes) == math.ceil(mb_count / k) for passes in per_rank)
+    seen = [[0] * b for _ in range(mb_count)]
+    for index, passes in enumerate(per_rank):
+        for p, slices in enumerate(passes):
+            assert sum(hi - lo for _, lo, hi in slices) <= b * k // width  # the most a pass gives a rank
+            for m, lo, hi in slices:
+                assert p * k <= m < (p + 1) * k and 0 <= lo < hi <= b
+                for sample in range(lo, hi):
+                    seen[m][sample] += 1
+            if k == 1 and mb_count:  # the width divides b: the rank's slice of every microbatch
+                assert slices == [(p, *sample_range(b, width, index))]
+    assert all(count == 1 for row in seen for count in row)
+

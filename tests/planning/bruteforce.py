@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from oobleck_slurm.planning import cost
 from oobleck_slurm.planning.profile import Profile
-from oobleck_slurm.planning.templates import PipelineTemplate, allowed_stage_devices, template_from_stages
+from oobleck_slurm.planning.templates import PipelineTemplate, allowed_stage_devices, folded_width, template_from_stages
 
 
 def _partitions(L: int, D: int, d: int, gs: list[int], a: int = 0,
@@ -35,9 +35,14 @@ def best_template_brute(
     gs = allowed_stage_devices(profile.devices_per_node, max_stage_devices, profile.microbatch_size)
     budget = cost.usable_memory(profile)
     best = None
-    for stages in _partitions(profile.num_layers, num_nodes * profile.devices_per_node, profile.devices_per_node, gs):
+    partitions = list(_partitions(profile.num_layers, num_nodes * profile.devices_per_node, profile.devices_per_node, gs))
+    folded = folded_width(profile.devices_per_node, max_stage_devices, profile.microbatch_size)
+    if folded is not None and num_nodes == 1:  # the whole node as the only stage, several microbatches a pass
+        partitions.append([(0, profile.num_layers, 0, folded)])
+    for stages in partitions:
         t = template_from_stages(profile, num_nodes, stages, num_microbatches, memory_microbatches)
-        if t.max_memory_bytes > budget:
+        if t.max_memory_bytes > budget or (cost.stage_fold(profile.microbatch_size, stages[0][3]) > 1
+                                           and not t.stages[0].keep):
             continue
         if best is None or t.iteration_time_s < best.iteration_time_s:
             best = t

@@ -110,6 +110,24 @@ def test_one_node_of_eight_devices_can_be_one_stage():
     assert t.max_memory_bytes < t1.max_memory_bytes
 
 
+def test_a_nodes_only_stage_wider_than_the_microbatch_folds_microbatches():
+    # 8 devices, microbatches of 4: a stage of 8 computes 2 microbatches a pass, one sample a device
+    assert [cost.stage_fold(4, g) for g in (1, 2, 4, 8)] == [1, 1, 1, 2]
+    assert cost.stage_fold(6, 4) == 2 and cost.stage_fold(3, 8) == 8
+    profile = replace(make_profile([0.01] * 8, devices_per_node=8, intra=Link(1e-6, 1e12)), microbatch_size=4)
+    assert cost.work_fraction(profile, 8) == 1 / 4  # per pass: each device one of a microbatch's 4 samples
+    free = replace(profile, links={**profile.links, "allreduce_intra": FREE})
+    assert math.isclose(cost.stage_time(free, 0, 8, 8, 0, keep=True), 0.08 / 8)  # per microbatch: 1/8 of it
+    (t,) = generate_templates(profile, 1, num_microbatches=4, max_stage_devices=8)
+    assert [(s.start, s.stop, s.devices, s.keep) for s in t.stages] == [(0, 8, 8, True)]
+    (split,) = generate_templates(profile, 1, num_microbatches=4, max_stage_devices=4)
+    assert len(split.stages) > 1 and split.iteration_time_s > t.iteration_time_s  # a bubble
+    # only kept: where the gathered layers do not fit, the DP's best of widths 1, 2 and 4 stays
+    tight = replace(profile, device_memory_bytes=int(t.max_memory_bytes / cost.USABLE_MEMORY_FRACTION) - 1)
+    for t2 in generate_templates(tight, 1, num_microbatches=4, max_stage_devices=8):
+        assert all(s.devices <= 4 for s in t2.stages)
+
+
 def test_a_stage_may_sit_anywhere_inside_a_node_but_never_across_two():
     profile = replace(make_profile([0.01] * 6, devices_per_node=4), microbatch_size=4)
     for t in generate_templates(profile, 3, num_microbatches=4, max_stage_devices=4):
@@ -157,12 +175,16 @@ def test_plan_shows_widths_and_the_data_parallel_bound(tmp_path, capsys):
     assert run(plan, [*args, "--max-stage-devices", "1"]) == 0
     narrow = json.loads(capsys.readouterr().out)
     assert narrow["request"]["max_stage_devices"] == 1 and narrow["stage_devices"] == [[1] * 8, [1] * 8]
-    assert run(plan, args) == 0  # the recipe's cluster.max_stage_devices: 4
+    assert run(plan, [*args, "--max-stage-devices", "4"]) == 0  # stages that split each microbatch of 4
+    split = json.loads(capsys.readouterr().out)
+    assert split["stage_devices"] == [[4, 4], [4, 4]]
+    assert run(plan, args) == 0  # the recipe's cluster.max_stage_devices: 8
     wide = json.loads(capsys.readouterr().out)
-    assert wide["request"]["max_stage_devices"] == 4
-    assert any(g > 1 for stages in wide["stage_devices"] for g in stages)
-    assert wide["plan"]["samples_per_s"] > narrow["plan"]["samples_per_s"]
+    assert wide["request"]["max_stage_devices"] == 8
+    assert wide["stage_devices"] == [[8], [8]]  # each node one stage, two microbatches a pass: no bubble
+    assert wide["plan"]["samples_per_s"] > split["plan"]["samples_per_s"] > narrow["plan"]["samples_per_s"]
     assert wide["data_parallel_bound"] == narrow["data_parallel_bound"]
+    assert 0.9 * wide["data_parallel_bound"]["samples_per_s"] <= wide["plan"]["samples_per_s"]
     assert wide["plan"]["samples_per_s"] <= wide["data_parallel_bound"]["samples_per_s"]
     assert run(plan, args[:-1]) == 0
     assert "data-parallel bound" in capsys.readouterr().out

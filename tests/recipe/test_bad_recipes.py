@@ -66,7 +66,7 @@ BAD_RECIPES = [
     ("data-tokenizer-bad", "data:\n  tokenizer: gpt2\n", "data.tokenizer", 2, "expected 'byte', a tokenizer.json path or 'package.module:function'"),
     ("data-tokenizer-missing", "data:\n  tokenizer: tok/tokenizer.json\n", "data.tokenizer", 2, "no Hugging Face tokenizer at"),
     ("grad-clip-negative", "training:\n  grad_clip: -1\n", "training.grad_clip", 2, "must be >= 0"),
-    ("stage-width-splits-microbatch", "cluster:\n  workers_per_node: 4\n  max_stage_devices: 4\ntraining:\n  microbatch_size: 2\n",
+    ("stage-width-splits-microbatch", "cluster:\n  workers_per_node: 8\n  max_stage_devices: 4\ntraining:\n  microbatch_size: 2\n",
      "cluster.max_stage_devices", 3, "microbatch_size 2 is not a multiple of the stage width(s) [4]"),
     ("detection-unknown-key", "detection:\n  treshold: 3\n", "detection.treshold", 2, "did you mean 'detection.threshold'"),
     ("detection-threshold-text", "detection:\n  threshold: high\n", "detection.threshold", 2, "expected a number, got str 'high'"),
