@@ -180,8 +180,9 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
         assert server.cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.supervisor.warm"]
         assert sum(standby.cpu_times()[:2]) < 0.5
         # That server is a fork of the primary, which had imported torch: it imported only the rest
-        # (~1 s of CPU; a fresh interpreter's preload takes ~3 s).
-        assert server.ppid() == primary.pid and sum(server.cpu_times()[:2]) < 2.0
+        # (~1 s of CPU, 2.2 s seen under the whole suite's load, which slows every instruction; a fresh
+        # interpreter's preload takes ~3 s on a quiet machine).
+        assert server.ppid() == primary.pid and sum(server.cpu_times()[:2]) < 2.6
         # the primary's own command line, its argv room (--title-room) hidden
         assert psutil.Process(primary.pid).cmdline() == [sys.executable, "-m", "oobleck_slurm.supervisor.main",
                                                          str(job.path), "--backend", "local"]
