@@ -640,6 +640,10 @@ class Worker:
                             raise RuntimeError("a stage after the first returned no input gradient")
                         post_send("grad", grad_in, role.prev_ranks, 2 * m + 1)
             if gather is not None:
+                if last_pass < 0 and role.keep and role.mb_count:
+                    # a folded stage's pipeline with fewer microbatches than a pass: the ranks with a
+                    # sample gathered the layers at their first forward, so this one gathers them too
+                    gather.before(0, 1)
                 gather.finish()
             if last_pass < 0:  # no sample this step: still take part in every layer's all-reduce
                 for index in reversed(role.layers):

@@ -174,13 +174,17 @@ def test_a_pipelines_only_stage_wider_than_its_microbatch_folds_microbatches(war
     # microbatches of 2 samples: node 0's only stage of 4 ranks computes 2 microbatches a pass, a sample
     # on each rank; its 3 microbatches end with a pass of 1, on ranks 1 and 3 alone (0 and 2 skip it
     # and reduce behind their first pass), beside a pipeline of widths 2, 1, 1. Then node 1 alone folds
-    # all 5 microbatches: layers copied into it from both pipelines' shards
-    train = dataclasses.replace(tiny_job().train, steps=4, microbatch_size=2, num_microbatches=5)
+    # all 5 microbatches: layers copied into it from both pipelines' shards. Last, node 0's stage gets
+    # 1 microbatch, less than a pass: ranks 0 and 2 have no sample in the step and still gather and
+    # reduce-scatter with the others
+    train = dataclasses.replace(tiny_job().train, steps=5, microbatch_size=2, num_microbatches=5)
     job = dataclasses.replace(tiny_job(), train=train)
     folded = ExecPlan(6, 5, (PipelineSpec((0,), (0, 6), 0, 3, (4,), (True,)),
                              PipelineSpec((4, 6, 7), (0, 3, 5, 6), 3, 2, (2, 1, 1))))
     alone = ExecPlan(6, 5, (PipelineSpec((4,), (0, 6), 0, 5, (4,), (True,)),))
-    losses, layers = run_plans(warm, tmp_path, job, [(0, folded), (2, alone)])
+    short = ExecPlan(6, 5, (PipelineSpec((0,), (0, 6), 0, 1, (4,), (True,)),
+                            PipelineSpec((4, 6, 7), (0, 3, 5, 6), 1, 4, (2, 1, 1))))
+    losses, layers = run_plans(warm, tmp_path, job, [(0, folded), (2, alone), (4, short)])
     assert_exact(job, losses, layers)
 
 
