@@ -464,11 +464,14 @@ class Worker:
 
     def _samples(self, mb_start: int, slices: list[Slice]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's tokens and targets of one pass (layout.pass_slices), on the device."""
-        parts = [(t[lo:hi], y[lo:hi]) for (t, y), (_, lo, hi) in
-                 zip((self.batches.microbatch(self.step, mb_start + m) for m, _, _ in slices), slices)]
-        if len(parts) == 1:
-            return parts[0][0].to(self.device), parts[0][1].to(self.device)
-        return (torch.cat([t for t, _ in parts]).to(self.device), torch.cat([y for _, y in parts]).to(self.device))
+        tokens, targets = [], []
+        for m, lo, hi in slices:
+            t, y = self.batches.microbatch(self.step, mb_start + m)
+            tokens.append(t[lo:hi])
+            targets.append(y[lo:hi])
+        # one slice (every stage but a folded one's): a view, no copy before the one to the device
+        join = (lambda parts: parts[0]) if len(slices) == 1 else torch.cat
+        return join(tokens).to(self.device), join(targets).to(self.device)
 
     def _boundary_buffer(self, index: int, samples: int | None = None) -> torch.Tensor:
         """A receive buffer for the tensor entering layer `index` (or its gradient), for `samples`

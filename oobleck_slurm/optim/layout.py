@@ -31,7 +31,7 @@ StateLayout = dict[str, TensorLayout]
 
 
 def adamw_state_layout(
-    shape: tuple[int, ...], param_dtype: torch.dtype, amsgrad: bool = False, fused: bool = False
+    shape: tuple[int, ...], param_dtype: torch.dtype, amsgrad: bool = False, fused: bool = True
 ) -> StateLayout:
     """torch.optim.AdamW, not capturable: step + two full moments. torch keeps a fused AdamW's step as
     a float32 scalar on the parameter's device, and any other's as a CPU scalar of its "scalar dtype"
