@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_slurm.commands.kill_node import local_node_processes
-from oobleck_slurm.protocol.events import read_events
+from oobleck_slurm.protocol.events import EventTail
 from oobleck_slurm.supervisor.client import live_status
 
 # fault_tolerance: lines for the drill's job (6 nodes, f=2): replacements requested, a long
@@ -43,8 +43,14 @@ class Round:
         return asdict(self)
 
 
+_TAILS: dict[Path, tuple[EventTail, list[dict[str, Any]]]] = {}
+
+
 def _events(job: Path) -> list[dict[str, Any]]:
-    return read_events(job / "events.jsonl")
+    """The job's events so far, read incrementally: the waits look 20 times a second for minutes."""
+    tail, seen = _TAILS.setdefault(job, (EventTail(job / "events.jsonl"), []))
+    seen.extend(tail.poll())
+    return seen
 
 
 def _members(events: list[dict[str, Any]]) -> list[str]:
@@ -73,8 +79,9 @@ def wait_full(job: Path, nodes: int = NODES, timeout: float = JOIN_TIMEOUT_S) ->
 
 def kill_two(job: Path, rng: random.Random) -> Round:
     """Kill two members' agents and workers `gap` (1-76 ms) apart; wait for the resume."""
-    before = _events(job)
-    a, b = rng.sample(sorted(_members(before)), 2)
+    seen = _events(job)
+    before = len(seen)  # the events from here on are this round's
+    a, b = rng.sample(sorted(_members(seen)), 2)
     status = live_status(job)
     procs = [local_node_processes(status.agent_pids.get(status.node_of.get(n, n))) for n in (a, b)]
     if not all(procs):
@@ -91,7 +98,7 @@ def kill_two(job: Path, rng: random.Random) -> Round:
                 pass
 
     def resumed(ev: list[dict[str, Any]]) -> dict[str, Any] | None:
-        new = ev[len(before):]
+        new = ev[before:]
         lost = {n for e in new if e["kind"] == "failure" for n in e.get("nodes", [])}
         if not {a, b} <= lost:
             return None
@@ -99,7 +106,7 @@ def kill_two(job: Path, rng: random.Random) -> Round:
         return next((e for e in new[last_loss:] if e["kind"] == "resumed"), None)
 
     found = wait_until(job, resumed, RESUME_TIMEOUT_S)
-    new = _events(job)[len(before):]
+    new = _events(job)[before:]
     bad = [e for e in new if e["kind"] in ("checkpoint_fallback", "done")
            or (e["kind"] == "failure" and set(e.get("nodes", [])) - {a, b})]
     recoveries = len({e.get("recovery") for e in new if e["kind"] == "replan"})

@@ -18,6 +18,7 @@ completed from what finished before the failure or replayed (recovery.py).
 from __future__ import annotations
 
 import datetime as dt
+import socket
 import threading
 import time
 import weakref
@@ -250,15 +251,43 @@ def build_generation(store: dist.Store, number: int, rank: int, world_size: int,
         raise CollectiveError(f"{type(err).__name__}: {err}") from err
 
 
-def clone_store(store: dist.Store) -> dist.Store:
+def clone_store(store: dist.Store, attempt_s: float = DEFAULT_TIMEOUTS.store_clone_attempt) -> dist.Store:
     """A second client connection to the same TCPStore (the same keys), for a thread that blocks in it.
-    Of the same type (a benchmark's counting client stays one); FailureWatch finds a clone's origin."""
-    if isinstance(store, dist.TCPStore):
-        # Store.timeout exists at run time but not in torch's stubs.
-        clone = type(store)(store.host, store.port, is_master=False, timeout=store.timeout)  # type: ignore[attr-defined]
-        _clone_of[clone] = _clone_of.get(store, store)
-        return clone
-    return store
+    Of the same type (a benchmark's counting client stays one); FailureWatch finds a clone's origin.
+
+    Connected in attempts of `attempt_s`, up to the store's own timeout, and given up at once when the
+    store's port refuses connections: torch retries a refused connect until its timeout (60 s, three
+    times over), so a thread cloning the store of a supervisor that had just died was stuck for minutes,
+    deaf to a standby's takeover. A live store that is slow to answer (thousands of clients connecting
+    at a generation change) still has the whole timeout."""
+    if not isinstance(store, dist.TCPStore):
+        return store
+    timeout: dt.timedelta = store.timeout  # type: ignore[attr-defined]  # exists at run time, not in torch's stubs
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            clone = type(store)(store.host, store.port, is_master=False,
+                                timeout=dt.timedelta(seconds=max(0.1, min(attempt_s, left))))
+            break
+        except dist.DistNetworkError:
+            if left <= attempt_s or _refuses_connections(store.host, store.port, attempt_s):
+                raise
+    clone.set_timeout(timeout)
+    _clone_of[clone] = _clone_of.get(store, store)
+    return clone
+
+
+def _refuses_connections(host: str, port: int, timeout_s: float) -> bool:
+    """True when nothing listens at host:port any more (its process died); a slow or busy server
+    still accepts the connection, which is closed at once."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # unreachable or slow: not known to be gone
+        return False
+    return False
 
 
 _clone_of: weakref.WeakKeyDictionary[dist.Store, dist.Store] = weakref.WeakKeyDictionary()  # clone -> origin

@@ -70,6 +70,10 @@ class JobTimeouts:
     # ---- the job's own timeouts ---------------------------------------------------------------------
     # A connect or get on the job's TCPStore: the supervisor hosts it, only its node's loss reaches this.
     store_timeout: float = 60.0
+    # One attempt to open a second connection to a store this process is connected to already (a thread's
+    # own, engine/abort.py clone_store): a live store answers within it; a refused connect after it means
+    # its supervisor died, and the attempts stop (torch alone retries a refused connect for store_timeout).
+    store_clone_attempt: float = 2.0
     # Building a group: every member must have started (torch's import, building its layers).
     connect_timeout: float = 120.0
     # The whole run, and a worker's wait for its next generation: only catches a supervisor that stopped

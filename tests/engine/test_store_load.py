@@ -155,6 +155,28 @@ def test_a_failed_store_raises_from_the_watch(server: dist.TCPStore) -> None:
     eventually(lambda: not watch_threads(11), "the thread ends")
 
 
+def test_a_clone_has_its_origins_timeout_and_keys(server: dist.TCPStore) -> None:
+    origin = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=dt.timedelta(seconds=45))
+    clone = clone_store(origin, attempt_s=0.5)
+    assert clone.timeout == dt.timedelta(seconds=45)  # type: ignore[attr-defined]  # connected in 0.5 s attempts
+    origin.set("k", "v")
+    assert clone.get("k") == b"v"
+
+
+def test_a_clone_of_a_store_whose_server_died_fails_within_an_attempt_or_two() -> None:
+    """torch retries a refused connect until the store's timeout (here 60 s, three times over): a
+    worker's thread cloning the store of a supervisor killed a moment before was stuck for minutes and
+    missed the standby's takeover (its node was declared lost after the reconfiguration timeout)."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    origin = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=dt.timedelta(seconds=60))
+    del master
+    gc.collect()
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistNetworkError):
+        clone_store(origin, attempt_s=1.0)
+    assert time.monotonic() - t0 < 15.0  # one attempt with torch's own retries (~3.3 s), then the probe
+
+
 def test_other_stores_are_looked_up_at_most_every_poll() -> None:
     """A HashStore (no second connection possible) is polled by failed() itself, rate-limited."""
     store = dist.HashStore()

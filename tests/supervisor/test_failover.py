@@ -38,6 +38,20 @@ def wait_until(what, condition, seconds=240.0):
     return found
 
 
+class Events:
+    """A running job's events, read incrementally: looking every 10 ms re-parsed the whole log each time
+    (seconds of the test process's CPU over a job)."""
+
+    def __init__(self, path):
+        from oobleck_slurm.protocol.events import EventTail
+
+        self.tail, self.seen = EventTail(path), []
+
+    def kind(self, kind):
+        self.seen.extend(self.tail.poll())
+        return [e for e in self.seen if e["kind"] == kind]
+
+
 def test_a_killed_supervisor_is_taken_over_in_steady_training(tmp_path, templates_cache):
     recipe = tiny_recipe(steps=8)
     recipe["drills"] = [{"step": 3, "how": "supervisor"}]
@@ -170,7 +184,8 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
     recipe = tiny_recipe(steps=90, heartbeat_lease=4.0, collective_timeout=3.0)
     job, primary, events, t0 = start_job(tmp_path, recipe, templates_cache)
     try:
-        wait_until("step 3", lambda: [e for e in read_events(events, "step") if e["step"] >= 3])
+        log = Events(events)
+        wait_until("step 3", lambda: [e for e in log.kind("step") if e["step"] >= 3])
         lease = read_lease(job)
         assert lease is not None and lease.pid == primary.pid
         # The standby is forked from the job's warm server, so it imported nothing itself: a fresh
@@ -188,12 +203,12 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
                                                          str(job.path), "--backend", "local"]
         os.kill(primary.pid, signal.SIGSTOP)
         frozen_at = time.time()
-        (takeover,) = wait_until("the takeover", lambda: read_events(events, "takeover"))
+        (takeover,) = wait_until("the takeover", lambda: log.kind("takeover"))
         assert takeover["epoch"] == 2 and takeover["lost"] == []
         steps_before_thaw = len(read_events(events, "step"))
         os.kill(primary.pid, signal.SIGCONT)
         assert primary.wait(30) != 0  # fenced: it left
-        finished = wait_until("the end", lambda: read_events(events, "job_finished"))
+        finished = wait_until("the end", lambda: log.kind("job_finished"))
     finally:
         if primary.poll() is None:
             os.killpg(primary.pid, signal.SIGKILL)
@@ -222,13 +237,14 @@ def test_a_supervisor_killed_during_a_straggler_rebalance_is_taken_over(tmp_path
     recipe["drills"] = [{"step": 10, "node": "node2", "how": "slow"}]
     job, primary, events, t0 = start_job(tmp_path, recipe, templates_cache)
     try:
-        wait_until("a rebalance", lambda: [e for e in read_events(events, "plan") if e["reason"] == "rebalance"])
+        log = Events(events)
+        wait_until("a rebalance", lambda: [e for e in log.kind("plan") if e["reason"] == "rebalance"])
         lease = read_lease(job)
         assert lease is not None and lease.pid == primary.pid
         os.kill(primary.pid, signal.SIGKILL)
         killed_at = time.time()
         primary.wait(30)
-        (finished,) = wait_until("the end", lambda: read_events(events, "job_finished"))
+        (finished,) = wait_until("the end", lambda: log.kind("job_finished"))
     finally:
         if primary.poll() is None:
             os.killpg(primary.pid, signal.SIGKILL)
@@ -236,5 +252,7 @@ def test_a_supervisor_killed_during_a_straggler_rebalance_is_taken_over(tmp_path
     run = JobRun(job, 0, read_events(events), time.time() - t0)
     assert [e["epoch"] for e in run.kind("takeover")] == [2]
     assert [e for e in run.kind("resumed") if e["t"] > killed_at]
-    assert not run.kind("checkpoint_fallback") and not run.kind("node_lost")
+    # no member is declared lost: one that was cloning the dead primary's store when it was killed
+    # follows the standby too (it was stuck in torch's connect retries past the reconfiguration timeout)
+    assert not run.kind("checkpoint_fallback") and not run.kind("node_lost") and not run.kind("failure")
     assert_matches_reference(run)
