@@ -101,12 +101,12 @@ def test_cancel_of_a_finished_job_changes_nothing(tmp_path: Path, capsys: pytest
 
 
 @pytest.mark.slow
-def test_cancel_a_real_local_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cancel_a_real_local_job(tmp_path: Path, templates_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     recipe = tmp_path / "long.yaml"
     recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 100000\n")
     submitted = subprocess.run(
         [sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--detach", "--no-dashboard",
-         "--job-root", str(tmp_path / "jobs")], cwd=tmp_path, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+         "--job-root", str(tmp_path / "jobs"), "--cache", str(templates_cache)], cwd=tmp_path, capture_output=True, text=True, timeout=START_TIMEOUT_S)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     (job,) = (tmp_path / "jobs").iterdir()
     pid = json.loads((job / "meta.json").read_text())["pid"]

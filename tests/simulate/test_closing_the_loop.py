@@ -41,11 +41,12 @@ def wait_for(log: Path, condition, what: str, timeout: float = 240.0):  # noqa: 
 
 
 @pytest.mark.slow
-def test_kill_schedule_run_and_its_simulation_agree(tmp_path: Path) -> None:
+def test_kill_schedule_run_and_its_simulation_agree(tmp_path: Path, templates_cache: Path) -> None:
     recipe = tmp_path / "loop.yaml"
     recipe.write_text(f"extends: {REPO / 'recipes' / 'local-tiny.yaml'}\ntraining:\n  steps: 120\n"
                       f"fault_tolerance:\n  f: 1\n  replacement: none\n  checkpoint_interval: 40\n")
-    result = cli(tmp_path, "submit", str(recipe), "--detach", "--no-dashboard", "--job-root", str(tmp_path / "jobs"))
+    result = cli(tmp_path, "submit", str(recipe), "--detach", "--no-dashboard", "--job-root", str(tmp_path / "jobs"),
+                 "--cache", str(templates_cache))
     assert result.returncode == 0, result.stdout + result.stderr
     (job,) = (tmp_path / "jobs").iterdir()
     log = job / "events.jsonl"

@@ -64,11 +64,12 @@ def wait_for(job: Path, what: str, check, timeout: float):
     return found
 
 
-def submit(tmp_path: Path) -> Path:
-    """`submit --detach` of the failover recipe, as a user runs it; the job folder."""
+def submit(tmp_path: Path, cache: Path) -> Path:
+    """`submit --detach` of the failover recipe, as a user runs it; the job folder. The session's templates
+    cache: the lab's profile is measured once (its link measurement and layer timings cost seconds of CPU)."""
     recipe = tmp_path / "failover.yaml"
     recipe.write_text(RECIPE.format(repo=REPO, steps=STEPS))
-    done = cli(tmp_path, "submit", str(recipe), "--detach")
+    done = cli(tmp_path, "submit", str(recipe), "--detach", "--cache", str(cache))
     assert done.returncode == 0, done.stdout + done.stderr
     (job,) = (tmp_path / "jobs").iterdir()
     return job
@@ -97,7 +98,7 @@ def job_node(lab, job_id: str) -> str:
 
 
 @pytest.mark.parametrize("how", ["node", "freeze", "machine"])
-def test_supervisor_lost_standby_job_takes_over(slurm_cluster, tmp_path: Path, how: str) -> None:
+def test_supervisor_lost_standby_job_takes_over(slurm_cluster, tmp_path: Path, templates_cache: Path, how: str) -> None:
     """`node`: `kill-node --how node`, every process of the job on the primary's node SIGKILLed (its job
     ends); `freeze`: the primary SIGSTOPped (its connections stay open; the new primary cancels its
     job); `machine`: the lab kills the whole node, its slurmd too (Slurm marks it DOWN later).
@@ -113,7 +114,7 @@ def test_supervisor_lost_standby_job_takes_over(slurm_cluster, tmp_path: Path, h
     # takeover (on neither supervisor's node): 7 nodes.
     for _ in range(3):
         lab.start_spare()
-    job = submit(tmp_path)
+    job = submit(tmp_path, templates_cache)
     try:
         started = wait_for(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"], 180)[0]
         # The standby's job, submitted once the primary runs, then running; then step 5: the kill follows

@@ -48,12 +48,13 @@ def recover(drill_module, lab, job: Path, node: str, kind: str) -> dict:
     return d.lost
 
 
-def test_kill_down_freeze_each_recovers_and_refills(slurm_cluster, slurm_drill, tmp_path: Path) -> None:
+def test_kill_down_freeze_each_recovers_and_refills(slurm_cluster, slurm_drill, tmp_path: Path,
+                                                   templates_cache: Path) -> None:
     lab = slurm_cluster
     recipe = tmp_path / "lab.yaml"
     recipe.write_text(slurm_drill.RECIPE.format(repo=REPO))
 
-    done = cli(tmp_path, "submit", str(recipe), "--detach")
+    done = cli(tmp_path, "submit", str(recipe), "--detach", "--cache", str(templates_cache))
     assert done.returncode == 0, done.stdout + done.stderr
     (job,) = (tmp_path / "jobs").iterdir()
     try:
@@ -109,7 +110,8 @@ fault_tolerance:
 """
 
 
-def test_two_workers_per_node_on_slurm_survive_kill_9_of_one(slurm_cluster, tmp_path: Path) -> None:
+def test_two_workers_per_node_on_slurm_survive_kill_9_of_one(slurm_cluster, tmp_path: Path,
+                                                            templates_cache: Path) -> None:
     """The lab with 2 workers per node (8 ranks over 4 srun steps): kill -9 of one worker takes its
     node out, the other nodes' workers keep their processes, every step's loss equals the reference.
 
@@ -126,7 +128,8 @@ def test_two_workers_per_node_on_slurm_survive_kill_9_of_one(slurm_cluster, tmp_
     recipe.write_text(TWO_WORKERS.format(repo=REPO, steps=TWO_WORKER_STEPS))
     out, err = tmp_path / "submit.out", tmp_path / "submit.err"
     with out.open("w") as stdout, err.open("w") as stderr:  # files: the stream may outgrow a pipe's buffer
-        follower = subprocess.Popen([sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--json"],
+        follower = subprocess.Popen([sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--json",
+                                     "--cache", str(templates_cache)],
                                     cwd=tmp_path, stdout=stdout, stderr=stderr, text=True)
     job = None
     try:

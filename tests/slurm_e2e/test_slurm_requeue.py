@@ -44,7 +44,8 @@ def slurm_job(job_id: str) -> dict[str, str]:
     return parse_scontrol_records(out)[0]
 
 
-def test_preemption_checkpoints_requeues_and_resumes_the_same_trajectory(slurm_cluster, tmp_path: Path) -> None:
+def test_preemption_checkpoints_requeues_and_resumes_the_same_trajectory(slurm_cluster, tmp_path: Path,
+                                                                       templates_cache: Path) -> None:
     recipe = tmp_path / "requeue.yaml"
     recipe.write_text(f"""extends: {REPO / 'recipes' / 'lab-slurm.yaml'}
 cluster:
@@ -55,7 +56,8 @@ fault_tolerance:
   checkpoint_interval: 0
   replacement: none
 """)
-    done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--detach"], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--detach",
+                           "--cache", str(templates_cache)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     (job,) = (tmp_path / "jobs").iterdir()
