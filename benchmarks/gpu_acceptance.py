@@ -128,6 +128,7 @@ SECTIONS: dict[str, str] = {
     "e": "two_ranks_one_gpu",
     "f": "two_stage_pipeline",
 }
+GPU_ONLY = frozenset({"e"})  # skipped without a GPU, without starting their process (seconds of imports)
 # NCCL 2.30 added NCCL_MULTI_RANK_GPU_ENABLE (docs/nccl.md, "Several ranks on one GPU"); 2.30.0 is the
 # floor we test for, and a 2.30 release that still refuses shows up as section f's error.
 NCCL_MULTI_RANK_MIN = (2, 30, 0)
@@ -1370,6 +1371,10 @@ def run_section(key: str, s: Settings, console: Console) -> Record:
     bounded by `--section-timeout` (a hung section's stacks are recorded, then it is killed)."""
     console.print(f"[bold]({key}) {SECTIONS[key]}[/] ...")
     t0 = time.perf_counter()
+    if key in GPU_ONLY and not s.cuda:
+        rec = Record(key, SECTIONS[key], status="skipped", reason="no GPU", seconds=time.perf_counter() - t0)
+        console.print(f"    [yellow]skipped[/]: {rec.reason}")
+        return rec
     with tempfile.TemporaryDirectory(prefix=f"gpu_acceptance_{key}_") as tmp:
         (run,) = run_children("section", [{"settings": dataclasses.asdict(s), "key": key}],
                               child_env(s, section_env(s, key)), s.section_timeout_s, Path(tmp))

@@ -13,11 +13,20 @@ from typing import Any
 import psutil
 import pytest
 
-from oobleck_slurm.protocol.events import read_events
+from oobleck_slurm.protocol.events import EventTail, read_events
 from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.submission import prepare_job, start_local
 
 REPO = Path(__file__).resolve().parents[1]
+_FOLLOWED: dict[Path, tuple[EventTail, list[dict[str, Any]]]] = {}
+
+
+def events_so_far(path: Path) -> list[dict[str, Any]]:
+    """A running job's event log (`path`) so far, read incrementally: the tests' waits look at it up to
+    100 times a second for minutes, and parsing the whole log each time cost seconds of CPU a test."""
+    tail, seen = _FOLLOWED.setdefault(Path(path), (EventTail(path), []))
+    seen.extend(tail.poll())
+    return list(seen)
 
 
 @contextlib.contextmanager
@@ -57,7 +66,7 @@ def running_job(tmp_path: Path, fault_tolerance: str, cache: Path,
 def wait_for(job: Path, what: str, check, timeout: float = 180.0):  # noqa: ANN001, ANN201
     """Poll `job`'s events until `check(events)` is truthy; fail with the last events after `timeout`."""
     deadline = time.monotonic() + timeout
-    while not (found := check(read_events(job / "events.jsonl"))):
+    while not (found := check(events_so_far(job / "events.jsonl"))):
         if time.monotonic() > deadline:
             pytest.fail(f"{what} not seen within {timeout}s: {read_events(job / 'events.jsonl')[-10:]}")
         time.sleep(0.1)

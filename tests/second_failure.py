@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from job_events import events_so_far
+
 from oobleck_slurm.commands.kill_node import local_node_processes
-from oobleck_slurm.protocol.events import EventTail
 from oobleck_slurm.supervisor.client import live_status
 
 # fault_tolerance: lines for the drill's job (6 nodes, f=2): replacements requested, a long
@@ -43,14 +44,8 @@ class Round:
         return asdict(self)
 
 
-_TAILS: dict[Path, tuple[EventTail, list[dict[str, Any]]]] = {}
-
-
 def _events(job: Path) -> list[dict[str, Any]]:
-    """The job's events so far, read incrementally: the waits look 20 times a second for minutes."""
-    tail, seen = _TAILS.setdefault(job, (EventTail(job / "events.jsonl"), []))
-    seen.extend(tail.poll())
-    return seen
+    return events_so_far(job / "events.jsonl")
 
 
 def _members(events: list[dict[str, Any]]) -> list[str]:

@@ -58,7 +58,7 @@ from oobleck_slurm.planning.reconfigure import (
 )
 from oobleck_slurm.planning.templates import PipelineTemplate
 from oobleck_slurm.protocol import keys, records
-from oobleck_slurm.protocol.events import EventLog
+from oobleck_slurm.protocol.events import EventLog, read_events
 from oobleck_slurm.protocol.records import (
     CheckpointRef,
     Failed,
@@ -297,6 +297,11 @@ class Coordinator:
         kept = (Phase.REBUILDING, Phase.RESTARTING, Phase.REPLAYING)  # phases a change may interrupt
         self.phase = Phase(state.phase) if state.phase in {str(p) for p in kept} else Phase.RUNNING
         r = state.recovery
+        if r is not None and any(e.get("recovery") == r.id for e in read_events(self.log.path, "resumed")):
+            # The lost supervisor logged this recovery's end (resumed, its joins) and was killed before
+            # its state said so: it is over, and its joins are not reported twice.
+            r = None
+            self.phase = Phase.RUNNING
         if r is not None:
             self.recovery = _Recovery(r.id, r.generation, r.t_start, r.step, started=r.started, joined=r.joined)
         self._change(Change(lost=(), joined=(), trigger="supervisor"))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import psutil
+from job_events import events_so_far  # tests/job_events.py
 
 from oobleck_slurm.protocol.events import read_events
 from oobleck_slurm.supervisor.client import notify_fault
@@ -52,7 +53,7 @@ def wait_event(job: Path, what: str, check: Callable[[list[dict]], Any], timeout
     """Poll the job's events until `check(events)` is truthy; DrillError after `timeout` or the job's end."""
     deadline = time.monotonic() + timeout
     while True:
-        events = read_events(job / "events.jsonl")
+        events = events_so_far(job / "events.jsonl")
         found = check(events)
         if found:
             return found

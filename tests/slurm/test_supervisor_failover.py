@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from job_events import events_so_far
 
 from oobleck_slurm.cluster.slurm import parse_scontrol_records
 from oobleck_slurm.protocol.events import read_events
@@ -53,7 +54,7 @@ def cli(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProc
 def wait_for(job: Path, what: str, check, timeout: float):
     """Poll the job's events until `check(events)` is truthy; fail with the tail of the log after `timeout`."""
     deadline = time.monotonic() + timeout
-    while not (found := check(read_events(job / "events.jsonl"))):
+    while not (found := check(events_so_far(job / "events.jsonl"))):
         if time.monotonic() > deadline:
             tail = "\n".join(str(e) for e in read_events(job / "events.jsonl")[-20:] if e["kind"] != "node")
             logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from job_events import events_so_far
 from reference import train_reference  # tests/reference.py
 
 from oobleck_slurm.cluster.slurm import parse_scontrol_records
@@ -28,7 +29,7 @@ LOSS_RTOL = 1e-5  # fp32; the engine matches the reference to ~1e-7 (docs/recove
 
 def wait_events(job: Path, what: str, check, timeout: float) -> list[dict]:
     deadline = time.monotonic() + timeout
-    while not (found := check(read_events(job / "events.jsonl"))):
+    while not (found := check(events_so_far(job / "events.jsonl"))):
         if time.monotonic() > deadline:
             logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
                              for p in sorted((job / "logs").glob("*")) if p.is_file())

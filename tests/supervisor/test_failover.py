@@ -39,17 +39,16 @@ def wait_until(what, condition, seconds=240.0):
 
 
 class Events:
-    """A running job's events, read incrementally: looking every 10 ms re-parsed the whole log each time
-    (seconds of the test process's CPU over a job)."""
+    """A running job's events of one kind, read incrementally (`events_so_far`): looking every 10 ms
+    re-parsed the whole log each time (seconds of the test process's CPU over a job)."""
 
     def __init__(self, path):
-        from oobleck_slurm.protocol.events import EventTail
-
-        self.tail, self.seen = EventTail(path), []
+        self.path = path
 
     def kind(self, kind):
-        self.seen.extend(self.tail.poll())
-        return [e for e in self.seen if e["kind"] == kind]
+        from job_events import events_so_far
+
+        return [e for e in events_so_far(self.path) if e["kind"] == kind]
 
 
 def test_a_killed_supervisor_is_taken_over_in_steady_training(tmp_path, templates_cache):

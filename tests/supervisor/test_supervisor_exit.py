@@ -141,3 +141,31 @@ def test_a_completed_run_is_not_requeued(tmp_path: Path, monkeypatch: pytest.Mon
     assert end_with(monkeypatch, job) == 0
     assert JobDir.at(job).meta()["requeue"] is False
     assert SupervisorJob(str(job)).checkpoint() is None
+
+
+@pytest.mark.parametrize("logged", [True, False])
+def test_a_takeover_does_not_report_again_a_join_the_lost_supervisor_logged(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           logged: bool) -> None:
+    """The lost supervisor was killed between logging a join's recovery as resumed (`resumed`,
+    `node_joined`) and writing its state (seen in the suite under load: `node_joined` twice). The
+    standby's takeover then finds that recovery over; one not yet resumed in the log is carried on, its
+    joins reported when the takeover's recovery resumes."""
+    from oobleck_slurm.protocol.records import RecoveryState, SupervisorState
+    from oobleck_slurm.supervisor.coordinator import Phase
+
+    coordinator = timed_out_coordinator(tmp_path)
+    if logged:
+        coordinator.log.emit("resumed", generation=2, step=5, total_seconds=0.5, recovery=2, phase="replaying")
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(coordinator, "_change", lambda change: seen.update(recovery=coordinator.recovery,
+                                                                            phase=coordinator.phase))
+    state = SupervisorState(epoch=1, generation=2, members=tuple(NODES), plan=coordinator.plan.to_dict(),
+                            start_step=5, phase="replaying",
+                            recovery=RecoveryState(id=2, generation=2, t_start=1.0, step=5, started=1.0,
+                                                   joined=("n3",)))
+    coordinator.take_over(state)
+    if logged:
+        assert seen == {"recovery": None, "phase": Phase.RUNNING}
+    else:
+        assert seen["recovery"].joined == ("n3",) and seen["phase"] == Phase.REPLAYING
