@@ -43,11 +43,16 @@ def _slurm_module(stem: str) -> ModuleType:
 def slurm_cluster() -> Iterator[Any]:
     """The running lab (a tests/slurm/lab.py ``SlurmLab``): ``folder``, ``conf``, ``nodes``,
     ``spare_nodes``, ``kill_node``, ``start_node``, ``start_spare``, ``stop_spare``, ``set_down``,
-    ``resume``, ``node_state``, ``wait_node``, ``reset``. SLURM_CONF is set in os.environ."""
+    ``resume``, ``node_state``, ``wait_node``, ``reset``. SLURM_CONF is set in os.environ.
+
+    The lab is held one *test* at a time (`_slurm_lab_held`), not one session at a time: a session
+    that holds it only while one of its tests runs never makes another wait for the whole of its run.
+    Under pytest-xdist the lab's tests share one worker (`xdist_group`), but if they ever do not (a
+    crashed worker's tests handed to another, a test that asks for the lab at run time), they take
+    turns instead of one waiting 600 s for a lab its own run holds (seen once in CI)."""
     lab = _slurm_module("lab").SlurmLab()
-    with lab.exclusive():  # one test session at a time kills and resets the lab's nodes
-        # Tells the scripts that the lab's session lock is ours, so they do not wait for it.
-        script_env = {**os.environ, "OOBLECK_SLURM_SESSION_HELD": "1"}
+    script_env = {**os.environ, "OOBLECK_SLURM_SESSION_HELD": "1"}  # start.sh: the lock is ours now
+    with lab.exclusive(holder=f"starting the lab for {_session_name()}"):
         done = subprocess.run(
             ["bash", str(SLURM_DIR / "start.sh")],
             env=script_env, capture_output=True, text=True, timeout=900, check=False,
@@ -57,19 +62,26 @@ def slurm_cluster() -> Iterator[Any]:
                 f"tests/slurm/start.sh failed (exit {done.returncode}):\n{done.stderr}", pytrace=False
             )
         started = "# started" in done.stdout
-        previous = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = str(lab.conf)
-        try:
-            if not started:
-                lab.reset()  # a reused lab may hold what an interrupted session left behind
-            yield lab
-        finally:
-            if previous is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = previous
-            if started:
-                subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], env=script_env, timeout=120, check=False)
+        if not started:
+            lab.reset()  # a reused lab may hold what an interrupted session left behind
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(lab.conf)
+    try:
+        yield lab
+    finally:
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
+        # Only a lone session stops a lab it started: an xdist worker cannot know whether another
+        # worker of its run still needs it (tests/run_all.sh starts the lab before pytest anyway).
+        if started and not os.environ.get("PYTEST_XDIST_WORKER"):
+            subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], env=dict(os.environ), timeout=700, check=False)
+
+
+def _session_name() -> str:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return f"pytest pid {os.getpid()}" + (f" (xdist {worker})" if worker else "")
 
 
 @pytest.fixture(scope="session")
@@ -105,15 +117,20 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def _slurm_reset_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
-    """For Slurm tests: start the lab if needed, and afterwards put it back as start.sh left it
-    (no jobs, node1..node4 idle, spares stopped), so that tests do not depend on each other."""
+def _slurm_lab_held(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For Slurm tests: start the lab if needed, hold it for this test alone (`SlurmLab.exclusive`:
+    tests kill and reset nodes, which would break another test's jobs), and afterwards put it back as
+    start.sh left it (no jobs, node1..node4 idle, spares stopped), so that tests do not depend on each
+    other."""
     if not _uses_the_lab(request.node):
         yield
         return
     lab = request.getfixturevalue("slurm_cluster")
-    yield
-    lab.reset()
+    with lab.exclusive(holder=f"{request.node.nodeid} in {_session_name()}"):
+        try:
+            yield
+        finally:
+            lab.reset()
 
 
 @pytest.fixture(scope="session")

@@ -308,9 +308,10 @@ class SlurmLab:
             self.start_node(node, timeout=max(1.0, deadline - time.monotonic()))
 
     @contextlib.contextmanager
-    def exclusive(self, timeout: float = 600) -> Iterator[None]:
-        """Hold the lab for one user (a test session) at a time: tests kill and reset nodes, which
-        would break another session's jobs. Waits up to ``timeout`` seconds for the holder."""
+    def exclusive(self, timeout: float = 600, holder: str | None = None) -> Iterator[None]:
+        """Hold the lab for one user (a test, or a script) at a time: tests kill and reset nodes,
+        which would break another user's jobs. Waits up to ``timeout`` seconds for the holder; the
+        lock file names the holder (``holder``, else this process's pid and command line)."""
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         path = Path(f"{self.folder}.session-lock")
         with open(path, "a+") as lock:
@@ -321,18 +322,18 @@ class SlurmLab:
                     break
                 except BlockingIOError:
                     lock.seek(0)
-                    holder = lock.read().strip() or "unknown"
+                    current = lock.read().strip() or "unknown"
                     if time.monotonic() > deadline:
                         raise LabError(
                             f"the Slurm lab {self.folder} is held by another test session "
-                            f"({holder}) for more than {timeout}s"
+                            f"({current}) for more than {timeout}s"
                         ) from None
                     if not waited:
-                        print(f"waiting for the Slurm lab, held by {holder}", file=sys.stderr)
+                        print(f"waiting for the Slurm lab, held by {current}", file=sys.stderr)
                         waited = True
                     time.sleep(1)
             lock.truncate(0)
-            lock.write(f"pid {os.getpid()}: {' '.join(sys.argv)}\n")
+            lock.write((holder or f"pid {os.getpid()}: {' '.join(sys.argv)}") + "\n")
             lock.flush()
             try:
                 yield
