@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from oobleck_slurm.exit_codes import EXIT_BAD_INPUT
 from oobleck_slurm.recipe import Recipe, RecipeError, RecipeIssue, load_recipe
+from oobleck_slurm.recipe.validate import data_issues
 
 console = Console()
 # soft_wrap: an error line is copied into tickets and grepped; never break it at the terminal width.
@@ -30,8 +31,8 @@ def load_recipe_or_report(path: Path | None, check_model: bool = False) -> Recip
     model factory's layers on the meta device (importing the user's code) and check them."""
     try:
         recipe = load_recipe(path)
-        if check_model and recipe.model.factory:
-            issues = model_factory_issues(recipe)
+        if check_model:  # validate and submit: the recipe must be runnable as it stands
+            issues = model_factory_issues(recipe) + data_issues(recipe)
             if issues:
                 raise RecipeError(issues)
         return recipe

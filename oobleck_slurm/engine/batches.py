@@ -1,18 +1,30 @@
-"""Opening a job's dataset in a worker, and the microbatches of one pipeline for one step.
+"""Opening a job's data in a worker, and the microbatches of one pipeline for one step.
 
-Which samples a step trains on comes from `GlobalBatchSampler` (by step and global index only); a
-pipeline takes its contiguous microbatch slice of them. So a plan change never changes the data.
+Which samples a step trains on comes from `GlobalBatchSampler` (by step, seed, data and the stream's
+origin only); a pipeline takes its contiguous microbatch slice of them. So a plan change never changes
+the data. The data is one source (`DataSpec.path`) or several (`DataSpec.sources`, mixed by weight);
+validation holds the last samples of each source out of training, apportioned by weight, so it never
+shifts the order training draws the remaining samples in.
+
+`prepare_data(spec, checkpoint_root)` is the supervisor's part: the data's identity, checked against
+the checkpoint a job resumes from (DataChangedError naming what changed), the stream's origin at that
+checkpoint (a changed global batch resumes there with no gap and no repeat), and `data.epochs`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import replace
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from oobleck_slurm.data import GlobalBatchSampler, TokenDataset, TokenFile
-from oobleck_slurm.engine.spec import DataSpec
+from oobleck_slurm.data.dataset import TokenDataset, open_source
+from oobleck_slurm.data.mixture import apportion
+from oobleck_slurm.data.sampler import SAMPLER_VERSION, GlobalBatchSampler
+from oobleck_slurm.engine.checkpoint import DataChangedError, identity_changes, latest_complete, read_data_record
+from oobleck_slurm.engine.spec import DataSpec, JobSpec
+from oobleck_slurm.errors import BadInputError
 
 
 class Dataset(Protocol):
@@ -44,53 +56,181 @@ class SampleRange:
         return self.dataset.batch(np.asarray(sample_ids, dtype=np.int64) + self.start)
 
 
-def open_dataset(spec: DataSpec, seq_len: int, vocab_size: int) -> Dataset:
+class Sources:
+    """Several datasets numbered back to back, each with its weight in the mix (None: by size)."""
+
+    def __init__(self, parts: list[Dataset], weights: list[float] | None) -> None:
+        self.parts, self.weights = parts, weights
+        self.sizes = [p.num_samples for p in parts]
+        self.num_samples = sum(self.sizes)
+        self._starts = np.cumsum([0, *self.sizes]).astype(np.int64)
+
+    def batch(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+        if len(self.parts) == 1:
+            return self.parts[0].batch(ids)
+        part = np.searchsorted(self._starts, ids, side="right") - 1
+        out: tuple[torch.Tensor, torch.Tensor] | None = None
+        for j in np.unique(part).tolist():  # one read per source, then back in the step's order
+            at = np.flatnonzero(part == j)
+            x, y = self.parts[j].batch(ids[at] - self._starts[j])
+            if out is None:
+                out = (x.new_empty((len(ids), *x.shape[1:])), y.new_empty((len(ids), *y.shape[1:])))
+            rows = torch.from_numpy(at)
+            out[0][rows], out[1][rows] = x, y
+        assert out is not None, "a batch of no samples"
+        return out
+
+
+def source_paths(spec: DataSpec) -> list[tuple[str, float]]:
+    """(path, weight) per source; weight 0 means 'in proportion to its samples'."""
+    if spec.kind == "random":
+        return [("the random data", 0.0)]
+    if spec.sources:
+        return [(str(p), float(w)) for p, w in spec.sources]
+    assert spec.path is not None  # DataSpec requires a path or sources for kind 'tokens'
+    return [(spec.path, 0.0)]
+
+
+def _weights(spec: DataSpec, sizes: list[int]) -> list[float] | None:
+    given = [w for _, w in source_paths(spec)]
+    if all(w == 0 for w in given):
+        return None
+    return [w if w > 0 else float(n) / max(1, sum(sizes)) for w, n in zip(given, sizes)]
+
+
+def _open_source(path: str, seq_len: int, vocab_size: int) -> TokenDataset:
+    source = open_source(path)
+    if source.vocab_size is not None and source.vocab_size > vocab_size:
+        raise ValueError(f"data: {path} was tokenized with a vocabulary of {source.vocab_size} ids, "
+                         f"but the model's vocab_size is {vocab_size}")
+    try:
+        return TokenDataset(source.streams, seq_len)
+    except ValueError as err:
+        raise ValueError(f"data: {path}: {err}") from None
+
+
+def _holdouts(spec: DataSpec, sizes: list[int]) -> list[int]:
+    """Validation samples held out of each source: `holdout` apportioned by weight."""
+    weights = _weights(spec, sizes) or [float(n) for n in sizes]
+    return apportion(weights, spec.holdout, at_least_one=False)
+
+
+def _all_sources(spec: DataSpec, seq_len: int, vocab_size: int) -> list[Dataset]:
+    if spec.kind == "random":
+        return [RandomTokens(spec.num_samples, seq_len, vocab_size, spec.seed)]
+    return [_open_source(p, seq_len, vocab_size) for p, _ in source_paths(spec)]
+
+
+def open_dataset(spec: DataSpec, seq_len: int, vocab_size: int) -> Sources:
     """The training samples (without the validation samples held out of them)."""
-    data = _open(spec, spec.path, seq_len, vocab_size)
-    if spec.holdout:
-        if data.num_samples <= spec.holdout:
-            raise ValueError(f"data: {spec.path or 'the random data'} has {data.num_samples} samples of seq_len "
-                             f"{seq_len}; holding {spec.holdout} out for validation (training.eval_samples) leaves none to train on")
-        return SampleRange(data, 0, data.num_samples - spec.holdout)
-    return data
+    parts = _all_sources(spec, seq_len, vocab_size)
+    sizes = [p.num_samples for p in parts]
+    held = _holdouts(spec, sizes)
+    for (path, _), part, h in zip(source_paths(spec), parts, held):
+        if h and part.num_samples <= h:
+            raise ValueError(f"data: {path} has {part.num_samples} samples of seq_len {seq_len}; holding {h} "
+                             f"out for validation (training.eval_samples) leaves none to train on")
+    kept: list[Dataset] = [SampleRange(p, 0, p.num_samples - h) if h else p for p, h in zip(parts, held)]
+    return Sources(kept, _weights(spec, sizes))
 
 
 def open_validation(spec: DataSpec, seq_len: int, vocab_size: int, samples: int) -> Dataset:
-    """The first `samples` validation samples: of `spec.validation`, or those held out of training."""
+    """The first `samples` validation samples: of `spec.validation`, or those held out of training
+    (each source's held-out tail, the sources in order)."""
     if spec.validation is not None:
-        data = _open(spec, spec.validation, seq_len, vocab_size)
+        data = _open_source(spec.validation, seq_len, vocab_size)
         if data.num_samples < samples:
             raise ValueError(f"data.validation: {spec.validation} has {data.num_samples} samples of seq_len {seq_len}, "
                              f"fewer than training.eval_samples ({samples})")
         return SampleRange(data, 0, samples)
-    data = _open(spec, spec.path, seq_len, vocab_size)
     if spec.holdout < samples:
         raise ValueError(f"data: {spec.holdout} samples held out for validation, {samples} asked for")
-    return SampleRange(data, data.num_samples - spec.holdout, data.num_samples - spec.holdout + samples)
+    parts = _all_sources(spec, seq_len, vocab_size)
+    held = _holdouts(spec, [p.num_samples for p in parts])
+    tails: list[Dataset] = [SampleRange(p, p.num_samples - h, p.num_samples) for p, h in zip(parts, held) if h]
+    return SampleRange(Sources(tails, None), 0, samples)
 
 
-def _open(spec: DataSpec, path: str | None, seq_len: int, vocab_size: int) -> Dataset:
-    if spec.kind == "random":
-        return RandomTokens(spec.num_samples, seq_len, vocab_size, spec.seed)
-    assert path is not None  # DataSpec requires a path for kind 'tokens'
-    tf = TokenFile(path)
-    if tf.meta.vocab_size > vocab_size:
-        raise ValueError(
-            f"data: {path} was tokenized with a vocabulary of {tf.meta.vocab_size} ids, "
-            f"but the model's vocab_size is {vocab_size}"
-        )
-    return TokenDataset(tf, seq_len)
+def sampler_for(dataset: Dataset, global_batch_size: int, seed: int,
+                origin: tuple[int, int] = (0, 0)) -> GlobalBatchSampler:
+    """The sampler of a dataset `open_dataset` returned (or any dataset: one source)."""
+    sizes = getattr(dataset, "sizes", None) or dataset.num_samples
+    return GlobalBatchSampler(sizes, global_batch_size, seed, getattr(dataset, "weights", None), origin)
 
 
 class StepBatches:
-    """The (x, y) of every microbatch of a step, by global microbatch index."""
+    """The (x, y) of every microbatch of a step, by global microbatch index.
 
-    def __init__(self, dataset: Dataset, global_batch_size: int, microbatch_size: int, seed: int) -> None:
+    `origin`: the stream's (step, samples consumed) where the job resumed (DataSpec.origin);
+    `identity`: the data's identity (DataSpec.identity), which `record` adds to each checkpoint."""
+
+    def __init__(self, dataset: Dataset, global_batch_size: int, microbatch_size: int, seed: int,
+                 origin: tuple[int, int] | list[int] = (0, 0), identity: dict[str, Any] | None = None) -> None:
         self.dataset = dataset
         self.microbatch_size = microbatch_size
-        self.sampler = GlobalBatchSampler(dataset.num_samples, global_batch_size, seed)
+        self.sampler = sampler_for(dataset, global_batch_size, seed, (int(origin[0]), int(origin[1])))
+        self.identity = identity
+        self._ids: tuple[int, np.ndarray] | None = None  # the last step's ids: each is asked per microbatch
+
+    def step_ids(self, step: int) -> np.ndarray:
+        if self._ids is None or self._ids[0] != step:
+            self._ids = (step, self.sampler.sample_ids(step))
+        return self._ids[1]
 
     def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self.sampler.sample_ids(step)
+        ids = self.step_ids(step)
         b = self.microbatch_size
         return self.dataset.batch(ids[index * b : (index + 1) * b])
+
+    def record(self, step: int) -> dict[str, Any]:
+        """What a checkpoint of `step` records of the data (engine/checkpoint.py DATA_FILE)."""
+        return {"step": step, "consumed_samples": self.sampler.cursor(step),
+                "global_batch_size": self.sampler.global_batch_size, "identity": self.identity}
+
+
+def data_identity(spec: DataSpec, seq_len: int, global_batch_size: int, seed: int) -> dict[str, Any]:
+    """What defines the training samples and their order: each source's identity (data/dataset.py
+    open_source: sizes, token counts, hashes; no whole-file read), weights, seq_len, holdout, seed and the
+    sampler's version. The global batch is recorded but may change at a resume."""
+    sources: list[dict[str, Any]] = []
+    if spec.kind == "random":
+        sources.append({"random": {"num_samples": spec.num_samples, "seed": spec.seed}})
+    else:
+        for path, weight in source_paths(spec):
+            sources.append({"path": path, "weight": weight, **open_source(path).identity})
+    return {"sampler_version": SAMPLER_VERSION, "seq_len": seq_len, "global_batch_size": global_batch_size,
+            "holdout": spec.holdout, "seed": seed, "sources": sources}
+
+
+def prepare_data(job: JobSpec, checkpoint_root: str | None) -> DataSpec:
+    """The job's DataSpec with its identity and the stream's origin: (0, 0), or the (step, consumed
+    samples) of the last complete checkpoint under `checkpoint_root`, whose data must be this data
+    (DataChangedError naming what changed). Refuses (BadInputError) a run whose steps would take more
+    passes over a source than `data.epochs` allows."""
+    spec, t = job.data, job.train
+    identity = data_identity(spec, job.model.seq_len, t.global_batch_size, t.seed)
+    origin = (0, 0)
+    step = latest_complete(checkpoint_root, job.model.keys()) if checkpoint_root else None
+    if step is not None:
+        record = read_data_record(checkpoint_root or "", step)
+        if record is None:  # written before checkpoints recorded their data: its order is unknown
+            origin = (step, step * t.global_batch_size)
+        else:
+            changes = identity_changes(record.get("identity") or {}, identity)
+            if changes:
+                raise DataChangedError(f"the job resumes from the checkpoint of step {step} "
+                                       f"({checkpoint_root}), which was trained on other data: "
+                                       + "; ".join(changes))
+            origin = (step, int(record["consumed_samples"]))
+    if spec.epochs and spec.kind == "tokens":
+        dataset = open_dataset(spec, job.model.seq_len, job.model.vocab_size)
+        sampler = sampler_for(dataset, t.global_batch_size, t.seed, origin)
+        last = max(t.steps - 1, origin[0])
+        for (path, _), passes, n in zip(source_paths(spec), sampler.passes(last), sampler.sizes):
+            if passes > spec.epochs:
+                raise BadInputError(
+                    f"data.epochs: the job's {t.steps} steps of {t.global_batch_size} samples make {passes} passes "
+                    f"over {path} ({n} training samples), data.epochs allows {spec.epochs}: raise data.epochs, "
+                    f"add data or lower training.steps")
+    return replace(spec, identity=identity, origin=origin)

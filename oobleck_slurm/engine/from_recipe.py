@@ -27,6 +27,8 @@ def token_file_for(recipe: Any, cache_dir: str | os.PathLike[str]) -> Path:
     d = recipe.data
     if d.path:
         return Path(d.path)
+    if d.sources:  # nothing to prepare: job_from_recipe names data.sources, the workers open them
+        return Path(d.sources[0].path)
     if not d.text:
         return default_token_file(cache_dir, tokenizer_for(recipe)).path
     return _prepared(Path(d.text), tokenizer_for(recipe), cache_dir)
@@ -70,8 +72,10 @@ def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str],
         eps = eps[0]
     return JobSpec(
         model=model_spec(recipe),
-        data=DataSpec("tokens", path=str(token_file), holdout=holdout,
-                      validation=None if validation_file is None else str(validation_file)),
+        data=DataSpec("tokens", path=None if recipe.data.sources else str(token_file), holdout=holdout,
+                      validation=None if validation_file is None else str(validation_file),
+                      sources=tuple((s.path, s.weight or 0.0) for s in recipe.data.sources),
+                      epochs=recipe.data.epochs or 0),
         optim=OptimSpec(o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=eps),
         train=TrainSpec(steps=t.steps, microbatch_size=t.microbatch_size, num_microbatches=t.global_microbatches,
                         seed=t.seed, grad_clip=t.grad_clip, warmup_steps=s.warmup_steps, decay=s.decay,

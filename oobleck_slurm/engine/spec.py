@@ -75,12 +75,21 @@ class DataSpec:
     # then trains on the others).
     validation: str | None = None
     holdout: int = 0
+    # Several sources instead of `path`: [path, weight] each (a token file, a glob or a prepared set;
+    # weight 0: in proportion to its samples). engine/batches.py opens them, data/mixture.py mixes them.
+    sources: tuple[tuple[str, float], ...] = ()
+    epochs: int = 0  # the most passes over any source the job's steps may make; 0: no limit
+    origin: tuple[int, int] = (0, 0)  # (step, samples consumed) where the sample stream resumed
+    identity: dict[str, Any] | None = None  # what checkpoints record of the data (batches.data_identity)
 
     def __post_init__(self) -> None:
+        # JSON gives lists back: tuples again, so that a spec equals its own round trip
+        object.__setattr__(self, "sources", tuple((str(p), float(w)) for p, w in self.sources))
+        object.__setattr__(self, "origin", (int(self.origin[0]), int(self.origin[1])))
         if self.kind not in ("tokens", "random"):
             raise ValueError(f"data: kind must be 'tokens' or 'random', got {self.kind!r}")
-        if self.kind == "tokens" and not self.path:
-            raise ValueError("data: kind 'tokens' needs a path to a prepared token file")
+        if self.kind == "tokens" and not (self.path or self.sources):
+            raise ValueError("data: kind 'tokens' needs a path to a prepared token file, or sources")
         if self.kind == "random" and self.num_samples < 1:
             raise ValueError(f"data: kind 'random' needs num_samples >= 1, got {self.num_samples}")
 

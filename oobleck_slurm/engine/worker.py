@@ -188,7 +188,8 @@ class Worker:
         self.role: Role | None = None
         t = job.train
         dataset = open_dataset(job.data, job.model.seq_len, job.model.vocab_size)
-        self.batches = StepBatches(dataset, t.global_batch_size, t.microbatch_size, t.seed)
+        self.batches = StepBatches(dataset, t.global_batch_size, t.microbatch_size, t.seed,
+                                   origin=job.data.origin, identity=job.data.identity)
         self.validation = (open_validation(job.data, job.model.seq_len, job.model.vocab_size, t.eval_samples)
                            if t.eval_interval else None)
 

@@ -39,6 +39,9 @@ def tree() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="fuzz-recipes-") as folder:
         root = Path(folder)
         shutil.copytree(REPO / "recipes", root / "recipes")
+        text = REPO / "oobleck_slurm" / "data" / "persuasion.txt"  # the lab recipe's data, by relative path
+        (root / text.relative_to(REPO)).parent.mkdir(parents=True)
+        shutil.copy(text, root / text.relative_to(REPO))
         shutil.copy(DEFAULT_RECIPE, root / "default.yaml")
         yield root
 

@@ -122,13 +122,16 @@ def test_centre_recipe_cites_its_sources(path: Path) -> None:
 def test_centre_recipe_validates_and_plans(path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from oobleck_slurm.cli import main
 
-    assert main(["validate", str(path), "--json"]) == 0, capsys.readouterr().err
-    values = json.loads(capsys.readouterr().out)
-    assert values["cluster"]["backend"] == "slurm" and values["cluster"]["gpus_per_node"] >= 1
+    # A centre recipe is a base, not a job: alone it names no data, which a Slurm job must.
+    assert main(["validate", str(path)]) == 2 and "a Slurm job needs training data" in capsys.readouterr().err
     # A job on the centre, as a user writes it: plan it with the centre GPU's data-sheet figures.
     job = tmp_path / "job.yaml"
     job.write_text(f"extends: {path}\nname: centre-job\ncluster:\n  nodes: 4\n  account: test\nmodel:\n  size: 350m\n"
-                   "training:\n  global_batch_size: 64\n  microbatch_size: 2\nfault_tolerance:\n  f: 1\n")
+                   "training:\n  global_batch_size: 64\n  microbatch_size: 2\nfault_tolerance:\n  f: 1\n"
+                   "data:\n  sources:\n    - {path: /scratch/prepared, weight: 1.0}\n")
+    assert main(["validate", str(job), "--json"]) == 0, capsys.readouterr().err
+    values = json.loads(capsys.readouterr().out)
+    assert values["cluster"]["backend"] == "slurm" and values["cluster"]["gpus_per_node"] >= 1
     code = main(["plan", str(job), "--estimate", CENTRE_GPUS[path.name], "--cache", str(tmp_path / "cache"), "--json"])
     out = capsys.readouterr()
     assert code == 0, out.err
