@@ -101,7 +101,7 @@ def measure_engine(c: dict[str, Any]) -> dict[str, Any]:
     from oobleck_slurm.engine.layout import ExecPlan
     from oobleck_slurm.engine.worker import Worker
     from oobleck_slurm.peak_memory import PeakMemory, warm_up
-    from oobleck_slurm.protocol.timeouts import JobTimeouts
+    from oobleck_slurm.timeouts import JobTimeouts
 
     job = job_spec(c)
     device = _device(c)

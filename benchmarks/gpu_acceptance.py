@@ -200,7 +200,7 @@ class Settings:
         )
 
     def timeouts(self) -> Any:
-        from oobleck_slurm.protocol.timeouts import JobTimeouts
+        from oobleck_slurm.timeouts import JobTimeouts
 
         # A 1.3B-shape step and its group builds take seconds on a GPU; nothing here should wait long
         # (a hang is found by the child timeout, the engine's own timeouts only bound it).

@@ -115,8 +115,25 @@ class JobTimeouts:
     checkpoint_poll: float = 0.5
     # The node backend's watcher: bounds the detection latency of srun exits and expired leases.
     backend_poll: float = 0.02
-    # scontrol is asked at most this often: slurmctld is shared with other users.
+    # While a submitted job waits to start (a transient wait: seconds to minutes), squeue is asked this
+    # often; never in the steady state.
     slurm_poll: float = 1.0
+    # The steady state's one query: the job's nodes' Slurm states (scontrol show node) this often. slurmctld
+    # is shared by every user of the centre (docs/slurm.md, "A gentle client"): one RPC per 10 s per job.
+    # Slurm's node state is the slowest detector anyway (~10 s to mark a dead node DOWN).
+    slurm_node_poll: float = 10.0
+    # One Slurm client command: slurm.conf's MessageTimeout defaults to 10 s, so a controller that has not
+    # answered within it is unreachable for now (the query is retried, see slurm_retry_backoff).
+    slurm_command: float = 10.0
+    # The pause before the second attempt of a read-only Slurm query that timed out or failed transiently;
+    # doubled before each further attempt (cluster/slurm.py READ_ATTEMPTS): a restarting slurmctld is
+    # given seconds, not hammered.
+    slurm_retry_backoff: float = 1.0
+    # The supervisor reports how many Slurm client commands it ran (`slurm_calls` event) this often.
+    slurm_calls_report: float = 60.0
+    # A read of a job-folder file that NFS reports stale (ESTALE: it was renamed over between lookup and
+    # open) is retried after this pause (cluster/durable.py STALE_ATTEMPTS).
+    stale_file_retry: float = 0.05
     # Per-worker steps are read (by the store observer, one request) this often: a hang takes
     # step_timeout to name anyway.
     rank_step_poll: float = 0.25

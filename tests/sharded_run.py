@@ -28,7 +28,7 @@ from oobleck_slurm.engine.recovery import can_complete, reach_step
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.protocol import keys
-from oobleck_slurm.protocol.timeouts import JobTimeouts
+from oobleck_slurm.timeouts import JobTimeouts
 
 # generous: the machine is shared, and nothing here should time out
 TIMEOUTS = JobTimeouts(collective_timeout=120.0, step_timeout=300.0, connect_timeout=300.0, store_timeout=300.0)

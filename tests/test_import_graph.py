@@ -99,10 +99,12 @@ def test_no_subpackage_cycle() -> None:
 
 def test_the_job_folder_and_slurm_know_nothing_above_them() -> None:
     """cluster/ (job folder, Slurm) and protocol/ are below the supervisor, engine and commands; only
-    the exception hierarchy and the exit codes (errors.py, exit_codes.py) are below them."""
+    the exception hierarchy, the exit codes and the job's timeouts (errors.py, exit_codes.py,
+    timeouts.py) are below them."""
     graph = import_graph()
-    bottom = {"errors", "exit_codes"}
+    bottom = {"errors", "exit_codes", "timeouts"}
     assert graph["errors"] <= {"exit_codes"} and not graph["exit_codes"], (graph["errors"], graph["exit_codes"])
+    assert not graph["timeouts"], graph["timeouts"]
     assert graph["cluster"] <= {"recipe"} | bottom, graph["cluster"]
     assert graph["protocol"] <= {"cluster"} | bottom, graph["protocol"]
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from oobleck_slurm.cluster import durable
 from oobleck_slurm.errors import BadInputError
 
 if TYPE_CHECKING:  # the recipe package is imported where a recipe is read: naming a path stays cheap
@@ -74,6 +75,10 @@ class JobNotFound(BadInputError):
 
 class SecretError(BadInputError):
     """The job secret is missing, malformed or readable by others."""
+
+
+class MetaError(BadInputError):
+    """meta.json is missing, empty, truncated or not a JSON object; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,24 @@ class JobDir:
         return load_recipe(self.recipe_path)
 
     def meta(self) -> dict[str, Any]:
-        return json.loads(self.meta_path.read_text())
+        """meta.json; MetaError naming the file when it is missing or damaged (written durably since, so
+        damage means a crash of an older version or of the disk)."""
+        try:
+            text = durable.read_text(self.meta_path)
+        except FileNotFoundError:
+            raise MetaError(f"{self.meta_path}: no meta.json (not a job folder, or it was removed)") from None
+        except OSError as err:
+            raise MetaError(f"{self.meta_path}: unreadable ({err})") from None
+        except ValueError:
+            raise MetaError(f"{self.meta_path}: not UTF-8 text (damaged)") from None
+        try:
+            meta = json.loads(text)
+        except ValueError as err:
+            state = "empty" if not text.strip() else f"truncated or not JSON ({err})"
+            raise MetaError(f"{self.meta_path}: {state}") from None
+        if not isinstance(meta, dict):
+            raise MetaError(f"{self.meta_path}: not a JSON object")
+        return meta
 
     def update_meta(self, **fields: Any) -> None:
         _write_json(self.meta_path, {**self.meta(), **fields}, indent=2)
@@ -183,8 +205,8 @@ class JobDir:
     def supervisor_address(self) -> dict[str, Any] | None:
         """The control server's address, or None before the supervisor published it."""
         try:
-            address = json.loads(self.supervisor_file.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            address = json.loads(durable.read_text(self.supervisor_file))
+        except (OSError, ValueError):  # not written yet, or damaged: a supervisor rewrites it when it starts
             return None
         if not isinstance(address, dict) or not isinstance(address.get("host"), str) \
                 or not isinstance(address.get("port"), int):
@@ -193,10 +215,9 @@ class JobDir:
 
 
 def _write_json(path: Path, value: Any, indent: int | None = None) -> None:
-    """Write a JSON file so that a reader sees the old or the new content, never a part."""
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(json.dumps(value, indent=indent))
-    os.replace(tmp, path)
+    """Write a JSON file so that a reader sees the old or the new content, never a part, and a crash
+    keeps one of them (cluster/durable.py)."""
+    durable.write_json(path, value, indent=indent)
 
 
 def create_job_dir(recipe: Recipe, job_root: str | os.PathLike[str] | None = None) -> JobDir:
@@ -218,13 +239,12 @@ def create_job_dir(recipe: Recipe, job_root: str | os.PathLike[str] | None = Non
             continue
     else:
         raise RuntimeError(f"could not create a job folder under {root}")
-    (path / RECIPE_FILE).write_text(
-        f"# resolved from {recipe.source}\n" + yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False)
-    )
-    (path / META_FILE).write_text(json.dumps({
+    durable.write_text(path / RECIPE_FILE,
+                       f"# resolved from {recipe.source}\n" + yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    _write_json(path / META_FILE, {
         "job_id": job_id, "backend": recipe.cluster.backend, "recipe": recipe.name,
         "recipe_source": recipe.source, "created": time.time(),
-    }, indent=2))
+    }, indent=2)
     create_secret(path)
     (path / LOGS_DIR).mkdir()
     return JobDir(path.resolve(), job_id)

@@ -16,6 +16,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from oobleck_slurm.cluster import durable
 from oobleck_slurm.cluster.jobdir import JobDir
 
 EPOCH_PREFIX = "epoch."
@@ -49,25 +50,30 @@ def claim_epoch(job: JobDir, epoch: int) -> bool:
         return False
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}))
+        f.flush()
+        os.fsync(f.fileno())
+    durable.fsync_dir(job.path)  # the claim survives a crash: a rebooted folder never forgets an epoch
     return True
 
 
 def renew(job: JobDir, epoch: int, done: bool = False) -> None:
     """Write this primary's lease (whole: a reader sees the old one or the new one); `done` when the
-    job ended under it (its standby then leaves)."""
-    path = job.supervisor_lease
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"epoch": epoch, "pid": os.getpid(), "host": socket.gethostname(), "t": time.time(),
-                               "done": done}))
-    os.replace(tmp, path)
+    job ended under it (its standby then leaves). Durable (cluster/durable.py): a standby on another
+    node reads it through the shared file system."""
+    durable.write_json(job.supervisor_lease, {"epoch": epoch, "pid": os.getpid(), "host": socket.gethostname(),
+                                              "t": time.time(), "done": done})
 
 
-def read_lease(job: JobDir) -> LeaseRecord | None:
+def read_lease(job: JobDir, opener: durable.Opener = open) -> LeaseRecord | None:
+    """The primary's lease, or None when there is none to judge: not written yet, or unreadable (empty,
+    truncated, not a lease: only a crash of an older version or of the disk leaves one, and a live
+    primary rewrites it within a heartbeat interval). A standby must never die on it, nor take over
+    because of it; an open that NFS reports stale is retried (durable.read_text)."""
     try:
-        data = json.loads(job.supervisor_lease.read_text())
+        data = json.loads(durable.read_text(job.supervisor_lease, opener))
         return LeaseRecord(int(data["epoch"]), int(data["pid"]), str(data["host"]), float(data["t"]),
                            bool(data.get("done", False)))
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # AttributeError: JSON, not an object
         return None
 
 

@@ -171,15 +171,26 @@ def _submit_slurm(job: JobDir, recipe: Recipe, args: argparse.Namespace) -> int:
 
 def _follow_slurm(job_dir: Path, slurm_job_id: str, mode: str, out: Console) -> int:
     """Follow until the supervisor records job_finished, or Slurm says the job is gone without it."""
+    from oobleck_slurm.cluster.jobdir import JobDir
     from oobleck_slurm.cluster.slurm import in_queue
     from oobleck_slurm.protocol.events import events_path, read_events
+    from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
+
+    asked = [0.0]  # when squeue was last asked: once per slurm_node_poll, as the supervisor asks scontrol
 
     def running() -> bool:
         # Under supervisor failover any supervisor job of it (docs/failover.md), else the allocation.
-        from oobleck_slurm.cluster.jobdir import JobDir
-
+        # Only Slurm's "gone" for every one of them ends the follow: an unknown answer (slurmctld slow or
+        # restarting, after its retries) keeps following.
+        now = time.monotonic()
+        if now - asked[0] < DEFAULT_TIMEOUTS.slurm_node_poll:
+            return True
+        asked[0] = now
         ids = JobDir.at(job_dir).meta().get("supervisor_jobs") or [slurm_job_id]
-        return any(in_queue(str(i)) for i in ids)
+        answers = [in_queue(str(i)) for i in ids]
+        if None in answers and True not in answers:
+            out.print("[yellow]Slurm did not answer squeue; still following the job[/]")
+        return any(answer is not False for answer in answers)
 
     _follow(job_dir, mode, running=running)
     finished = read_events(events_path(job_dir), "job_finished")

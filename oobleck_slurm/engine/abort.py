@@ -32,7 +32,7 @@ from oobleck_slurm.engine.comm import CollectiveError, Generation, abort_groups,
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.protocol import keys
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 
 class GenerationAborted(InfrastructureError, RuntimeError):
@@ -51,7 +51,7 @@ class FailureWatch:
     when the store fails (`failed()` then raises a DistNetworkError, as a look-up would), or at a renewal
     once no FailureWatch of it is left; a worker process ends with os._exit. Any other store (a HashStore
     in tests) gets no second connection: `failed()` looks the key up itself, at most every `abort_poll`.
-    Both periods come from the job's timeouts (protocol/timeouts.py)."""
+    Both periods come from the job's timeouts (timeouts.py)."""
 
     def __init__(self, store: dist.Store, generation: int, timeouts: JobTimeouts = DEFAULT_TIMEOUTS,
                  superseded: threading.Event | None = None) -> None:

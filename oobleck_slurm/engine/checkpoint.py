@@ -5,25 +5,30 @@ safetensors file of contiguous CPU tensors {"param.<name>": ..., "buffer.<name>"
 buffers; a non-persistent one is remade by the seed build the load starts from), "state.<name>": ...
 (optimizer state, 0-dim step counters included)} whose string metadata is {"format":
 "oobleck-slurm-layer", "version": "1", "step": "<S>"}: no pickles, and readable by any safetensors
-reader. A file appears only complete (temp file + os.replace), so a checkpoint is complete when every
-layer's file exists. Every `interval` steps, the holder of each layer in the first pipeline clones the
-layer's parameters and optimizer state (a memory copy, the only cost on the training path) and a
-background thread serialises them.
+reader. A file appears only complete, and stays complete after a crash (cluster/durable.py: temp file,
+fsync, rename, fsync of the folder), so a checkpoint is complete when every layer's file exists. Every
+`interval` steps, the holder of each layer in the first pipeline clones the layer's parameters and
+optimizer state (a memory copy, the only cost on the training path) and a background thread
+serialises them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from oobleck_slurm.cluster import durable
 from oobleck_slurm.errors import BadInputError
 from oobleck_slurm.optim import load_optimizer_state_tensors, optimizer_state_tensors
 
@@ -34,6 +39,59 @@ VERSION = "1"
 
 class CheckpointError(BadInputError, ValueError):
     """A layer file that is not a readable safetensors file of this format, or does not fit the layer."""
+
+
+# The data a checkpoint was trained on: `<step dir>/data.json` = {"step", "consumed_samples" (stream
+# position of the step's first sample), "global_batch_size", "identity" (engine/batches.data_identity)}.
+# Every writer writes it (the same content) before its layer files, so a complete checkpoint has it.
+DATA_FILE = "data.json"
+# Identity keys a resume may change: the global batch (the consumed-samples cursor bridges it), and
+# what only helps people read the record (paths, mtimes; the hashes and sizes say whether data changed).
+_MAY_CHANGE = frozenset({"global_batch_size", "path", "mtime_ns"})
+
+
+class DataChangedError(BadInputError, ValueError):
+    """A job resumes from a checkpoint trained on other data (sources, seq_len, holdout, seed, order)."""
+
+
+def write_data_record(root: str | os.PathLike[str], step: int, record: dict[str, Any]) -> None:
+    d = step_dir(root, step)
+    d.mkdir(parents=True, exist_ok=True)
+    durable.write_json(d / DATA_FILE, record, indent=1, sort_keys=True)
+
+
+def read_data_record(root: str | os.PathLike[str], step: int) -> dict[str, Any] | None:
+    """The data record of the checkpoint of `step`; None for a checkpoint written before they existed.
+    Raises CheckpointError naming the file when it is not a record."""
+    path = step_dir(root, step) / DATA_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(durable.read_text(path))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable data record ({e})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("consumed_samples"), int):
+        raise CheckpointError(f"{path}: a data record needs an integer 'consumed_samples'")
+    return record
+
+
+def identity_changes(old: Any, new: Any, where: str = "data") -> list[str]:
+    """What differs between two data identities, one sentence per difference (empty: the same data)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new), key=str):
+            if key in _MAY_CHANGE:
+                continue
+            if key not in old or key not in new:
+                out.append(f"{where}.{key} is {'new' if key not in old else 'gone'}")
+            else:
+                out += identity_changes(old[key], new[key], f"{where}.{key}")
+        return out
+    if isinstance(old, list) and isinstance(new, list):
+        if len(old) != len(new):
+            return [f"{where}: {len(old)} entries in the checkpoint, {len(new)} now"]
+        return [c for i, (a, b) in enumerate(zip(old, new)) for c in identity_changes(a, b, f"{where}[{i}]")]
+    return [] if old == new else [f"{where} was {old!r}, is {new!r}"]
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -64,38 +122,39 @@ def persistent_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
 def save_layer(root: str | os.PathLike[str], step: int, key: str, payload: dict[str, torch.Tensor]) -> Path:
     """Write `payload` (`layer_payload`) as layer `key` of the checkpoint of `step`; returns its path.
 
-    Atomic: the tensors go to a temporary file that is renamed into place. The seconds it took are
-    written first, to `<step dir>/.<key>.seconds` (also by rename): the supervisor reads it as soon as
-    the checkpoint is complete.
+    Atomic and durable (cluster/durable.py): the tensors go to a temporary file that is fsynced and
+    renamed into place, so a file under a layer's name is whole even after a crash; a checkpoint whose
+    every layer file exists is one a requeued job can load. The seconds it took are written first, to
+    `<step dir>/.<key>.seconds` (also durably): the supervisor reads it as soon as the checkpoint is
+    complete.
     """
     d = step_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{key}.{os.getpid()}.tmp"
-    seconds = d / f".{key}.{os.getpid()}.seconds.tmp"
-    try:
-        t0 = time.perf_counter()
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in payload.items()}
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": VERSION, "step": str(step)})
-        # The timing lands (atomically) before the layer file: a half-written figure read as '' failed
-        # a requeued job.
-        seconds.write_text(f"{time.perf_counter() - t0:.6f}")
-        os.replace(seconds, d / f".{key}.seconds")
-        path = layer_file(root, step, key)
-        os.replace(tmp, path)
-    except BaseException:
-        for leftover in (tmp, seconds):
-            leftover.unlink(missing_ok=True)
-        raise
+    durable.fsync_dir(d.parent)  # the step folder's own entry: its files are lost with it otherwise
+    metadata = {"format": FORMAT, "version": VERSION, "step": str(step)}
+    t0 = time.perf_counter()
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in payload.items()}
+    path = layer_file(root, step, key)
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp), metadata=metadata)
+        # The timing lands (durably) before the layer file: a half-written figure read as '' failed a
+        # requeued job.
+        durable.write_text(d / f".{key}.seconds", f"{time.perf_counter() - t0:.6f}")
+
+    durable.write_with(path, write)
     return path
 
 
 def read_layer_file(path: str | os.PathLike[str], step: int | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a layer file, after checking that it is one (format, version) and, if `step` is
     given, that its metadata holds that step. Raises CheckpointError naming the file otherwise."""
-    try:
+    def read() -> tuple[dict[str, str], dict[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            return f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
+
+    try:
+        meta, tensors = durable.retry_stale(read)  # NFS: a file renamed over while it was opened
     except FileNotFoundError:
         raise CheckpointError(f"{path}: layer file does not exist") from None
     except Exception as e:  # SafetensorError (a bare Exception subclass), OSError, a bad header
@@ -157,8 +216,11 @@ def latest_complete(root: str | os.PathLike[str], keys: list[str]) -> int | None
 class CheckpointWriter:
     """Serialises layer payloads in a background thread (one at a time, in order)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str],
+                 data_record: Callable[[int], dict[str, Any]] | None = None) -> None:
         self.root = Path(root)
+        self.data_record = data_record  # step -> its DATA_FILE record (StepBatches.record)
+        self._recorded: set[int] = set()
         self._queue: queue.Queue = queue.Queue()
         self._error: Exception | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-writer")
@@ -171,6 +233,9 @@ class CheckpointWriter:
         while True:
             step, key, payload = self._queue.get()
             try:
+                if self.data_record is not None and step not in self._recorded:
+                    write_data_record(self.root, step, self.data_record(step))
+                    self._recorded.add(step)
                 save_layer(self.root, step, key, payload)
             except Exception as err:  # noqa: BLE001 - kept for flush() to raise in the training thread
                 self._error = err

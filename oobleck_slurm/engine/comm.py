@@ -36,7 +36,7 @@ from oobleck_slurm.engine.layout import ExecPlan, edge_pieces, reduce_groups
 from oobleck_slurm.engine.nccl_order import OrderedGroup, P2POp
 from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.protocol import keys
-from oobleck_slurm.protocol.timeouts import JobTimeouts
+from oobleck_slurm.timeouts import JobTimeouts
 
 # NCCL's own per-operation timeout: far above the job's collective timeout, which the generation's
 # abortable waits enforce; the watchdog acting first would kill the process instead of the generation.

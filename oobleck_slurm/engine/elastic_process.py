@@ -61,8 +61,8 @@ from oobleck_slurm.protocol.records import (
     WorkerReport,
     read_launch_config,
 )
-from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.protocol.wire import ProtocolError
+from oobleck_slurm.timeouts import JobTimeouts
 
 
 class StepWriter:
@@ -196,6 +196,7 @@ class ElasticWorker:
         cfg = records.get(self.store, GenerationConfig, g)
         if cfg.stop:
             if cfg.save is not None:
+                self._groups_to_save(g, cfg)
                 self.save_checkpoint(cfg.save.root, cfg.save.step)
             return -1
         if self.node not in cfg.members:
@@ -216,6 +217,24 @@ class ElasticWorker:
                     raise
             self._report(g)
             return g + 1
+
+    def _groups_to_save(self, g: int, cfg: GenerationConfig) -> None:
+        """A stop generation that saves a plan with a wide stage: every member forms the generation's
+        groups, so that the stage can gather its layers to its first rank. The previous generation's
+        were given up when the coordinator failed it to stop the workers (on NCCL its communicators
+        are aborted), so a gather through them raised GenerationAborted and no checkpoint was written."""
+        if cfg.plan is None or self.node not in cfg.members:
+            return
+        plan = ExecPlan.from_json(cfg.plan)
+        if not plan.sharded:
+            return
+        w = self.worker
+        w.rank = cfg.members.index(self.node) * self.per_node + self.local
+        gen = build_generation(self.store, g, w.rank, len(cfg.members) * self.per_node, plan, self.timeouts,
+                               self.job.backend, None, w.device, superseded=self.superseded)
+        if self.gen is not None:
+            self.gen.release()
+        self.gen = w.gen = gen
 
     def _report(self, g: int) -> None:
         """This worker's step and valid layers after leaving generation g: what the next plan starts from."""
@@ -334,7 +353,7 @@ class ElasticWorker:
         if self.writer is None or str(self.writer.root) != root:
             if self.writer is not None:
                 self.writer.flush()
-            self.writer = CheckpointWriter(root)
+            self.writer = CheckpointWriter(root, self.worker.batches.record)
         for i in self._first_held(w):
             if (payload := w.layer_payload(i)) is not None:
                 self.writer.submit(w.step, w.keys[i], payload)
@@ -354,7 +373,7 @@ class ElasticWorker:
         if not mine:
             return
         if self.writer is None:
-            self.writer = CheckpointWriter(self.checkpoint_root)
+            self.writer = CheckpointWriter(self.checkpoint_root, self.worker.batches.record)
         for i in mine:  # clone now (the next step changes the tensors), serialise in the background
             if (payload := w.layer_payload(i)) is not None:
                 self.writer.submit(w.step, w.keys[i], payload)

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from oobleck_slurm import __version__
+from oobleck_slurm.cluster import durable
 from oobleck_slurm.planning.profile import canonical_hash
 
 log = logging.getLogger(__name__)
@@ -42,17 +42,7 @@ CACHE_FORMAT = 1
 
 def atomic_write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    durable.write_json(path, data, indent=1, sort_keys=True, newline=True)  # the job's one durable write
 
 
 class TemplateCache:

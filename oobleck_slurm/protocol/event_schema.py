@@ -363,6 +363,19 @@ class SlurmUnreachable(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SlurmCalls(Event):
+    """The Slurm client commands (controller RPCs) the supervisor ran, every `slurm_calls_report` (60 s):
+    the load this job puts on the centre's slurmctld (docs/slurm.md, "A gentle client")."""
+
+    kind = "slurm_calls"
+    calls: int = required("all so far (each attempt of a retried query counts)")
+    failed: int = required("those that timed out or failed, so far")
+    window_calls: int = required("those of the last window")
+    window_s: float = required("the window's seconds")
+    commands: dict[str, int] | None = optional("all so far, per command (squeue, scontrol show, scancel, ...)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Refused(Event):
     """The control server refused a peer (no secret, a garbled or replayed frame, an unknown replacement)."""
 
@@ -515,7 +528,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Job": (JobStarted, AgentsReady, Takeover, Done, RunComplete, JobFinished, SlurmJob),
     "Plan and training": (Plan, Step, Eval, Checkpoint, CheckpointRequested, CheckpointFallback),
     "Nodes": (Node, NodeLost, ReplacementRequested, NodeJoined, HealthCheck, FaultInjected, Drill, PreemptNotice,
-              SlurmUnreachable, Refused),
+              SlurmUnreachable, SlurmCalls, Refused),
     "Failure and recovery": (CollectiveError, Failure, Detection, Reform, Replan, GroupRebuild, StateCopy, Replay,
                              Resumed),
     "Faulty machines and stragglers": (Health, FaultyNode, Straggler),

@@ -18,12 +18,12 @@ are checked. Counters and bare integers (`current_gen`, `gen{g}/progress`, `work
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from oobleck_slurm.cluster import durable
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.typed import decode, encode
 from oobleck_slurm.protocol.wire import ProtocolError
@@ -158,7 +158,7 @@ class LaunchConfig:
 
     host: str
     port: int
-    timeouts: dict[str, float]  # the job's JobTimeouts (protocol/timeouts.py), `asdict`: rebuilt with JobTimeouts(**...)
+    timeouts: dict[str, float]  # the job's JobTimeouts (timeouts.py), `asdict`: rebuilt with JobTimeouts(**...)
     checkpoint_interval: int = 0
     checkpoint_dir: str | None = None
     workers_per_node: int = 1
@@ -167,16 +167,30 @@ class LaunchConfig:
 
 
 def read_launch_config(path: Any) -> LaunchConfig:
-    """The job folder's elastic.json; ProtocolError naming the file when it is not one."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except ValueError as err:
-        raise ProtocolError(f"{path}: not JSON ({err})") from err
-    return decode(LaunchConfig, data, str(path))
+    """The job folder's elastic.json; ProtocolError naming the file when it is not one (FileNotFoundError
+    when there is none)."""
+    return decode(LaunchConfig, _read_json(path), str(path))
 
 
 def write_launch_config(path: Any, config: LaunchConfig) -> None:
-    Path(path).write_text(json.dumps(encode(config)))
+    """Replace elastic.json whole and durably: a worker (re)reading it after a takeover sees the old
+    supervisor's address or the new one."""
+    durable.write_json(path, encode(config))
+
+
+def _read_json(path: Any) -> Any:
+    """A record file's JSON (an open that NFS reports stale is retried); ProtocolError naming the file
+    and what is wrong with it when it is empty, truncated or not text."""
+    try:
+        text = durable.read_text(path)
+    except UnicodeDecodeError as err:
+        raise ProtocolError(f"{path}: not UTF-8 text (damaged: {err})") from None
+    if not text.strip():
+        raise ProtocolError(f"{path}: empty (written by a process that crashed before it reached the disk)")
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise ProtocolError(f"{path}: truncated or not JSON ({err})") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,24 +228,19 @@ class SupervisorState:
 
 def read_state(path: Any) -> SupervisorState | None:
     """The job folder's supervisor state, or None before a supervisor wrote one; ProtocolError naming
-    the file when it is not one."""
+    the file and the damage when it is empty, truncated or not a state (written durably, so only a crash
+    of an older version or of the disk leaves one)."""
     try:
-        text = Path(path).read_text()
+        data = _read_json(path)
     except FileNotFoundError:
         return None
-    try:
-        data = json.loads(text)
-    except ValueError as err:
-        raise ProtocolError(f"{path}: not JSON ({err})") from err
     return decode(SupervisorState, data, str(path))
 
 
 def write_state(path: Any, state: SupervisorState) -> None:
-    """Replace the state file whole: a reader (a supervisor taking over) sees the old state or the new."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(encode(state)))
-    os.replace(tmp, path)
+    """Replace the state file whole and durably (cluster/durable.py): a reader (a supervisor taking
+    over, after this one's machine died) sees the old state or the new, never an empty file."""
+    durable.write_json(Path(path), encode(state))
 
 
 def put(store: Any, record: Record, *key_args: Any) -> None:

@@ -30,7 +30,15 @@ RESERVED_SBATCH = {
     "account": "cluster.account", "qos": "cluster.qos", "constraint": "cluster.constraint",
     "gpus-per-node": "cluster.gpus_per_node", "cpus-per-task": "cluster.cpus_per_node",
     "no-kill": "(always set)", "ntasks-per-node": "(always 1: one agent per node)",
+    "network": "cluster.network", "signal": "cluster.signal_delay_s",
+    "requeue": "(always set on the allocation)", "no-requeue": "cluster.requeues (0: never requeued)",
 }
+# Slurm's --network word for a VNI that every step of the job shares (switch/hpe_slingshot).
+JOB_VNI = "job_vni"
+# sbatch(1) --signal: "sig_time must be an integer between 0 and 65535".
+MAX_SIGNAL_DELAY_S = 65535
+# Slurm's --network value: comma-separated words or key=value pairs (job_vni, single_node_vni, tcs=A:B).
+_NETWORK = re.compile(r"^[A-Za-z0-9_]+(=[A-Za-z0-9_:]+)?(,[A-Za-z0-9_]+(=[A-Za-z0-9_:]+)?)*$")
 
 
 def positive(value: float) -> str | None:
@@ -47,6 +55,20 @@ def factory_string(value: str | None) -> str | None:
     return f"expected 'package.module:function', got {value!r}"
 
 
+def slurm_seconds(text: str) -> int:
+    """Seconds in a Slurm time limit ('90' minutes, 'M:S', 'H:M:S', 'D-H', 'D-H:M', 'D-H:M:S'), as
+    sbatch(1) --time reads them; `text` passed `slurm_time`."""
+    days, _, clock = text.partition("-") if "-" in text else ("0", "", text)
+    parts = [int(p) for p in clock.split(":")]
+    if "-" in text:  # D-H, D-H:M, D-H:M:S
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        hours, minutes, seconds = parts
+    else:  # M or M:S
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
 def slurm_time(value: str) -> str | None:
     if _SLURM_TIME.match(value):
         return None
@@ -57,11 +79,24 @@ def sbatch_options(value: Mapping[str, str]) -> str | None:
     for key, option in value.items():
         if not _SBATCH_KEY.match(key):
             return f"option {key!r} is not an sbatch long option name (e.g. 'mail-type', without '--')"
-        if key in RESERVED_SBATCH:
-            return f"option {key!r} is set by oobleck-slurm; use {RESERVED_SBATCH[key]} instead"
+        reserved = key.replace("_", "-")  # submitit writes `no_kill` as --no-kill
+        if reserved in RESERVED_SBATCH:
+            return f"option {key!r} is set by oobleck-slurm; use {RESERVED_SBATCH[reserved]} instead"
         if isinstance(option, str) and ("\n" in option or "\r" in option):  # one #SBATCH line each
             return f"option {key!r}: the value must be one line, got {option!r}"
     return None
+
+
+def network_option(value: str) -> str | None:
+    if _NETWORK.match(value):
+        return None
+    return f"expected Slurm's --network value, e.g. 'single_node_vni,job_vni', got {value!r}"
+
+
+def signal_delay(value: int) -> str | None:
+    if 0 < value <= MAX_SIGNAL_DELAY_S:
+        return None
+    return f"must be between 1 and {MAX_SIGNAL_DELAY_S} seconds (sbatch --signal), got {value}"
 
 
 def job_name(value: str) -> str | None:
@@ -163,6 +198,19 @@ class ClusterConfig:
     time: str = field(default="01:00:00", metadata=check(slurm_time))
     mem: str | None = None
     sbatch: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), metadata=check(sbatch_options))
+    # Slurm's --network for the allocation and every agent step (srun): on HPE Slingshot
+    # "single_node_vni,job_vni", so that agents started as separate one-node steps share the job's VNI
+    # (docs/slurm.md, "One network domain per job").
+    network: str | None = field(default=None, metadata=check(optional(network_option)))
+    # Requeues after a time limit (submitit's max_num_timeout; a preemption does not count one): each
+    # resumes from the on-demand checkpoint, so a run longer than `time` is a chain of allocations.
+    requeues: int = field(default=1000, metadata=check(non_negative))
+    # Seconds before the time limit that Slurm's USR2 notice comes (sbatch --signal=USR2@N): the
+    # on-demand checkpoint and the teardown must fit in them.
+    signal_delay_s: int = field(default=120, metadata=check(signal_delay))
+    # The longest time limit the centre grants a job of this size (a partition's MaxTime, a walltime
+    # bin): a centre recipe declares it, and `time` may not exceed it.
+    max_time: str | None = field(default=None, metadata=check(optional(slurm_time)))
     setup: tuple[str, ...] = ()  # shell lines run before the agents start (module load ..., conda activate ...)
     job_root: str = "jobs"
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
@@ -229,16 +277,31 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SourceConfig:
+    """One data source of a mixture: a prepared token file, a glob of them, or a prepared set (a
+    folder or glob of .idx/.bin shards); `weight`: its share of the samples (relative; unset: in
+    proportion to its size)."""
+
+    path: str = ""
+    weight: float | None = field(default=None, metadata=check(optional(positive)))
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    """Training tokens: a prepared token file, a text file prepared on first use, or the shipped text."""
+    """Training tokens: a prepared token file, a text file prepared on first use, several weighted
+    sources, or (local jobs only) the shipped text."""
 
     path: str | None = None
     text: str | None = None
     tokenizer: str = "byte"
     # What `training.eval_interval` evaluates on: a prepared token file (.bin) or a text file (prepared
     # with `tokenizer` on first use). Unset: the last `training.eval_samples` samples of the training
-    # tokens, held out of training.
+    # tokens, held out of training (of each source, apportioned by weight).
     validation: str | None = None
+    sources: tuple[SourceConfig, ...] = ()  # instead of path/text: a deterministic weighted mixture
+    # The most passes over any source the job's steps may make; a job that would make more is refused
+    # at its start. Unset: no limit (a small source is repeated as often as its weight needs).
+    epochs: int | None = field(default=None, metadata=check(optional(positive)))
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,7 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
             add(("drills",), f"drill worker {drill.worker} does not exist: {c.devices_per_node} worker(s) per node")
     if ft.replacement == "spare" and c.spare_nodes == 0:
         add(("fault_tolerance", "replacement"), "'spare' needs cluster.spare_nodes >= 1")
+    issues += _cluster_issues(recipe, source)
 
     order = [("collective_timeout", ft.collective_timeout), ("heartbeat_lease", ft.heartbeat_lease),
              ("step_timeout", ft.step_timeout), ("reconfiguration_timeout", ft.reconfiguration_timeout)]
@@ -262,7 +263,7 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
 
     model_issues = _model_issues(m, source)
     issues += model_issues
-    if not model_issues and m.factory is None and not recipe.data.path:
+    if not model_issues and m.factory is None and not recipe.data.path and not recipe.data.sources:
         # The byte tokenizer's ids run to 255: the model's vocabulary must hold them.
         uses_bytes = recipe.data.tokenizer == "byte" and not (m.hf and (Path(m.hf) / "tokenizer.json").is_file())
         vocab = m.resolve().vocab_size
@@ -277,6 +278,7 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
         value = getattr(d, key)
         if value and not _data_file(source, key, value).is_file():
             add(("data", key), f"file not found: {_data_file(source, key, value)}")
+    issues += _source_issues(recipe, source)
     if _is_tokenizer_path(d.tokenizer):
         found = Path(d.tokenizer)
         if not (found.is_file() or (found / "tokenizer.json").is_file()):
@@ -285,6 +287,77 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
         add(("data", "tokenizer"), f"expected 'byte', a tokenizer.json path or 'package.module:function', "
                                    f"got {d.tokenizer!r}")
     return issues
+
+
+def _cluster_issues(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
+    """The job as Slurm will run it: the time-limit notice, the centre's longest time limit, and one
+    network domain for the whole job on HPE Slingshot (docs/slurm.md, "One network domain per job")."""
+    issues: list[RecipeIssue] = []
+    add = lambda path, msg: issues.append(source.issue(path, msg))  # noqa: E731
+    c, ft = recipe.cluster, recipe.fault_tolerance
+    limit = schema.slurm_seconds(c.time)
+    if c.signal_delay_s >= limit:
+        add(("cluster", "signal_delay_s"), f"the time-limit notice must come before the limit: {c.signal_delay_s} s "
+                                           f"is not less than cluster.time {c.time!r} ({limit} s)")
+    if c.max_time is not None and limit > schema.slurm_seconds(c.max_time):
+        add(("cluster", "time"), f"{c.time!r} exceeds cluster.max_time {c.max_time!r}, the longest time limit the "
+                                 f"centre grants this job: lower it (requeues continue the run), or raise max_time "
+                                 f"where the centre allows more (e.g. more nodes)")
+    if c.backend == "slurm" and c.network and schema.JOB_VNI in c.network.split(","):
+        # A job VNI is the job's own (Slurm's switch/hpe_slingshot): another job cannot join it.
+        if ft.replacement == "request":
+            add(("fault_tolerance", "replacement"),
+                "'request' starts a replacement as a job of its own, and on HPE Slingshot (cluster.network has "
+                "job_vni) its workers cannot reach this job's: use cluster.spare_nodes >= 1 with replacement: "
+                "spare, or replacement: none")
+        if c.supervisor.failover:
+            add(("cluster", "supervisor", "failover"),
+                "failover runs every training node as a job of its own, and on HPE Slingshot (cluster.network has "
+                "job_vni) workers of different jobs cannot reach each other: set it to false")
+    return issues
+
+
+def _source_issues(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
+    """data.sources: one way of giving the data, a path each, weights on all or none. Whether each
+    source exists is checked here for a local job; a Slurm job's data lives on the cluster's file
+    system, which the machine running `validate` may not see: the job checks it at its start."""
+    issues: list[RecipeIssue] = []
+    d = recipe.data
+    if not d.sources:
+        return issues
+    add = lambda msg: issues.append(source.issue(("data", "sources"), msg))  # noqa: E731
+    if d.path or d.text:
+        add("give data.sources, or data.path / data.text (one source), not both")
+    given = [s.weight is not None for s in d.sources]
+    if any(given) and not all(given):
+        add("give every source a weight, or none (then each weighs in proportion to its size)")
+    for i, s in enumerate(d.sources):
+        if not s.path:
+            add(f"source {i + 1} has no path")
+        elif recipe.cluster.backend == "local" and not _source_exists(found := _recipe_path(source, ("data", "sources"), s.path)):
+            add(f"source {i + 1}: nothing found at {found} (a token file, a glob of them or a prepared folder)")
+    return issues
+
+
+def _source_exists(path: Path) -> bool:
+    import glob
+
+    return path.exists() or bool(glob.glob(str(path)))
+
+
+def data_issues(recipe: schema.Recipe) -> list[RecipeIssue]:
+    """The data a job that can run must name (`validate` and `submit`, not `plan`): a Slurm job trains
+    on data given by the recipe; the shipped text is the default of local jobs only."""
+    d = recipe.data
+    if recipe.cluster.backend != "slurm" or d.path or d.text or d.sources:
+        return []
+    from oobleck_slurm.recipe.source import read_source
+
+    return [read_source(Path(recipe.source)).issue(("data",), (
+        "a Slurm job needs training data, and this recipe names none (the shipped text is for local jobs): "
+        "give data.path (a prepared token file: `python -m oobleck_slurm prepare TEXT OUT.bin`), "
+        "data.sources ([{path: ..., weight: ...}, ...]: token files, globs or prepared folders), "
+        "or data.text (a text file, prepared on first use)"))]
 
 
 def _model_issues(m: schema.ModelConfig, source: Source) -> list[RecipeIssue]:
@@ -349,13 +422,15 @@ def _resolve_paths(recipe: schema.Recipe, source: Source) -> schema.Recipe:
     from dataclasses import replace
 
     data, model = recipe.data, recipe.model
-    resolved = {key: str(_data_file(source, key, getattr(data, key)))
-                for key in ("path", "text", "validation") if getattr(data, key)}
+    resolved: dict[str, Any] = {key: str(_data_file(source, key, getattr(data, key)))
+                                for key in ("path", "text", "validation") if getattr(data, key)}
     if _is_tokenizer_path(data.tokenizer):
         resolved["tokenizer"] = str(_recipe_path(source, ("data", "tokenizer"), data.tokenizer))
     if model.hf is not None:
         model = replace(model, hf=str(_recipe_path(source, ("model", "hf"), model.hf)))
-    return replace(recipe, data=replace(data, **resolved), model=model, source=source.root_file)
+    sources = tuple(replace(s, path=str(_recipe_path(source, ("data", "sources"), s.path)) if s.path else s.path)
+                    for s in data.sources)
+    return replace(recipe, data=replace(data, **resolved, sources=sources), model=model, source=source.root_file)
 
 
 def recipe_to_dict(obj: Any) -> Any:

@@ -2,7 +2,7 @@
 
 One per node (Slurm: one srun task per node; local backend: a process per virtual node). It connects
 to the supervisor over the authenticated control plane, beats every `heartbeat_interval` seconds (the
-job's timeouts, in supervisor.json; protocol/timeouts.py) (with its workers' process states, so that a SIGSTOPped worker can be named), and obeys (messages:
+job's timeouts, in supervisor.json; timeouts.py) (with its workers' process states, so that a SIGSTOPped worker can be named), and obeys (messages:
 protocol/messages.py):
 
     start {node_id, workers, threads, device}
@@ -32,9 +32,11 @@ as killed: the node fails) and is replaced from the main loop; meanwhile workers
 The node is the failure unit (the planner places pipelines on nodes): the first worker to exit
 non-zero is reported as `worker_exit {code, worker}` and the node's other workers are killed at once;
 `worker_exit {code: 0}` is reported once every worker finished. `preempt` is relayed when Slurm sends
-SIGUSR2 to the job's steps (submitit's `--signal=USR2@90` before the time limit, or a preemption): the
-supervisor runs in the batch step, which that signal does not reach. Workers ignore SIGUSR2 (it would
-end them). If the supervisor goes away, the job is over: the agent kills its workers and exits, so
+SIGUSR2 to the job's steps (submitit's `--signal=USR2@90` before the time limit), or, inside a Slurm
+step, SIGTERM (a preemption, `scontrol requeue`, `scancel`: SIGKILL follows after the grace time): the
+supervisor runs in the batch step, which the first does not reach. Workers ignore both (they would end
+them; `warm.ignore_step_signals`). If the supervisor goes away, the job is over: the agent kills its workers and exits (under
+Slurm, with no standby, after requeueing the job: `_requeue_if_lost`), so
 that nothing outlives the job on the node. With detection on (`metrics` in supervisor.json), it also
 samples its node and sends the metrics (agent_health.py).
 """
@@ -55,7 +57,7 @@ from typing import Any
 import psutil
 
 from oobleck_slurm.cluster.jobdir import JobDir, load_secret
-from oobleck_slurm.cluster.lease import PublishedEpoch, read_lease
+from oobleck_slurm.cluster.lease import PublishedEpoch, primary_gone, read_lease
 from oobleck_slurm.errors import JobTimeoutError
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 from oobleck_slurm.protocol.messages import (
@@ -73,11 +75,19 @@ from oobleck_slurm.protocol.messages import (
     WorkerExit,
     parse,
 )
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.agent_health import DRILLS, MetricsReporter, NodeDrills
 from oobleck_slurm.supervisor.server import connect
-from oobleck_slurm.supervisor.warm import HEALTH_MODULE, WORKER_MODULE, WarmProcess, WarmServer, preloaded
+from oobleck_slurm.supervisor.warm import (
+    HEALTH_MODULE,
+    WORKER_MODULE,
+    WarmProcess,
+    WarmServer,
+    ignore_step_signals,
+    in_slurm_step,
+    preloaded,
+)
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 # Set in every NCCL worker's environment, before torch starts (docs/nccl.md, "Aborting"): torch's watchdog must never act on its own (it sleeps 60 s, then tears the process down);
 # the generation design aborts groups itself (engine/abort.py), and a timeout dump key left in the root
@@ -103,7 +113,7 @@ def _die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm signals every process of the step; the agent relays it
+    ignore_step_signals()  # Slurm signals every process of the step; the agent relays it
 
 
 def worker_env(base: dict[str, str] | os._Environ[str], local: int, threads: int, device: str) -> dict[str, str]:
@@ -154,6 +164,7 @@ class Agent:
         self.failover_s = float(self.address.get("failover_s", 0.0))  # how long a new supervisor is awaited
         self.channel: Channel = self._connect(self.address)
         self.published = PublishedEpoch(self.job.supervisor_file)
+        self._supervisor_lost = False  # its connection broke, or its lease lapsed, and no standby follows
         self._next_epoch_look = 0.0
         self.send(Register(node=node, replacement=replacement, pid=os.getpid(),
                            slurm_job_id=os.environ.get("SLURM_JOB_ID")))
@@ -195,6 +206,17 @@ class Agent:
                 return True
             time.sleep(0.05)
         return False
+
+    def _leave_frozen_supervisor(self, now: float) -> None:
+        """Without a standby, under Slurm: a supervisor whose lease is older than the step timeout is
+        frozen or on a machine that died without closing its connections (a powered-off node sends
+        nothing): requeue the job as after its loss (`_requeue_if_lost`) and drop the connection."""
+        if self.failover_s > 0 or not in_slurm_step() or now < self._next_epoch_look:
+            return
+        self._next_epoch_look = now + self.timeouts.epoch_poll
+        if primary_gone(read_lease(self.job), self.timeouts.step_timeout, now, same_machine=False):
+            self._supervisor_lost = True
+            self._done.set()
 
     def _leave_superseded(self, now: float) -> None:
         """A supervisor of a higher epoch is published while this agent's connection stays open (the
@@ -289,8 +311,40 @@ class Agent:
                 # supervisor takes over.
                 if self.failover_s > 0 and self._follow_new_supervisor():
                     continue
+                self._supervisor_lost = True  # the main thread asks for the requeue (`run`)
             break
         self._done.set()
+
+    def _requeue_if_lost(self) -> None:
+        """The supervisor is gone and no standby takes over: under Slurm, requeue the job rather than
+        leave its allocation idle. Measured on the lab (docs/slurm.md, "The batch host"): when the node
+        that runs the batch step dies, slurmctld removes it from a `--no-kill` job and ends the steps
+        launched from it, and the job stays RUNNING with nothing in it until its time limit. Every
+        agent that sees the loss asks; the first requeue wins (the others' fail: already pending). The
+        next run resumes from the newest complete checkpoint, off the lost supervisor's node and the
+        nodes this job evicted. Not when the job ended or is being cancelled (its lease says done, or
+        the cancel marker exists)."""
+        job_id = os.environ.get("SLURM_JOB_ID")
+        if not job_id or not in_slurm_step():
+            return
+        lease = read_lease(self.job)
+        if (lease is not None and lease.done) or self.job.cancel_marker.exists():
+            return
+        from oobleck_slurm.cluster.slurm import SlurmError, requeue_job
+
+        meta = self.job.meta()
+        lost_host = (meta.get("supervisor") or {}).get("host")
+        exclude = sorted({*meta.get("evicted_nodes", []), *([lost_host] if lost_host else [])} - {self.node})
+        try:
+            requeue_job(job_id, exclude, self.timeouts)
+            said = f"the supervisor was lost with no standby: requeued job {job_id} " \
+                   f"(excluding {', '.join(exclude) or 'no node'})"
+        except SlurmError as err:
+            said = f"requeue of job {job_id} after the supervisor's loss: {err}"
+        # In the job folder, not only on stderr: this agent's output goes through an srun that ran on
+        # the lost node, and is lost with it.
+        with open(self.job.logs / f"requeue-{self.node}.log", "a") as out:
+            out.write(f"{time.time():.3f} agent {self.node}: {said}\n")
 
     def _obey_commands(self) -> None:
         """Carry out the supervisor's commands until it says shutdown (EOFError/OSError once it is gone)."""
@@ -343,7 +397,15 @@ class Agent:
 
     def run(self) -> int:
         threading.Thread(target=self._read_commands, name="agent-commands", daemon=True).start()
-        signal.signal(signal.SIGUSR2, lambda signum, frame: self._preempt.set())
+        notice: list[str] = []
+
+        def on_notice(signum: int, frame: Any) -> None:
+            notice.append(signal.Signals(signum).name)
+            self._preempt.set()
+
+        signal.signal(signal.SIGUSR2, on_notice)
+        if in_slurm_step():  # preemption, `scontrol requeue`, `scancel`: checkpoint before SIGKILL
+            signal.signal(signal.SIGTERM, on_notice)
         relayed = False
         next_beat = 0.0
         settings = self.address.get("metrics")
@@ -356,16 +418,21 @@ class Agent:
                 self._keep_warm()
                 if self._preempt.is_set() and not relayed:
                     relayed = True
-                    self.send(Preempt(node=self.node, signal="SIGUSR2", t=now))
+                    self.send(Preempt(node=self.node, signal=notice[0] if notice else "SIGUSR2", t=now))
                 self._leave_superseded(now)
+                self._leave_frozen_supervisor(now)
                 if now >= next_beat:
                     self.send(Heartbeat(node=self.node, workers=tuple(self.worker_states()),
                                         cpu=psutil.cpu_percent(interval=None), t=now))
                     next_beat = now + self.interval
                 self._done.wait(self.timeouts.agent_poll)
-        except (OSError, ProtocolError):
-            pass
+        except (OSError, ProtocolError):  # a send failed: the supervisor is gone
+            self._supervisor_lost = True
         finally:
+            # Here, in the main thread: the process ends when it returns, the command reader's daemon
+            # thread with it (a requeue asked from there was cut short when this thread left first).
+            if self._supervisor_lost and self.failover_s <= 0:
+                self._requeue_if_lost()
             if reporter is not None:
                 reporter.stop()
             self.stop_workers()

@@ -56,7 +56,6 @@ from oobleck_slurm.protocol.messages import (
     WorkerExit,
     parse,
 )
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.health import health_peer
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
@@ -73,9 +72,10 @@ from oobleck_slurm.supervisor.node_table import (
 )
 from oobleck_slurm.supervisor.observer import StoreObserver, StoreView
 from oobleck_slurm.supervisor.server import ControlServer
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 # Its timeouts and polls (the watcher's period, scontrol's, a joining node's health check) are the job's:
-# BackendConfig.timeouts (protocol/timeouts.py). The job's progress and the per-worker steps come from the
+# BackendConfig.timeouts (timeouts.py). The job's progress and the per-worker steps come from the
 # store observer's view (supervisor/observer.py), which reads them every store_poll and rank_step_poll.
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
 RELAYED_DRILLS = ("agent", "worker", "hang", "slow", "leak")  # faults that the node's agent injects (see agent.py)
@@ -89,7 +89,7 @@ class BackendConfig:
     workers_per_node: int = 1  # one per device
     threads_per_worker: int = 1  # CPU threads of each worker
     device: str = "cpu"  # cpu | cuda
-    # heartbeat_lease, step_timeout, health_check_timeout, the watcher's polls (protocol/timeouts.py)
+    # heartbeat_lease, step_timeout, health_check_timeout, the watcher's polls (timeouts.py)
     timeouts: JobTimeouts = DEFAULT_TIMEOUTS
 
 
@@ -100,7 +100,7 @@ class AgentNodes:
         self.launcher, self.log, self.cfg = launcher, log, config
         self.observer = observer  # the job's store, as its one poller last read it (the watcher follows it)
         self.health = health  # metrics and stragglers (None: detection.enabled is false)
-        self.on_preempt = on_preempt  # called when an agent relays Slurm's preemption / time-limit signal
+        self.on_preempt = on_preempt  # called with the signal's name when an agent relays Slurm's notice
         self.drills = sorted(drills, key=lambda d: d.step)  # recipe DrillConfigs not yet run
         self.membership = Membership(config.timeouts.heartbeat_lease, config.timeouts.step_timeout)
         self.nodes: dict[str, NodeRecord] = {  # node id -> record; members first, then spares, then replacements
@@ -118,6 +118,7 @@ class AgentNodes:
         self.server = ControlServer(secret, self._on_message, self._on_refused, on_disconnect=self._on_disconnect,
                                     handshake_timeout=config.timeouts.handshake_timeout)
         self._store: dist.TCPStore | None = None  # the watcher's own client, for the drills' fault times
+        self._slurm_states: dict[str, str] = {}  # node id -> its Slurm state last seen (the Slurm poller's)
         self._watcher = threading.Thread(target=self._watch, name="agent-nodes-watch", daemon=True)
 
     # ---- setting up ------------------------------------------------------------------------------
@@ -335,7 +336,7 @@ class AgentNodes:
             self.log.emit("preempt_notice", node=record.node_id if record is not None else message.node,
                           signal=message.signal)
             if self.on_preempt is not None:
-                self.on_preempt()
+                self.on_preempt(message.signal)
         elif isinstance(message, Status):
             return self.status()
         else:
@@ -526,6 +527,8 @@ class AgentNodes:
         if self.health is not None:
             self.health.forget(loss.node)
         self._exits.put((loss.node, loss))
+        if record.slurm_node:  # a replacement's token is no machine
+            self.launcher.lost(record.slurm_node)
 
     def _watch(self) -> None:
         self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
@@ -534,9 +537,12 @@ class AgentNodes:
             faults = {i: r.fault_at for i, r in self.nodes.items() if r.fault_at is not None}
         for ident, t in faults.items():
             self._store.set(keys.fault_time(ident), repr(t))
-        next_slurm = next_nodes = 0.0
+        next_nodes = 0.0
         gen, seen, steps_seen = -1, 0, 0.0
         timeouts = self.cfg.timeouts
+        # Slurm's view in its own thread: a query may take retries (tens of seconds) while slurmctld
+        # restarts, and this loop bounds the detection latency of every other path.
+        threading.Thread(target=self._watch_slurm, name="agent-nodes-slurm", daemon=True).start()
         while not self._stop.wait(timeouts.backend_poll):
             now = time.time()
             with self._lock:
@@ -562,9 +568,6 @@ class AgentNodes:
             if view.steps_t != steps_seen:
                 steps_seen = view.steps_t
                 self._follow_rank_steps(view, now)
-            if now >= next_slurm:
-                next_slurm = now + timeouts.slurm_poll
-                self._poll_slurm(now)
             if now >= next_nodes:
                 next_nodes = now + NODE_EVENT_S
                 self._node_snapshot(now)
@@ -592,7 +595,28 @@ class AgentNodes:
                 if all(w in view.worker_steps for w in workers):
                     self.membership.node_step(ident, min(view.worker_steps[w] for w in workers), now)
 
-    def _poll_slurm(self, now: float) -> None:
+    def _watch_slurm(self) -> None:
+        """The steady state's one Slurm query, every slurm_node_poll (one controller RPC per period when
+        slurmctld answers), and the count of the client commands this process ran (`slurm_calls`), every
+        slurm_calls_report. A launcher with no Slurm view (local) makes it report nothing."""
+        from oobleck_slurm.cluster.slurm import client_calls
+
+        timeouts = self.cfg.timeouts
+        reported, last = time.time(), client_calls()
+        while not self._stop.wait(timeouts.slurm_node_poll):
+            has_view = self._poll_slurm(time.time())
+            now = time.time()
+            if has_view and now - reported >= timeouts.slurm_calls_report:
+                calls = client_calls()
+                self.log.emit("slurm_calls", calls=calls["total"], failed=calls["failed"],
+                              window_calls=calls["total"] - last["total"], window_s=round(now - reported, 3),
+                              commands={k: v for k, v in calls.items() if k not in ("total", "failed")})
+                reported, last = now, calls
+
+    def _poll_slurm(self, now: float) -> bool:
+        """Slurm's state of the watched nodes: a lost state (DOWN, FAIL, powered down) is a loss; an
+        advisory one (DRAIN, NOT_RESPONDING: cluster/slurm.py) is only reported, in a `node` event when it
+        changes and in every node snapshot. False when the launcher has no Slurm view."""
         with self._lock:
             watched = {r.slurm_node: i for i in self.membership.watched
                        if (r := self.nodes.get(i)) is not None and r.slurm_node is not None}
@@ -600,15 +624,22 @@ class AgentNodes:
             states = self.launcher.node_states(sorted(watched))
         except Exception as err:  # noqa: BLE001 - slurmctld unreachable: other paths still detect
             self.log.emit("slurm_unreachable", error=str(err))
-            return
-        if not states:
-            return
+            return True
+        if states is None:
+            return False
         with self._lock:
             for node, health in states.items():
-                if node in watched:
-                    loss = self.membership.slurm_state(watched[node], health.state, health.usable, now)
-                    if loss:
-                        self._lost(loss)
+                if node not in watched:
+                    continue
+                ident = watched[node]
+                if self._slurm_states.get(ident) != health.state:
+                    self._slurm_states[ident] = health.state
+                    if health.usable and not self.membership.is_lost(ident):
+                        self.log.emit("node", node=ident, slurm_node=node, slurm_state=health.state)
+                loss = self.membership.slurm_state(ident, health.state, health.usable, now)
+                if loss:
+                    self._lost(loss)
+        return True
 
     def _node_snapshot(self, now: float) -> None:
         with self._lock:
@@ -621,7 +652,8 @@ class AgentNodes:
                 age = self.membership.leases.age(ident, now) if ident in self.membership.leases.members() else None
                 self.log.emit("node", node=ident, slurm_node=record.slurm_node or ident, state="healthy",
                               heartbeat_age=age, cpu=beat.cpu if beat is not None else None,
-                              worker=node_worker_state(workers or ()), workers=workers)
+                              worker=node_worker_state(workers or ()), workers=workers,
+                              slurm_state=self._slurm_states.get(ident))
 
     def status(self) -> StatusResult:
         with self._lock:

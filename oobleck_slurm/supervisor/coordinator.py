@@ -22,7 +22,7 @@ network error, or a rank hung inside a step after its first collective). Workers
 or frozen node is named within it), the same members re-form under generation g+1 (a `reform`). A
 member that does not leave the aborted generation within the step timeout is hung (its peers left in
 milliseconds): it is lost like a dead one. Every timeout and poll period is the job's
-(`CoordinatorConfig.timeouts`, protocol/timeouts.py). When it gives up it raises a CoordinatorError:
+(`CoordinatorConfig.timeouts`, timeouts.py). When it gives up it raises a CoordinatorError:
 `CannotContinue` (no recovery and no checkpoint: unrecoverable, no requeue) or `CoordinatorTimeout`
 (the run timed out: a requeue may help); see errors.py.
 On a preemption notice (see preemption.py) the same abort collects every worker's step; the next
@@ -69,7 +69,6 @@ from oobleck_slurm.protocol.records import (
     WorkerError,
     WorkerReport,
 )
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.supervisor.decisions import (
     Change,
     CheckpointAndStop,
@@ -90,6 +89,7 @@ from oobleck_slurm.supervisor.decisions import (
 from oobleck_slurm.supervisor.membership import Loss
 from oobleck_slurm.supervisor.observer import StoreObserver, StoreView
 from oobleck_slurm.supervisor.preemption import Preemption
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 
 class NodeBackend(Protocol):
@@ -273,14 +273,15 @@ class Coordinator:
             self.log.emit("plan", **plan_event(plan, self.gen, reason, members, d), **self._recovery_fields(recovery))
 
     def start(self, from_checkpoint: bool = False) -> None:
-        """Publish generation 0 and start every member: from the seed, or (a requeued job) from the
-        last complete checkpoint in `checkpoint_dir` when there is one."""
+        """Publish generation 0 and start every member: from the seed, or (`from_checkpoint`: the
+        supervisor asks it of every run) from the newest complete checkpoint in `checkpoint_dir`."""
         self.store.set(keys.CURRENT_GEN, "0")
         step = latest_complete(self.cfg.checkpoint_dir, self.keys) if from_checkpoint and self.cfg.checkpoint_dir else None
         if step is None:
             self._publish(self.plan, "seed", 0, "initial")
         else:
             self.trained = True
+            self.checkpoints_seen.add(step)  # an earlier run's: not reported again as written
             self._publish(self.plan, "checkpoint", step, "requeue",
                           checkpoint=CheckpointRef(root=str(self.cfg.checkpoint_dir), step=step))
         for node in self.members:
@@ -635,8 +636,12 @@ class Coordinator:
             self.log.emit("checkpoint", step=step, ok=False, on_demand=True,
                           detail=f"worker(s) {behind} cannot reach step {step}")
             return self._stopped(None)
-        records.put(self.store, GenerationConfig(generation=self.gen, stop=True, save=CheckpointRef(root=root, step=step)),
-                    self.gen)
+        # With the plan and members: a wide stage gathers its layers to write them, through groups of
+        # this generation (the last one's are aborted: its failed key is how the workers were stopped).
+        d = self.cfg.devices_per_node
+        records.put(self.store, GenerationConfig(
+            generation=self.gen, stop=True, save=CheckpointRef(root=root, step=step), members=tuple(self.members),
+            plan=exec_plan(self.plan, self.members, d).to_json()), self.gen)
         self.store.set(keys.CURRENT_GEN, str(self.gen))
         deadline = time.time() + self.cfg.timeouts.checkpoint_timeout
         while not all(layer_file(root, step, k).exists() for k in self.keys):

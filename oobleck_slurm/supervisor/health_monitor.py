@@ -42,13 +42,13 @@ from oobleck_slurm.engine.checkpoint import LAYER_SUFFIX, step_dir
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.protocol.events import EventLog
 from oobleck_slurm.protocol.records import FirstStep, GenerationConfig, StepCompute
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.supervisor.agent_health import SEND_EVERY_S
 from oobleck_slurm.supervisor.observer import StoreView
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 # The checkpoint folder's poll and how long a checkpoint may hold its judgement are the job's timeouts
-# (checkpoint_poll, checkpoint_hold_max: protocol/timeouts.py); the store is read by the store observer.
+# (checkpoint_poll, checkpoint_hold_max: timeouts.py); the store is read by the store observer.
 HEALTH_EVENT_S = 5.0  # a `health` event (scores, slowdowns) this often
 MAX_METRIC_NAME = 100
 MAX_SAMPLES = 100_000  # values in one batch (an agent sends ~20 a second)

@@ -43,6 +43,7 @@ class AgentLauncher(Protocol):
     # step (NodeJobLauncher): its loss is then seen by its connection, heartbeats and Slurm's node state.
     def launch(self, node: str) -> subprocess.Popen | WarmProcess | None: ...
     def request(self, token: str) -> str | None: ...  # ask for one more node; a handle (job id) or None
+    def lost(self, node: str) -> None: ...  # a Slurm node the job lost: later requests (and a requeue) avoid it
     def node_states(self, nodes: Sequence[str]) -> dict[str, NodeHealth] | None: ...  # None: no such view
     def close(self) -> None: ...  # cancel outstanding requests
 
@@ -77,14 +78,26 @@ class SrunLauncher:
     def __init__(self, job_dir: Path, cluster: ClusterConfig, job_name: str) -> None:
         self.job, self.cluster, self.job_name = JobDir.at(job_dir), cluster, job_name
         self.requested: dict[str, str] = {}  # token -> Slurm job id
+        # Nodes this job lost, in this run or one before a requeue (meta.json): replacements exclude them.
+        self.evicted: list[str] = list(self.job.meta().get("evicted_nodes", []))
 
     def launch(self, node: str) -> subprocess.Popen | None:
         return slurm.start_step(node, agent_argv(self.job.path), self.cluster.cpus_per_node,
-                                self.cluster.gpus_per_node, self.job.agent_log(node))
+                                self.cluster.gpus_per_node, self.job.agent_log(node), self.cluster.network)
+
+    def lost(self, node: str) -> None:
+        if node in self.evicted:
+            return
+        self.evicted.append(node)
+        try:
+            self.job.update_meta(evicted_nodes=self.evicted)
+        except OSError as err:  # the in-memory list still serves this run's requests
+            print(f"supervisor: could not record evicted node {node}: {err}", file=sys.stderr)
 
     def request(self, token: str) -> str | None:
         try:
-            job_id = slurm.submit(self.job.submitit, slurm.replacement_parameters(self.cluster, self.job_name, token),
+            job_id = slurm.submit(self.job.submitit, slurm.replacement_parameters(self.cluster, self.job_name, token,
+                                                                                  self.evicted),
                                   ReplacementAgent(str(self.job.path), token))
         except SlurmError as err:
             print(f"supervisor: replacement request failed: {err}", file=sys.stderr)
@@ -106,9 +119,21 @@ class SrunLauncher:
 WAITING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "RESIZING"})
 
 
-def started_nodes(job_ids: Sequence[str], queue: dict[str, tuple[str, str]]) -> list[str] | None:
+def queue_or_none(job_ids: Sequence[str]) -> dict[str, tuple[str, str]] | None:
+    """squeue's view of `job_ids`, or None when slurmctld did not answer (after its retries)."""
+    try:
+        return slurm.queued_jobs(job_ids)
+    except slurm.SlurmUnavailable as err:
+        print(f"supervisor: {err}; still waiting for the node jobs", file=sys.stderr)
+        return None
+
+
+def started_nodes(job_ids: Sequence[str], queue: dict[str, tuple[str, str]] | None) -> list[str] | None:
     """The node of each of `job_ids` (one-node jobs), in their order, once all run; None while one
-    waits; InfrastructureError when one ended or left the queue before it started (pure)."""
+    waits, or while squeue's answer is unknown (`queue` None: a slow controller ends no job);
+    InfrastructureError when one ended or left the queue before it started (pure)."""
+    if queue is None:
+        return None
     nodes = []
     for job_id in job_ids:
         state, nodelist = queue.get(job_id, ("GONE", ""))
@@ -136,11 +161,11 @@ class NodeJobLauncher(SrunLauncher):
         self.job.update_meta(node_jobs=ids)  # `cancel` and `kill-node` find them there
         deadline = time.time() + timeout
         try:
-            while (nodes := started_nodes(ids, slurm.queued_jobs(ids))) is None:
+            while (nodes := started_nodes(ids, queue_or_none(ids))) is None:
                 if time.time() > deadline:
                     raise JobTimeoutError(f"training node jobs {ids} did not all start within {timeout:g} s "
                                           f"(node_jobs_timeout)")
-                time.sleep(poll)
+                time.sleep(poll)  # slurm_poll: a transient wait, faster than the steady state's
         except Exception:
             slurm.cancel_jobs(ids)  # no agent of a job that cannot start waits for a supervisor
             raise
@@ -191,6 +216,9 @@ class LocalLauncher:
     def request(self, token: str) -> str | None:
         proc = self.launch(f"{token}-host", "--replacement", token)
         return f"pid{proc.pid}"
+
+    def lost(self, node: str) -> None:
+        pass  # virtual nodes: a replacement is a new process, never a machine to avoid
 
     def node_states(self, nodes: Sequence[str]) -> dict[str, NodeHealth] | None:
         return None

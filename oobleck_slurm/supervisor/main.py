@@ -21,7 +21,7 @@ anything else (a timeout, Slurm or the store failed, a bug). The job's meta reco
 a requeue may help (not after bad input, an unrecoverable loss, a bug, a completed or cancelled job);
 `SupervisorJob.checkpoint` requeues only when it may.
 
-Every timeout and poll period is the job's `JobTimeouts` (protocol/timeouts.py), built here once from
+Every timeout and poll period is the job's `JobTimeouts` (timeouts.py), built here once from
 the recipe and handed to the coordinator, the node backend, the health monitor, the workers
 (elastic.json) and the agents (supervisor.json).
 """
@@ -53,7 +53,7 @@ from oobleck_slurm.errors import (
     status_for,
 )
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 if TYPE_CHECKING:
     from oobleck_slurm.supervisor.warm import WarmServer
@@ -92,6 +92,15 @@ def allocation_nodes(backend: str, recipe: Any) -> list[str]:
     return nodes
 
 
+def slurm_restart_count() -> int:
+    """How many times Slurm requeued this job (SLURM_RESTART_COUNT, set by slurmd in a requeued job's
+    environment; sbatch(1), "OUTPUT ENVIRONMENT VARIABLES"); 0 outside Slurm or on the first run."""
+    try:
+        return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
 def nodes_share_a_machine(backend: str, nodes: list[str]) -> bool:
     """Whether the job's nodes are virtual nodes of one machine: the local backend's, or Slurm nodes
     that resolve to one address (the test lab's, all 127.0.0.1). Their agents then do not send the
@@ -121,6 +130,7 @@ def run_standby(job_dir: Path, backend: str, preemption: Any = None, on_preempt:
     Slurm the primary runs on another node: only its lease's age tells."""
     from oobleck_slurm.cluster.lease import claim_epoch, current_epoch, primary_gone, read_lease
     from oobleck_slurm.protocol.records import read_state
+    from oobleck_slurm.protocol.wire import ProtocolError
 
     job = JobDir.at(job_dir)
     lease_s = job.recipe().fault_tolerance.heartbeat_lease
@@ -141,7 +151,11 @@ def run_standby(job_dir: Path, backend: str, preemption: Any = None, on_preempt:
             epoch = current_epoch(job) + 1
             if not claim_epoch(job, epoch):
                 return EXIT_OK  # another standby took over
-            state = read_state(job.supervisor_state)
+            try:
+                state = read_state(job.supervisor_state)
+            except ProtocolError as err:  # damaged (a crash of the disk): no traceback, a named exit
+                print(f"standby: cannot take over: {err}", file=sys.stderr)
+                return EXIT_FAILED
             if state is None:
                 print("standby: the primary was lost before it published a generation: nothing to take over",
                       file=sys.stderr)
@@ -163,10 +177,15 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
     preemption = preemption or Preemption()
     started = time.time()
     try:
-        _run(job, backend, log, preemption, on_preempt or preemption.requested.set, takeover)
-        checkpointed = preemption.finished.is_set() and preemption.step is not None
-        code, status, error = EXIT_OK, "preempted" if checkpointed else "completed", None
-        requeue = checkpointed  # a preempted run goes on from its checkpoint; a completed one is over
+        _run(job, backend, log, preemption, on_preempt or (lambda signal_name: preemption.requested.set()), takeover)
+        # A run that stopped for a notice is preempted, checkpointed or not: a requeue goes on from the
+        # newest complete checkpoint (an older periodic one if the on-demand one failed). Only a run
+        # that trained every step is completed.
+        stopped = preemption.finished.is_set()
+        code, status, error = EXIT_OK, "preempted" if stopped else "completed", None
+        requeue = stopped
+        if stopped and job.cancel_marker.exists():  # `cancel`'s scancel sent the SIGTERM: checkpointed, over
+            status, requeue = "cancelled", False
     except Exception as err:  # noqa: BLE001 - recorded for `status` and the user, then an exit code
         from oobleck_slurm.cluster.jobdir import SUPERVISOR_ERROR
 
@@ -190,6 +209,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
 
     from oobleck_slurm.cluster.jobdir import load_secret
     from oobleck_slurm.cluster.lease import claim_epoch, current_epoch
+    from oobleck_slurm.engine.batches import prepare_data
+    from oobleck_slurm.engine.checkpoint import latest_complete
     from oobleck_slurm.engine.faults import load_faults
     from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for, validation_file_for
     from oobleck_slurm.engine.worker import check_supported
@@ -207,7 +228,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     recipe = job.recipe()
     meta = job.meta()
     ft, cluster = recipe.fault_tolerance, recipe.cluster
-    # Every timeout and poll period of the job, from the recipe in this one place (protocol/timeouts.py).
+    # Every timeout and poll period of the job, from the recipe in this one place (timeouts.py).
     timeouts = JobTimeouts.from_recipe(ft)
     failover = failover_enabled(backend, recipe)
     # A standby takes over a lost supervisor (docs/failover.md): agents and workers wait this long for it.
@@ -220,7 +241,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     else:
         launcher = SrunLauncher(job.path, cluster, recipe.name)
     previous_host = (meta.get("supervisor") or {}).get("host")  # a lost primary's node: no standby there
-    requeued = job.requeue_marker.exists()
+    requeued = job.requeue_marker.exists() or slurm_restart_count() > 0  # completed below by the checkpoints
     members: list[str] = []
     spares: list[str] = []
 
@@ -235,6 +256,21 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
                  supervisor_node=os.environ.get("SLURMD_NODENAME"), requeued=requeued,
                  workers_per_node=cluster.devices_per_node, device="cuda" if cluster.gpus_per_node else "cpu")
 
+    token_file = token_file_for(recipe, job.data)
+    try:  # `submit` checked a factory; a job started otherwise is told here
+        spec = job_from_recipe(recipe, token_file, validation_file_for(recipe, job.data))
+    except FactoryError as problem:  # still a FactoryError (bad input: exit 2), naming the recipe file
+        raise FactoryError(problem.key, f"{recipe.source}: {problem.key}: {problem}") from problem
+    check_supported(spec)
+    _check_data(spec)
+    # The data's identity, checked against the checkpoint resumed from, and where its stream resumes
+    spec = replace(spec, data=prepare_data(spec, str(job.checkpoints)))
+    # Every restart is a resume: whoever requeued the job (submitit after a notice, `scontrol requeue`,
+    # a preemption, a node-failure requeue), a folder holding a complete checkpoint never trains from
+    # step 0 again, nor writes an earlier step's checkpoint over a later one.
+    resume_from = latest_complete(job.checkpoints, list(spec.model.keys()))
+    requeued = requeued or resume_from is not None
+
     if takeover is None:
         epoch = current_epoch(job) + 1  # 1, or the requeued run's next
         if not claim_epoch(job, epoch):
@@ -244,14 +280,6 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     else:
         epoch = takeover.epoch
         members, spares = list(takeover.state.members), []
-
-    token_file = token_file_for(recipe, job.data)
-    try:  # `submit` checked a factory; a job started otherwise is told here
-        spec = job_from_recipe(recipe, token_file, validation_file_for(recipe, job.data))
-    except FactoryError as problem:  # still a FactoryError (bad input: exit 2), naming the recipe file
-        raise FactoryError(problem.key, f"{recipe.source}: {problem.key}: {problem}") from problem
-    check_supported(spec)
-    _check_data(spec)
     if job.faults.is_file():  # drills: worker faults (engine/faults.py)
         spec = replace(spec, extra={**spec.extra, "faults": load_faults(job.faults)})
     if takeover is None and isinstance(launcher, NodeJobLauncher):  # after the input checks: nothing queued for bad input
@@ -321,7 +349,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         if takeover is None:
             nodes_backend.launch_agents(timeout=timeouts.reconfiguration_timeout)
             log.emit("agents_ready", nodes=members + spares, seconds=time.time() - t0)
-            coordinator.start(from_checkpoint=requeued)
+            coordinator.start(from_checkpoint=True)  # the newest complete checkpoint, if the folder has one
         else:
             lost = nodes_backend.adopt_agents(timeout=timeouts.heartbeat_lease)
             log.emit("takeover", epoch=epoch, generation=takeover.state.generation, lease_age=takeover.lease_age,
@@ -498,6 +526,10 @@ class SupervisorJob:
         self._relayed = threading.Event()
         codes: list[int] = []
         run = run_standby if self.standby else run_supervisor
+        # submitit's handler ignores SIGTERM in the batch step; Slurm sends it before SIGKILL on a
+        # preemption, `scontrol requeue` or `scancel`: the same on-demand checkpoint as for the notice,
+        # but Slurm, not this process, decides whether the job runs again.
+        signal.signal(signal.SIGTERM, lambda signum, frame: self._signal_self("SIGTERM"))
         self._thread = threading.Thread(target=lambda: codes.append(run(
             Path(self.job_dir), "slurm", self._preemption, self._signal_self)), name="supervisor")
         self._thread.start()
@@ -505,8 +537,13 @@ class SupervisorJob:
             self._thread.join(DEFAULT_TIMEOUTS.join_poll)
         exit_now(codes[0] if codes else EXIT_FAILED)  # Slurm records this exit code
 
-    def _signal_self(self) -> None:
-        """An agent relayed Slurm's USR2: hand it to submitit's handler in this process, once."""
+    def _signal_self(self, signal_name: str = "SIGUSR2") -> None:
+        """Slurm's notice, relayed by an agent or received here. USR2 (the time limit, submitit's
+        `--signal`): hand it to submitit's handler in this process, once; it checkpoints and requeues.
+        SIGTERM: checkpoint only (the run then ends as preempted; Slurm requeues it, or not)."""
+        if signal_name == "SIGTERM":
+            self._preemption.requested.set()
+            return
         if not self._relayed.is_set():
             self._relayed.set()
             os.kill(os.getpid(), signal.SIGUSR2)
@@ -521,7 +558,7 @@ class SupervisorJob:
         if self.standby and (lease is None or lease.pid != os.getpid()):
             return None  # a standby that never took over holds nothing to checkpoint or requeue
         thread = getattr(self, "_thread", None)
-        # Not from the recipe: the job's values are the defaults (protocol/timeouts.py).
+        # Not from the recipe: the job's values are the defaults (timeouts.py).
         t = DEFAULT_TIMEOUTS
         if thread is not None:
             self._relayed.set()  # the notice came straight to this process: no relay needed

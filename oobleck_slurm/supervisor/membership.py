@@ -6,7 +6,10 @@ once, with the cause and time of the first evidence, whichever it was:
     agent_lost    the agent's control connection closed (its process or machine died: milliseconds)
     srun_exit     the srun step that runs the node's agent ended (Slurm saw the task or node end)
     heartbeat     no heartbeat within the lease (a frozen or partitioned machine: no FIN ever comes)
-    slurm_down    Slurm says the node is DOWN, DRAIN, FAIL or not responding (admin or slurmctld)
+    slurm_down    Slurm says the node is gone: DOWN, FAIL, FAILING or powered down (cluster/slurm.py
+                  LOST_NODE_STATES). A drain or NOT_RESPONDING is no loss: running jobs outlive both (a
+                  maintenance drain, `scontrol reboot ASAP`, a rolling slurmd restart); the supervisor
+                  reports them, and a node that did die is named by the paths above
     hung          the node's worker has been stopped (SIGSTOP, a debugger) for longer than the lease, or
                   training made no progress within the step timeout and its step is behind its peers'
                   (it never reached the all-reduce they wait in)
@@ -119,6 +122,8 @@ class Membership:
         return self._lose(node, LossCause.SRUN_EXIT, f"srun step of the node's agent exited ({code})", now)
 
     def slurm_state(self, node: str, state: str, usable: bool, now: float) -> Loss | None:
+        """Slurm's `state` of `node`; `usable` is False only for a lost state (NodeHealth.usable): an
+        advisory state (DRAIN, NOT_RESPONDING) is usable, and never a loss."""
         return None if usable else self._lose(node, LossCause.SLURM_DOWN, f"Slurm state {state}", now)
 
     def worker_exited(self, node: str, code: int, now: float) -> Loss | None:

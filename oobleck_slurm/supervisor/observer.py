@@ -48,8 +48,8 @@ import torch.distributed as dist
 from oobleck_slurm.engine.abort import clone_store
 from oobleck_slurm.protocol import keys, records
 from oobleck_slurm.protocol.records import FirstStep, GenerationConfig, StepCompute
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 from oobleck_slurm.protocol.wire import ProtocolError
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 _NO_STEPS: Mapping[str, int] = MappingProxyType({})
 

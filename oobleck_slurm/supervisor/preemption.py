@@ -6,7 +6,7 @@ Without `B:` it reaches the job's steps, not the batch script: the node agents r
 runs in its main thread. That handler calls `SupervisorJob.checkpoint`, which sets `requested` and
 waits for the coordinator: at its next loop it stops every worker at a step boundary, has them write
 an on-demand checkpoint of that step, and sets `step` and `finished`. How long that may take is the
-job's `checkpoint_timeout` (protocol/timeouts.py: 60 s, submitit signals 90 s ahead).
+job's `checkpoint_timeout` (timeouts.py: 60 s, submitit signals 90 s ahead).
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS
 from oobleck_slurm.protocol.wire import (
     DEFAULT_MAX_BYTES,
     Channel,
@@ -19,6 +18,7 @@ from oobleck_slurm.protocol.wire import (
     client_handshake,
     server_handshake,
 )
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
 
 Handler = Callable[[Channel, dict[str, Any]], "dict[str, Any] | None"]
 RefusedCallback = Callable[[str, str], None]

@@ -58,7 +58,7 @@ import traceback
 from collections.abc import Mapping
 from typing import IO, Any
 
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 WORKER_MODULE = "oobleck_slurm.engine.elastic_process"
 HEALTH_MODULE = "oobleck_slurm.supervisor.health"
@@ -104,6 +104,24 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def ignore_step_signals() -> None:
+    """In a process of an agent's step other than the agent (its warm server, its workers): ignore the
+    signals Slurm sends to every process of the step, which only the agent acts on (it relays them to
+    the supervisor). SIGUSR2 is the time-limit or preemption notice (submitit's `--signal`); inside a
+    Slurm step SIGTERM is too: preemption (`PreemptMode=REQUEUE`/`CANCEL`, within `GraceTime`),
+    `scontrol requeue` and `scancel` send SIGTERM, then SIGKILL after `KillWait` (slurm.conf(5),
+    preempt.shtml). A worker that died of it would lose the state the on-demand checkpoint saves.
+    Outside Slurm (the local backend) SIGTERM keeps its default: it is how a local job is stopped."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    if in_slurm_step():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def in_slurm_step() -> bool:
+    """Whether this process runs in a Slurm job step (srun sets SLURM_STEP_ID; a batch step does not)."""
+    return "SLURM_STEP_ID" in os.environ
+
+
 # ---- the server (its own process) -------------------------------------------------------------------
 
 def _send(message: dict[str, Any]) -> None:
@@ -123,7 +141,7 @@ def _child(request: dict[str, Any], server: int, close: tuple[int, ...]) -> None
             os.close(fd)
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm signals every process of the step; the agent relays it
+        ignore_step_signals()  # Slurm signals every process of the step; the agent relays it
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # see supervisor/main.py
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -182,10 +200,10 @@ def serve(agent: int) -> int:
     stage; any other module for the whole preload) and report exits, until stdin closes."""
     die_with_parent(agent)
     set_command_line([sys.executable, "-m", "oobleck_slurm.supervisor.warm", str(agent)])  # the padding hidden
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # as the workers: only the agent acts on it
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handler of a supervisor it was forked from
+    ignore_step_signals()  # as the workers: only the agent acts on them
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)

@@ -25,7 +25,7 @@ from oobleck_slurm.engine.nccl_order import OrderedGroup, P2POp
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.models import gpt_config
-from oobleck_slurm.protocol.timeouts import JobTimeouts
+from oobleck_slurm.timeouts import JobTimeouts
 
 SHORT = dt.timedelta(seconds=3)
 TIMEOUTS = JobTimeouts(collective_timeout=60.0, step_timeout=300.0)  # generous: nothing here should time out

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from oobleck_slurm.engine.abort import FailureWatch, clone_store
 from oobleck_slurm.protocol import keys
-from oobleck_slurm.protocol.timeouts import JobTimeouts
+from oobleck_slurm.timeouts import JobTimeouts
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT_S = 1.0  # a watch notices its key within this (milliseconds on an idle machine)

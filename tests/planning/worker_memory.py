@@ -28,7 +28,7 @@ from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, T
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.models import GPTConfig
 from oobleck_slurm.peak_memory import PeakMemory, malloc_configured, warm_up
-from oobleck_slurm.protocol.timeouts import JobTimeouts
+from oobleck_slurm.timeouts import JobTimeouts
 
 
 def job_spec(c: dict) -> JobSpec:

@@ -1,4 +1,4 @@
-"""`JobTimeouts` (protocol/timeouts.py): every timeout and poll period of the job, built from the recipe
+"""`JobTimeouts` (timeouts.py): every timeout and poll period of the job, built from the recipe
 in one place, each recipe value under its own name, shipped whole to the workers (elastic.json)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from oobleck_slurm.protocol.records import LaunchConfig, read_launch_config, write_launch_config
-from oobleck_slurm.protocol.timeouts import DEFAULT_TIMEOUTS, RECIPE_FIELDS, JobTimeouts
 from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.recipe.schema import FaultToleranceConfig
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, RECIPE_FIELDS, JobTimeouts
 
 REPO = Path(__file__).resolve().parents[2]
 

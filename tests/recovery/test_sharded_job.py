@@ -6,10 +6,15 @@ single-process reference with no checkpoint."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
-from jobrun import JobRun, assert_matches_reference, run_job, tiny_recipe
+from jobrun import JobRun, assert_matches_reference, run_job, start_and_wait, tiny_recipe
+
+from oobleck_slurm.protocol.events import read_events
 
 pytestmark = pytest.mark.slow
 WORKERS = 4
@@ -81,4 +86,51 @@ def test_a_replacement_joins_and_the_widths_change_between_plans(tmp_path, templ
     assert widths(plans[0]) != widths(plans[1]) != widths(plans[2]), [widths(p) for p in plans]
     assert_plan_events_name_every_worker(run)
     assert not run.kind("checkpoint_fallback")
+    assert_matches_reference(run)
+
+
+def test_a_notice_checkpoints_a_plan_with_wide_stages_and_the_next_run_resumes_there(tmp_path, templates_cache):
+    # The time-limit or preemption notice on a plan whose stages are 2 and 4 wide: the coordinator stops
+    # the workers by failing their generation, and each wide stage gathers its layers to write them.
+    # Through the failed generation's groups that gather raised GenerationAborted: no checkpoint, and
+    # the run was labelled completed. Now the stop generation forms its own groups; the next run on the
+    # folder (a requeue) resumes at the notice's step, on the reference's trajectory.
+    import psutil
+    import yaml
+    from job_events import events_so_far
+
+    from oobleck_slurm.protocol.events import events_path
+    from oobleck_slurm.recipe import load_recipe
+    from oobleck_slurm.submission import prepare_job, start_local
+
+    steps = 30
+    recipe = sharded_recipe(2, steps=steps, checkpoint_interval=0)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    job = prepare_job(load_recipe(path), cache_dir=templates_cache, estimate_gpu="A100-40", job_root=tmp_path / "jobs")
+    events = events_path(job.path)
+    process = start_local(job)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not any(e["kind"] == "step" and e["step"] >= 3 for e in events_so_far(events)):
+            assert process.poll() is None and time.monotonic() < deadline, "the job did not reach step 3"
+            time.sleep(0.1)
+        agents = [p for p in psutil.Process(process.pid).children(recursive=True)
+                  if "oobleck_slurm.supervisor.agent" in " ".join(p.cmdline())]
+        agents[0].send_signal(signal.SIGUSR2)  # Slurm's notice reaches every step: one agent relays it
+        assert process.wait(JOB_TIMEOUT_S) == 0
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    first = read_events(events)
+    assert any(w > 1 for ws in widths([e for e in first if e["kind"] == "plan"][0]) for w in ws)
+    (ckpt,) = [e for e in first if e["kind"] == "checkpoint" and e.get("on_demand")]
+    assert ckpt["ok"], ckpt
+    assert [e["status"] for e in first if e["kind"] == "job_finished"] == ["preempted"]
+    run = start_and_wait(job, JOB_TIMEOUT_S)
+    assert run.exit_code == 0, run.log_tails()
+    again = [e for e in run.events if e["kind"] == "job_started"][-1]
+    assert again["requeued"], "a folder with a complete checkpoint is a resume"
+    resumed = [e["step"] for e in run.events if e["kind"] == "step" and e["t"] > again["t"]]
+    assert resumed == list(range(ckpt["step"], steps))
     assert_matches_reference(run)

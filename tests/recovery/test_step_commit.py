@@ -20,7 +20,7 @@ from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.models import gpt_config
 from oobleck_slurm.optim import optimizer_state_tensors
 from oobleck_slurm.protocol import keys
-from oobleck_slurm.protocol.timeouts import JobTimeouts
+from oobleck_slurm.timeouts import JobTimeouts
 
 PLAN = make_plan(6, [[0, 6]], [8])
 TIMEOUTS = JobTimeouts(collective_timeout=60.0, step_timeout=300.0)  # generous: nothing here should time out

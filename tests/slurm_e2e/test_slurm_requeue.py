@@ -94,3 +94,77 @@ fault_tolerance:
     finally:
         if slurm_id:
             subprocess.run(["scancel", slurm_id], timeout=30, check=False)
+
+
+def submit_lab_job(tmp_path: Path, templates_cache: Path, extra: str) -> Path:
+    recipe = tmp_path / "job.yaml"
+    recipe.write_text(f"extends: {REPO / 'recipes' / 'lab-slurm.yaml'}\n{extra}")
+    done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--detach",
+                           "--cache", str(templates_cache)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (job,) = (tmp_path / "jobs").iterdir()
+    return job
+
+
+def complete_checkpoints(job: Path) -> list[int]:
+    """Steps whose checkpoint the job logged as written, in order."""
+    return [e["step"] for e in events_so_far(job / "events.jsonl") if written(e)]
+
+
+def written(event: dict) -> bool:
+    """A `checkpoint` event of a complete checkpoint (a periodic one has no `ok`; a failed one says False)."""
+    return event["kind"] == "checkpoint" and event.get("step") is not None and event.get("ok", True)
+
+
+@pytest.mark.parametrize("how", ["scontrol-requeue", "sigterm"])
+def test_a_restart_slurm_starts_resumes_from_the_newest_complete_checkpoint(slurm_cluster, tmp_path: Path,
+                                                                           templates_cache: Path, how: str) -> None:
+    """Restarts that Slurm starts, not the project's notice path: `scontrol requeue` (Slurm sends
+    SIGTERM to every step and the batch step, SIGKILL after KillWait, then requeues), and a preemption's
+    SIGTERM with no USR2 before it (`scancel --signal=TERM --full`, then the requeue a `PreemptMode=REQUEUE`
+    preemption makes). The requeued run's first step is the newest complete checkpoint's (the on-demand
+    one of the SIGTERM, or the periodic one before it), never step 0, and every step's loss equals the
+    failure-free reference's; the run completes; no checkpoint is written over with an earlier step."""
+    steps = 160  # ~10 steps/s on the lab: the signal lands mid-run
+    job = submit_lab_job(tmp_path, templates_cache, f"""training:
+  steps: {steps}
+fault_tolerance:
+  checkpoint_interval: 50
+  replacement: none
+""")
+    slurm_id = None
+    try:
+        start = wait_events(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"],
+                            START_TIMEOUT_S)[0]
+        slurm_id = start["slurm_job_id"]
+        assert start["requeued"] is False
+        wait_events(job, "a periodic checkpoint and steps past it",
+                    lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 60] if complete_checkpoints(job)
+                    else [], START_TIMEOUT_S)
+        if how == "sigterm":
+            subprocess.run(["scancel", "--signal=TERM", "--full", slurm_id], check=True, timeout=30)
+            wait_events(job, "the first run's end", lambda ev: [e for e in ev if e["kind"] == "job_finished"], 90)
+        subprocess.run(["scontrol", "requeue", slurm_id], check=True, timeout=30)
+        again = wait_events(job, "requeued run", lambda ev: [e for e in ev if e["kind"] == "job_started"
+                                                             and e["requeued"]], REQUEUE_TIMEOUT_S)[0]
+        assert again["slurm_job_id"] == slurm_id
+        finished = wait_events(job, "end of the requeued run", lambda ev: [e for e in ev if e["kind"] == "job_finished"
+                                                                           and e["t"] > again["t"]], 240)[0]
+        assert finished["status"] == "completed", finished
+        events = read_events(job / "events.jsonl")
+        before = [e for e in events if e["t"] < again["t"]]
+        assert [e["status"] for e in before if e["kind"] == "job_finished"] in (["preempted"], []), before[-5:]
+        newest = max(e["step"] for e in before if written(e))
+        resumed = [e for e in events if e["kind"] == "step" and e["t"] > again["t"]]
+        assert resumed[0]["step"] == newest, "the requeued run starts at the newest complete checkpoint"
+        assert [e["step"] for e in resumed] == list(range(newest, steps))
+        after = [e["step"] for e in events if written(e) and e["t"] > again["t"]]
+        assert all(s > newest for s in after), f"a checkpoint of an earlier step was written again: {after}"
+        ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
+        for e in resumed:
+            assert e["loss"] == pytest.approx(ref[e["step"]], rel=LOSS_RTOL), e["step"]
+        assert int(slurm_job(slurm_id)["Restarts"]) >= 1
+    finally:
+        if slurm_id:
+            subprocess.run(["scancel", slurm_id], timeout=30, check=False)

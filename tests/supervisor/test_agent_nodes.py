@@ -27,7 +27,6 @@ from oobleck_slurm.protocol.messages import (
     WorkerExit,
     parse,
 )
-from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor import health
 from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
@@ -36,6 +35,7 @@ from oobleck_slurm.supervisor.membership import LossCause
 from oobleck_slurm.supervisor.node_table import NodeState
 from oobleck_slurm.supervisor.observer import StoreObserver
 from oobleck_slurm.supervisor.server import connect
+from oobleck_slurm.timeouts import JobTimeouts
 
 IO_TIMEOUT_S = 10.0
 

@@ -51,10 +51,10 @@ from oobleck_slurm.planning.reconfigure import stage_devices
 from oobleck_slurm.planning.templates import PipelineTemplate
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog, read_events
-from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.supervisor.coordinator import CannotContinue, Coordinator, CoordinatorConfig, CoordinatorError
 from oobleck_slurm.supervisor.membership import Loss, LossCause
 from oobleck_slurm.supervisor.observer import StoreObserver
+from oobleck_slurm.timeouts import JobTimeouts
 
 NODES = [f"n{i}" for i in range(6)]
 NUM_LAYERS = 6
@@ -87,7 +87,7 @@ def initial_plan() -> Plan:
 
 def coordinator_config(**settings: Any) -> CoordinatorConfig:
     """The coordinator's config for a test job: `settings` are CoordinatorConfig's fields or the job's
-    timeouts (protocol/timeouts.py: reconfiguration_timeout, heartbeat_lease, step_timeout, ...)."""
+    timeouts (timeouts.py: reconfiguration_timeout, heartbeat_lease, step_timeout, ...)."""
     timeout_names = {f.name for f in fields(JobTimeouts)}
     timeouts = {name: value for name, value in settings.items() if name in timeout_names}
     others = {name: value for name, value in settings.items() if name not in timeout_names}

@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from oobleck_slurm.protocol import keys
-from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.supervisor.observer import StoreObserver, StoreView
+from oobleck_slurm.timeouts import JobTimeouts
 
 DEADLINE_S = 10.0
 

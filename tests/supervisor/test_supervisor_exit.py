@@ -21,12 +21,12 @@ from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_UNRECOVER
 from oobleck_slurm.models import FactoryError
 from oobleck_slurm.planning import generate_templates, instantiate
 from oobleck_slurm.protocol.events import EventLog, read_events
-from oobleck_slurm.protocol.timeouts import JobTimeouts
 from oobleck_slurm.supervisor import main as supervisor_main
 from oobleck_slurm.supervisor.coordinator import CannotContinue, Coordinator, CoordinatorConfig, CoordinatorTimeout
 from oobleck_slurm.supervisor.main import SupervisorJob, run_supervisor
 from oobleck_slurm.supervisor.membership import Loss
 from oobleck_slurm.supervisor.observer import StoreObserver
+from oobleck_slurm.timeouts import JobTimeouts
 
 NODES = ["n0", "n1", "n2", "n3"]
 RUN_TIMEOUT_S = 0.2
