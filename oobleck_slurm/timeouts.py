@@ -119,9 +119,14 @@ class JobTimeouts:
     # often; never in the steady state.
     slurm_poll: float = 1.0
     # The steady state's one query: the job's nodes' Slurm states (scontrol show node) this often. slurmctld
-    # is shared by every user of the centre (docs/slurm.md, "A gentle client"): one RPC per 10 s per job.
-    # Slurm's node state is the slowest detector anyway (~10 s to mark a dead node DOWN).
-    slurm_node_poll: float = 10.0
+    # is shared by every user of the centre (docs/slurm.md, "A gentle client"): one `scontrol show node` is
+    # two RPCs (REQUEST_NODE_INFO and REQUEST_PARTITION_INFO, counted with sdiag on the lab), so 6 RPCs a
+    # minute per job. Slurm's node state is the slowest detector anyway (SlurmdTimeout, 300 s by default,
+    # before a dead node is DOWN); the job's heartbeats and process exits find a loss first.
+    slurm_node_poll: float = 20.0
+    # `submit` following a Slurm job asks squeue this often whether the job is still queued (the job's
+    # events say everything else; squeue only catches a job that ended without writing them).
+    slurm_follow_poll: float = 60.0
     # One Slurm client command: slurm.conf's MessageTimeout defaults to 10 s, so a controller that has not
     # answered within it is unreachable for now (the query is retried, see slurm_retry_backoff).
     slurm_command: float = 10.0

@@ -176,14 +176,14 @@ def _follow_slurm(job_dir: Path, slurm_job_id: str, mode: str, out: Console) -> 
     from oobleck_slurm.protocol.events import events_path, read_events
     from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
 
-    asked = [0.0]  # when squeue was last asked: once per slurm_node_poll, as the supervisor asks scontrol
+    asked = [0.0]  # when squeue was last asked: once per slurm_follow_poll
 
     def running() -> bool:
         # Under supervisor failover any supervisor job of it (docs/failover.md), else the allocation.
         # Only Slurm's "gone" for every one of them ends the follow: an unknown answer (slurmctld slow or
         # restarting, after its retries) keeps following.
         now = time.monotonic()
-        if now - asked[0] < DEFAULT_TIMEOUTS.slurm_node_poll:
+        if now - asked[0] < DEFAULT_TIMEOUTS.slurm_follow_poll:
             return True
         asked[0] = now
         ids = JobDir.at(job_dir).meta().get("supervisor_jobs") or [slurm_job_id]

@@ -1,12 +1,19 @@
-"""Token data: the flat token file, its preparation, samples and the global batch sampler.
+"""Token data: corpora and their preparation, token files, samples, mixtures and the batch sampler.
 
+    corpus      `prepare`'s inputs: files, folders, globs of jsonl, parquet and text (.gz/.zst)
+    prepare     a corpus -> Megatron shards + manifest (`prepare_corpus`); one text -> a flat token
+                file, streaming and atomic (`prepare`); `prepared`: reused while current
+    indexed     Megatron's indexed .bin/.idx format: reader (`open_prepared`), writer, prepared folders
     tokens      `TokenFile` (memmap + JSON sidecar) and its metadata
     tokenizers  the byte tokenizer, a Hugging Face tokenizer.json (hf_tokenizer), user factories
                 `package.module:function`
-    prepare     text -> token file, streaming and atomic; `prepared`: reused while current
-    dataset     `TokenDataset`: non-overlapping (x, y) windows
-    sampler     `GlobalBatchSampler`: which samples step s trains on, plan-independent
+    dataset     `TokenDataset`: non-overlapping (x, y) windows; `open_source`: one source, identified
+    sampler     `GlobalBatchSampler`: which samples step s trains on, plan-independent, O(1) per step
+                (a keyed Feistel bijection per source and pass)
+    mixture     weighted sources interleaved by integer quotas over a fixed cycle
     default     the shipped public-domain text, prepared into a cache on first use
+
+docs/data.md describes them.
 """
 
 from oobleck_slurm.data.dataset import TokenDataset

@@ -91,7 +91,7 @@ render() { # render TEMPLATE OUTPUT: fill in @LAB@ and @DB_PORT@
 # is restarted, so that an edited template always takes effect).
 config_current() {
     local template out
-    for template in slurm.conf.in slurmdbd.conf.in mariadb.cnf.in; do
+    for template in slurm.conf.in gres.conf.in slurmdbd.conf.in mariadb.cnf.in; do
         out=$LAB/${template%.in}
         render "$template" "$out.new"
         cmp -s "$out" "$out.new" || { rm -f "$out.new"; return 1; }
@@ -125,6 +125,12 @@ cold_start() {
     install -d -m 0755 "$LAB" "$LAB/run" "$LAB/log" "$LAB/state" "$LAB/spool"
     install -d -m 0700 "$LAB/state/ctld"
     render slurm.conf.in "$CONF"
+    render gres.conf.in "$LAB/gres.conf" # beside slurm.conf, where slurmd looks for it
+    # gres.conf's placeholder GPUs: character devices, as slurmd requires ("is not a valid character
+    # or block device"), twins of /dev/null (1, 3) that nothing opens.
+    install -d "$LAB/dev"
+    mknod -m 0666 "$LAB/dev/nvidia0" c 1 3
+    mknod -m 0666 "$LAB/dev/nvidia1" c 1 3
     render slurmdbd.conf.in "$LAB/slurmdbd.conf"
     chmod 600 "$LAB/slurmdbd.conf" # slurmdbd refuses a config others can read (it holds the DB password)
     render mariadb.cnf.in "$LAB/mariadb.cnf"

@@ -168,3 +168,42 @@ fault_tolerance:
     finally:
         if slurm_id:
             subprocess.run(["scancel", slurm_id], timeout=30, check=False)
+
+
+def test_a_time_limit_chain_completes_across_five_allocations(slurm_cluster, tmp_path: Path,
+                                                             templates_cache: Path) -> None:
+    """A 1-minute time limit with the notice 30 s before it (Slurm checks time limits every ~30 s, so
+    the notice comes anywhere in the first half): each allocation trains until the notice, checkpoints
+    and is requeued by submitit, past submitit's default of 3 timeouts (`cluster.requeues`, 1000 by
+    default), until the run completes; every step's loss equals the reference's."""
+    steps = 700
+    job = submit_lab_job(tmp_path, templates_cache, f"""cluster:
+  time: "00:01:00"
+  signal_delay_s: 30
+training:
+  steps: {steps}
+fault_tolerance:
+  checkpoint_interval: 0
+  replacement: none
+""")
+    slurm_id = None
+    try:
+        start = wait_events(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"],
+                            START_TIMEOUT_S)[0]
+        slurm_id = start["slurm_job_id"]
+        done = wait_events(job, "the completed run", lambda ev: [e for e in ev if e["kind"] == "job_finished"
+                                                                 and e["status"] == "completed"], 1500)[0]
+        events = read_events(job / "events.jsonl")
+        runs = [e for e in events if e["kind"] == "job_started"]
+        assert len(runs) >= 5, f"{len(runs)} allocations"
+        assert [e["status"] for e in events if e["kind"] == "job_finished"][:-1] == ["preempted"] * (len(runs) - 1)
+        assert int(slurm_job(slurm_id)["Restarts"]) == len(runs) - 1
+        losses = {e["step"]: e["loss"] for e in events if e["kind"] == "step"}
+        assert sorted(losses) == list(range(steps))
+        ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
+        for step, loss in losses.items():
+            assert loss == pytest.approx(ref[step], rel=LOSS_RTOL), step
+        print(f"time-limit chain: {len(runs)} allocations, {done['t'] - start['t']:.0f} s")
+    finally:
+        if slurm_id:
+            subprocess.run(["scancel", slurm_id], timeout=30, check=False)
