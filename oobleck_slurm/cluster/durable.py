@@ -68,7 +68,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def write_with(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
+def write_with(path: str | os.PathLike[str], write: Callable[[Path], object]) -> None:
     """Replace `path` with what `write(temp)` writes to a temp path beside it (for writers that take a
     path, such as safetensors' `save_file`), durably: fsync, rename, fsync the folder. A failed write
     leaves the old file untouched and no temp file behind."""
@@ -87,19 +87,7 @@ def write_with(path: str | os.PathLike[str], write: Callable[[Path], None]) -> N
 def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace `path` with `data`, durably and atomically (see the module docstring). The file gets the
     usual mode (0666 less the umask), as a plain open would give it."""
-    target = Path(path)
-    tmp = temp_path(target)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
+    write_with(path, lambda tmp: tmp.write_bytes(data))
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:

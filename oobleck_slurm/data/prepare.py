@@ -40,6 +40,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from oobleck_slurm.cluster import durable  # one atomic, durable write for every file the project keeps
 from oobleck_slurm.data.corpus import InputFile, Unit, atoms, discover, plan_shards, read_unit, row_group_bytes
 from oobleck_slurm.data.hf_tokenizer import HFTokenizer, tokenizer_sha256
 from oobleck_slurm.data.indexed import (
@@ -280,7 +281,7 @@ def _stat_key(src: Path, st: os.stat_result) -> dict[str, Any]:
 
 def _write_stamp(token_path: Path, src: Path, st: os.stat_result, sha256: str) -> None:
     try:
-        _write_atomic(stamp_path(token_path), json.dumps({**_stat_key(src, st), "sha256": sha256}).encode())
+        durable.write_bytes(stamp_path(token_path), json.dumps({**_stat_key(src, st), "sha256": sha256}).encode())
     except OSError:
         pass  # only a cache: without it the next check hashes the text again
 
@@ -612,29 +613,6 @@ def make_plan(files: list[InputFile], info: TokenizerInfo, text_key: str, shard_
     return json.loads(json.dumps(plan))  # as it reads back from plan.json (tuples as lists), to compare
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    # Not mkstemp: its files are private (0600), and a manifest is read by the whole project's group.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _inputs_of(plan: dict[str, Any]) -> list[InputFile]:
     return [InputFile(d["path"], d["size"], d["mtime_ns"], d["kind"], d["compression"]) for d in plan["inputs"]]
 
@@ -679,7 +657,7 @@ def write_shard(folder: Path, shard: dict[str, Any], files: list[InputFile], enc
             os.fsync(out.fileno())
         os.replace(tmp_bin, bin_path)
         os.replace(tmp_idx, idx_path)
-        _fsync_dir(folder)
+        durable.fsync_dir(folder)
     finally:
         for tmp in (tmp_bin, tmp_idx):
             if tmp.exists():
@@ -707,7 +685,7 @@ def write_manifest(folder: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
         "num_documents": sum(e["num_documents"] for e in entries), "shards": entries,
         "content_hash": content_hash([(e["name"], e["idx_sha256"], e["bin_bytes"]) for e in entries]),
     })
-    _write_atomic(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    durable.write_bytes(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
 
 
@@ -729,7 +707,7 @@ def _claim_plan(folder: Path, plan: dict[str, Any]) -> None:
         return
     if any(folder.glob("*.idx")):
         raise PrepareError(f"{folder} holds .idx files but no {PLAN}: not a folder `prepare` made; give another one")
-    _write_atomic(path, data)
+    durable.write_bytes(path, data)
 
 
 @dataclass

@@ -15,14 +15,19 @@ import time
 from pathlib import Path
 
 import pytest
-from reference import train_reference  # tests/reference.py
-from test_slurm_requeue import REQUEUE_TIMEOUT_S, START_TIMEOUT_S, slurm_job, submit_lab_job, wait_events, written
+from test_slurm_requeue import (
+    REQUEUE_TIMEOUT_S,
+    START_TIMEOUT_S,
+    assert_on_reference,
+    slurm_job,
+    submit_lab_job,
+    wait_events,
+    written,
+)
 
-from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.protocol.events import read_events
 
 pytestmark = pytest.mark.slurm
-LOSS_RTOL = 1e-5
 STEPS = 160  # ~10 steps/s on the lab
 
 
@@ -67,9 +72,7 @@ fault_tolerance:
         newest = max(e["step"] for e in events if written(e) and e["t"] < again["t"])
         resumed = [e for e in events if e["kind"] == "step" and e["t"] > again["t"]]
         assert [e["step"] for e in resumed] == list(range(newest, STEPS))
-        ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
-        for e in resumed:
-            assert e["loss"] == pytest.approx(ref[e["step"]], rel=LOSS_RTOL), e["step"]
+        assert_on_reference(job, resumed)
         print(f"{how}: batch host lost -> requeued run started {again['t'] - t_kill:.1f} s later, "
               f"resumed at step {newest}")
     finally:

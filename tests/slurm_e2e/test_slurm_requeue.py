@@ -39,6 +39,13 @@ def wait_events(job: Path, what: str, check, timeout: float) -> list[dict]:
     return found
 
 
+def assert_on_reference(job: Path, steps: list[dict]) -> None:
+    """Every `step` event's loss equals the failure-free single-process reference's at its step."""
+    ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
+    for e in steps:
+        assert e["loss"] == pytest.approx(ref[e["step"]], rel=LOSS_RTOL), e["step"]
+
+
 def slurm_job(job_id: str) -> dict[str, str]:
     out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30,
                          check=True).stdout
@@ -88,9 +95,7 @@ fault_tolerance:
         resumed = [e for e in events if e["kind"] == "step" and e["t"] > again["t"]]
         assert resumed[0]["step"] == ckpt["step"], "the requeued run starts at the checkpointed step, not 0"
         assert [e["step"] for e in resumed] == list(range(ckpt["step"], STEPS))
-        ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
-        for e in resumed:
-            assert e["loss"] == pytest.approx(ref[e["step"]], rel=LOSS_RTOL), e["step"]
+        assert_on_reference(job, resumed)
     finally:
         if slurm_id:
             subprocess.run(["scancel", slurm_id], timeout=30, check=False)
@@ -161,9 +166,7 @@ fault_tolerance:
         assert [e["step"] for e in resumed] == list(range(newest, steps))
         after = [e["step"] for e in events if written(e) and e["t"] > again["t"]]
         assert all(s > newest for s in after), f"a checkpoint of an earlier step was written again: {after}"
-        ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
-        for e in resumed:
-            assert e["loss"] == pytest.approx(ref[e["step"]], rel=LOSS_RTOL), e["step"]
+        assert_on_reference(job, resumed)
         assert int(slurm_job(slurm_id)["Restarts"]) >= 1
     finally:
         if slurm_id:
@@ -198,11 +201,9 @@ fault_tolerance:
         assert len(runs) >= 5, f"{len(runs)} allocations"
         assert [e["status"] for e in events if e["kind"] == "job_finished"][:-1] == ["preempted"] * (len(runs) - 1)
         assert int(slurm_job(slurm_id)["Restarts"]) == len(runs) - 1
-        losses = {e["step"]: e["loss"] for e in events if e["kind"] == "step"}
-        assert sorted(losses) == list(range(steps))
-        ref, _ = train_reference(JobSpec.from_json((job / "job.json").read_text()))
-        for step, loss in losses.items():
-            assert loss == pytest.approx(ref[step], rel=LOSS_RTOL), step
+        trained = [e for e in events if e["kind"] == "step"]
+        assert sorted({e["step"] for e in trained}) == list(range(steps))
+        assert_on_reference(job, trained)
         print(f"time-limit chain: {len(runs)} allocations, {done['t'] - start['t']:.0f} s")
     finally:
         if slurm_id:
