@@ -57,9 +57,10 @@ e  two_ranks_one_gpu  Two processes each build an NCCL group of 2 on cuda:0 thro
                    NCCL_MULTI_RANK_GPU_ENABLE=1. Passes if every process exits, with an error or not,
                    within `--child-timeout` (a clear error, not a hang); the messages are recorded.
                    Skipped on a CPU ("no GPU").
-f  two_stage_pipeline  Two processes, a 2-stage pipeline from the planner through Worker + generation,
-                   several microbatches (1F1B, where NCCL p2p can deadlock), ~50 MB of activations
-                   per microbatch on a GPU; needs 2 GPUs, or one GPU with an NCCL that accepts
+f  two_stage_pipeline  Two processes, a 2-stage pipeline from the planner through Worker + generation
+                   on the job's signed store (NCCL's rendezvous through it), several microbatches
+                   (1F1B, where NCCL p2p can deadlock), ~50 MB of activations per microbatch on a
+                   GPU; needs 2 GPUs, or one GPU with an NCCL that accepts
                    NCCL_MULTI_RANK_GPU_ENABLE=1 (>= 2.30), else skipped with the reason. On a CPU the
                    same pipeline with tiny shapes twice: on plain gloo (a CPU job's groups) and on
                    gloo under NCCL's ordering rules (OOBLECK_NCCL_ORDER=1, engine/nccl_order.py).
@@ -1186,6 +1187,9 @@ def section_two_ranks_one_gpu(s: Settings, rec: Record) -> None:
 
 # ---- (f) two-stage pipeline ----------------------------------------------------------------------------
 
+PIPELINE_SECRET = b"acceptance" * 3 + b"!!"  # the two ranks' job secret (32 bytes), as a job folder's
+
+
 def child_pipeline(s: Settings, config: dict[str, Any]) -> dict[str, Any]:
     """One stage of the 2-stage pipeline: Worker + generation, `steps` steps, then its state."""
     from oobleck_slurm.engine.comm import connect_store
@@ -1196,7 +1200,8 @@ def child_pipeline(s: Settings, config: dict[str, Any]) -> dict[str, Any]:
     plan = ExecPlan.from_json(config["plan"])
     rank = int(config["rank"])
     device = torch.device("cuda", int(config["cuda_index"])) if s.cuda else torch.device("cpu")
-    store = connect_store("127.0.0.1", int(config["port"]), s.timeouts())
+    # signed as a worker's (protocol/signed_store.py): NCCL's rendezvous goes through the Python store
+    store = connect_store("127.0.0.1", int(config["port"]), s.timeouts(), PIPELINE_SECRET, None, f"rank {rank}")
     with reproducible(s) as nondeterministic:
         t0 = time.perf_counter()
         worker, gen = start_worker(s, job, plan, store, rank=rank, world=2, device=device)

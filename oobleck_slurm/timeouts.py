@@ -153,6 +153,13 @@ class JobTimeouts:
     # NCCL work is polled this often: a step's p2p waits are short.
     nccl_poll: float = 0.0005
     # A group's warm-up operation is polled this often: it completes in microseconds.
+    # A read or wait on the job's store that met a refused value (forged, or unsigned: protocol/signed_store.py)
+    # reads the key again this often until the writer's valid value replaces it: only under attack.
+    forged_value_poll: float = 0.05
+    # The supervisor lists the store's keys this often and deletes those that are not the job's (written by
+    # a process without the job secret): one request whose answer grows with the keys (tens of kB per
+    # thousand), so not every store_poll; bounds how late such a write is reported.
+    store_sweep_poll: float = 10.0
     warm_up_poll: float = 0.001
     # The batch step's main thread waits on the supervisor thread in slices: signals arrive between them.
     join_poll: float = 0.2

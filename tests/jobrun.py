@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,13 +122,17 @@ def _taken_over_end(job: JobDir, code: int, deadline: float) -> int:
 
 
 def run_job(tmp_path: Path, recipe: dict[str, Any], cache_dir: Path, *, faults: list[dict[str, Any]] | None = None,
-            estimate: str | None = "A100-40", timeout: float = 300.0, expect_exit: int | None = 0) -> JobRun:
+            estimate: str | None = "A100-40", timeout: float = 300.0, expect_exit: int | None = 0,
+            alongside: Callable[[JobDir], None] | None = None) -> JobRun:
     """Submit `recipe` on the local backend and wait for the job to end (or `timeout`: it is stopped
-    and the test fails with the logs)."""
+    and the test fails with the logs). `alongside(job)` runs in a thread from the job's start (a
+    process that meddles with the running job)."""
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     job = prepare_job(load_recipe(path), cache_dir=cache_dir, estimate_gpu=estimate, job_root=tmp_path / "jobs",
                       faults=faults)
+    if alongside is not None:
+        threading.Thread(target=alongside, args=(job,), name="alongside", daemon=True).start()
     run = start_and_wait(job, timeout)
     if run.exit_code == -1:
         raise AssertionError(f"job did not finish within {timeout:g} s\n{run.log_tails()}")

@@ -165,6 +165,10 @@ class JobDir:
     def agent_log(self, node: str) -> Path:
         return self.logs / f"agent-{node}.log"
 
+    def standby_log(self, node: str) -> Path:
+        """A standby supervisor's log under Slurm (a step on `node` inside the allocation)."""
+        return self.logs / f"supervisor-standby-{node}.log"
+
     def worker_log(self, node_id: str, local: int) -> Path:
         return self.logs / f"worker-{node_id}-{local}.log"
 

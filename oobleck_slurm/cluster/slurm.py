@@ -39,6 +39,7 @@ ADVISORY_NODE_STATES = frozenset({"DRAIN", "DRAINED", "DRAINING", "NOT_RESPONDIN
 _STATE_SUFFIXES = {"*": "NOT_RESPONDING", "~": "POWERED_DOWN", "%": "POWERING_DOWN", "#": "POWERING_UP",
                    "!": "POWER_DOWN", "@": "REBOOT_REQUESTED", "^": "REBOOT_ISSUED", "$": "MAINTENANCE", "-": ""}
 AGENT_STEP_NAME = "oobleck-agent"
+STANDBY_STEP_NAME = "oobleck-standby"  # the standby supervisor's step inside the allocation
 # submitit takes these as the executor's own arguments (AutoExecutor(...)), not through update_parameters.
 EXECUTOR_ARGUMENTS = frozenset({"slurm_max_num_timeout"})
 # HPE Slingshot: a step's SLINGSHOT_VNIS lists its own VNI first and the job's VNI (--network=job_vni)
@@ -181,8 +182,9 @@ def parse_squeue_jobs(text: str) -> dict[str, tuple[str, str]]:
     return jobs
 
 
-def srun_argv(node: str, command: Sequence[str], cpus: int, gpus: int = 0, network: str | None = None) -> list[str]:
-    """The step that runs `command` (a node's agent) on `node`. `--no-kill --kill-on-bad-exit=0`: the
+def srun_argv(node: str, command: Sequence[str], cpus: int, gpus: int = 0, network: str | None = None,
+              name: str = AGENT_STEP_NAME) -> list[str]:
+    """The step `name` that runs `command` (a node's agent, or the standby supervisor) on `node`. `--no-kill --kill-on-bad-exit=0`: the
     loss of another node or task must not end this one (measured: `--kill-on-bad-exit=0` alone is not
     enough); `--overlap`: the agent shares the node's CPUs with nothing else of ours but the batch step.
     With GPUs the step takes all of the node's (`--gpus-per-node`) with no per-task binding
@@ -193,9 +195,9 @@ def srun_argv(node: str, command: Sequence[str], cpus: int, gpus: int = 0, netwo
     gpu_args = [f"--gpus-per-node={gpus}", "--gpu-bind=none"] if gpus else []
     net_args = [f"--network={network}"] if network else []
     if network and JOB_VNI in network.split(","):
-        command = ["/bin/sh", "-c", _KEEP_JOB_VNI, AGENT_STEP_NAME, *command]  # "$@" is the command
+        command = ["/bin/sh", "-c", _KEEP_JOB_VNI, name, *command]  # "$@" is the command
     return ["srun", "--no-kill", "--kill-on-bad-exit=0", "--overlap", "-N1", "-n1", f"--nodelist={node}",
-            f"--cpus-per-task={cpus}", *gpu_args, *net_args, f"--job-name={AGENT_STEP_NAME}", *command]
+            f"--cpus-per-task={cpus}", *gpu_args, *net_args, f"--job-name={name}", *command]
 
 
 def slurm_time_minutes(text: str) -> int:
@@ -314,12 +316,12 @@ def submit(folder: Path, parameters: Mapping[str, Any], function: Callable[[], A
 
 
 def start_step(node: str, command: Sequence[str], cpus: int, gpus: int, output: Path,
-               network: str | None = None) -> subprocess.Popen:
+               network: str | None = None, name: str = AGENT_STEP_NAME) -> subprocess.Popen:
     """Start `command` as its own srun step on `node` (see `srun_argv`); its output goes to `output`.
     The step's exit is the evidence that the node's task ended."""
     _count(["srun"], failed=False)
     with open(output, "ab") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(srun_argv(node, command, cpus, gpus, network), stdout=out,
+        return subprocess.Popen(srun_argv(node, command, cpus, gpus, network, name), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 

@@ -23,7 +23,7 @@ NODE_STYLE = {"healthy": "green", "suspect": "yellow", "lost": "red", "joining":
 NODE_ICON = {"healthy": "●", "suspect": "▲", "lost": "✗", "joining": "◐", "spare": "○"}
 STATUS_STYLE = {"running": "bold green", "recovering": "bold yellow", "waiting": "dim",
                 "completed": "bold blue", "finished": "bold blue", "failed": "bold red", "cancelled": "bold red"}
-KIND_STYLE = {"failure": "bold red", "node_lost": "red", "fault_injected": "red", "refused": "yellow", "checkpoint_fallback": "bold red", "resumed": "bold green",
+KIND_STYLE = {"failure": "bold red", "node_lost": "red", "fault_injected": "red", "refused": "yellow", "store_rejected": "yellow", "checkpoint_fallback": "bold red", "resumed": "bold green",
               "node_joined": "cyan", "replacement_requested": "cyan", "health_check": "cyan",
               "plan": "magenta", "job_started": "blue", "job_finished": "blue", "checkpoint": "blue",
               "node": "yellow", "faulty_node": "bold red", "straggler": "yellow"}

@@ -519,6 +519,7 @@ _NOTES: dict[str, Callable[[Any], str]] = {
     "preempt_notice": lambda e: f"preemption notice from {e.node or '?'}",
     "slurm_unreachable": lambda e: f"Slurm unreachable: {e.error}",
     "refused": lambda e: f"refused {e.peer}: {e.reason}",
+    "store_rejected": lambda e: f"store: refused {e.key} ({e.reason}, {e.reader or '?'})",
     "drill": lambda e: f"scripted drill at step {_fmt(e.step)}: {e.how} on {e.node}",
 }
 

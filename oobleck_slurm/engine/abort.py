@@ -32,6 +32,7 @@ from oobleck_slurm.engine.comm import CollectiveError, Generation, abort_groups,
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol.signed_store import SignedStore, unsigned
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 
@@ -42,11 +43,12 @@ class GenerationAborted(InfrastructureError, RuntimeError):
 class FailureWatch:
     """`failed()` is True once `gen{g}/failed` exists, and costs no store request.
 
-    On a TCPStore one daemon thread per generation (shared by every FailureWatch of that generation on
-    the worker's store or its clones, see clone_store) blocks in `wait([key])` on a connection of its
-    own and sets a flag that `failed()` and `wait()` read: a worker's watch makes one store request per
-    generation (one more per `watch_renew` it lasts) instead of a look-up every `abort_poll` while it waits,
-    ~50,000 requests/s on one store at 512 workers (benchmarks/bench_store.py). The thread ends when the
+    On a TCPStore (signed or not) one daemon thread per generation (shared by every FailureWatch of that
+    generation on the worker's store or its clones, see clone_store) blocks in `wait([key])` on a
+    connection of its own (a signed store's wait returns on a valid value only) and sets a flag that
+    `failed()` and `wait()` read: a worker's watch makes one store request per generation (one more per
+    `watch_renew` it lasts) instead of a look-up every `abort_poll` while it waits, ~50,000 requests/s on
+    one store at 512 workers (benchmarks/bench_store.py). The thread ends when the
     key appears (the coordinator sets it at every generation change, so at most one is left per worker),
     when the store fails (`failed()` then raises a DistNetworkError, as a look-up would), or at a renewal
     once no FailureWatch of it is left; a worker process ends with os._exit. Any other store (a HashStore
@@ -61,8 +63,8 @@ class FailureWatch:
         self.superseded = superseded
         self.key = keys.failed(generation)
         self.poll = timeouts.abort_poll
-        self._watcher = (_Watcher.of(store, self.key, timeouts.watch_renew) if isinstance(store, dist.TCPStore)
-                         else None)
+        self._watcher = (_Watcher.of(store, self.key, timeouts.watch_renew)
+                         if isinstance(unsigned(store), dist.TCPStore) else None)
         self._seen = False
         self._last = 0.0
 
@@ -259,7 +261,11 @@ def clone_store(store: dist.Store, attempt_s: float = DEFAULT_TIMEOUTS.store_clo
     store's port refuses connections: torch retries a refused connect until its timeout (60 s, three
     times over), so a thread cloning the store of a supervisor that had just died was stuck for minutes,
     deaf to a standby's takeover. A live store that is slow to answer (thousands of clients connecting
-    at a generation change) still has the whole timeout."""
+    at a generation change) still has the whole timeout. A SignedStore's clone is signed the same way."""
+    if isinstance(store, SignedStore):
+        signed = store.over(clone_store(store.inner, attempt_s))
+        _clone_of[signed] = _clone_of.get(store, store)
+        return signed
     if not isinstance(store, dist.TCPStore):
         return store
     timeout: dt.timedelta = store.timeout  # type: ignore[attr-defined]  # exists at run time, not in torch's stubs

@@ -35,7 +35,9 @@ from oobleck_slurm.engine import nccl_order
 from oobleck_slurm.engine.layout import ExecPlan, edge_pieces, reduce_groups
 from oobleck_slurm.engine.nccl_order import OrderedGroup, P2POp
 from oobleck_slurm.errors import InfrastructureError
-from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol import keys, signed_store
+from oobleck_slurm.protocol.events import EventLog
+from oobleck_slurm.protocol.signed_store import SignedStore
 from oobleck_slurm.timeouts import JobTimeouts
 
 # NCCL's own per-operation timeout: far above the job's collective timeout, which the generation's
@@ -64,9 +66,12 @@ def is_collective_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(m in str(error) for m in COLLECTIVE_ERROR_MARKERS)
 
 
-def connect_store(host: str, port: int, timeouts: JobTimeouts) -> dist.TCPStore:
-    """A client connection to the job's store (hosted elsewhere)."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timeouts.td("store_timeout"))
+def connect_store(host: str, port: int, timeouts: JobTimeouts, secret: bytes, log: EventLog | None,
+                  reader: str) -> SignedStore:
+    """A client connection to the job's store (hosted elsewhere), signed with the job secret; what it
+    refuses is reported to `log` as seen by `reader` (protocol/signed_store.py)."""
+    return signed_store.connect(host, port, timeouts.td("store_timeout"), secret, log, reader,
+                                timeouts.forged_value_poll)
 
 
 def make_group(store: dist.Store, prefix: str, rank: int, size: int, timeout: dt.timedelta,
@@ -162,6 +167,9 @@ class Generation:
         self.timeouts = timeouts
         self.backend = backend
         self.device = device or torch.device("cpu")
+        # Kept while the groups live: a store written in Python (SignedStore) answers the C++ groups' calls
+        # only while its Python object exists (pybind11), and NCCL may connect a communicator lazily.
+        self.store = store
         # A gloo group's own operation timeout is the longer step timeout: the generation's waits enforce
         # the collective timeout themselves (`wait`), and the waits that may take longer (a state copy
         # to a newcomer, `AbortableGeneration.align`) raise theirs. gloo bounds a collective by the

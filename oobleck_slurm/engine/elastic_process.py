@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE, JobDir
+from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE, JobDir, load_secret
 from oobleck_slurm.cluster.lease import PublishedEpoch, read_lease
 from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation, clone_store
 from oobleck_slurm.engine.checkpoint import CheckpointWriter
@@ -123,7 +123,9 @@ class ElasticWorker:
         self.timeouts = JobTimeouts(**launch.timeouts)
         self.checkpoint_interval = launch.checkpoint_interval
         self.checkpoint_root = launch.checkpoint_dir or str(job_dir / CHECKPOINTS_DIR)
-        self.store = connect_store(launch.host, launch.port, self.timeouts)
+        self.log = EventLog(events_path(job_dir))
+        self.secret = load_secret(job_dir)  # signs the store (protocol/signed_store.py)
+        self.store = connect_store(launch.host, launch.port, self.timeouts, self.secret, self.log, self.name)
         self.step_writer = StepWriter(self.store)
         # Set when elastic.json names a supervisor of a higher epoch than the one this worker follows.
         self.superseded = threading.Event()
@@ -136,7 +138,6 @@ class ElasticWorker:
         self.worker.before_update = self.faults.before_update
         self.gen: AbortableGeneration | None = None  # the generation this worker last built
         self.last_step: LastStep | None = None  # the last step it completed
-        self.log = EventLog(events_path(job_dir))
         self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
 
@@ -246,13 +247,29 @@ class ElasticWorker:
                     g, self.name)
 
     def _store_alive(self) -> bool:
-        if self.superseded.is_set():
-            return False  # its supervisor was replaced: the store may be frozen, not gone
-        try:
-            self.store.check([keys.CURRENT_GEN])
-            return True
-        except Exception:  # noqa: BLE001 - whatever the client raises once its server is gone
-            return False
+        """Whether the job's store still answers. Asked in a thread: a store whose supervisor's machine
+        froze (or lost power) never answers (measured on the Slurm lab: `check` blocked for minutes),
+        and a standby's takeover (`superseded`) must not wait for it."""
+        answer: list[bool] = []
+        done = threading.Event()
+
+        store = self.store
+
+        def ask() -> None:
+            try:
+                store.check([keys.CURRENT_GEN])
+                answer.append(True)
+            except Exception:  # noqa: BLE001 - whatever the client raises once its server is gone
+                answer.append(False)
+            done.set()
+
+        threading.Thread(target=ask, name="store-alive", daemon=True).start()
+        deadline = time.monotonic() + self.timeouts.store_timeout
+        while not done.wait(FOLLOW_POLL_S):
+            if self.superseded.is_set() or time.monotonic() > deadline:
+                return False  # its supervisor was replaced: the store may be frozen, not gone
+        return answer[0] and not self.superseded.is_set()
+
 
     def _follow_new_supervisor(self, error: BaseException) -> int:
         """The store went away with its supervisor: wait for a supervisor of a higher epoch to publish
@@ -271,7 +288,7 @@ class ElasticWorker:
                 newer = launch  # being replaced: read it again
             if newer.epoch > launch.epoch:
                 self.step_writer.retire()
-                self.store = connect_store(newer.host, newer.port, self.timeouts)
+                self.store = connect_store(newer.host, newer.port, self.timeouts, self.secret, self.log, self.name)
                 self.step_writer = StepWriter(self.store)
                 self.launch = newer
                 self.superseded.clear()

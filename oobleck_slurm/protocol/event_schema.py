@@ -385,6 +385,22 @@ class Refused(Event):
 
 
 # ---- failure and recovery ----------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StoreRejected(Event):
+    """A process of the job refused what it found in the job's store (protocol/signed_store.py): a value
+    whose signature fails or that is unsigned (read as not written), or a key that is not one of the
+    job's hidden names (deleted by the supervisor's sweep): a write by a process without the job secret.
+    At most once a minute per key, reason and reader; `count` says how many it stands for."""
+
+    kind = "store_rejected"
+    key: str = required("the key: the job's key name for a refused value, the stored name for a foreign key")
+    reason: str = required("why", ("bad signature", "unsigned value", "foreign key"))
+    reader: str | None = optional('who found it: "supervisor", a worker (`node:local`), "health check ..."')
+    op: str | None = optional('the request that found it ("get", "wait", "check", "add", "compare_set", "sweep")')
+    count: int | None = optional("refusals of this key and reason since its last event (1: this one)")
+    suppressed: int | None = optional("other refusals not reported since this reader's last event (rate limit)")
+
+
 
 @dataclass(frozen=True, kw_only=True)
 class CollectiveError(RecoveryEvent):
@@ -528,7 +544,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Job": (JobStarted, AgentsReady, Takeover, Done, RunComplete, JobFinished, SlurmJob),
     "Plan and training": (Plan, Step, Eval, Checkpoint, CheckpointRequested, CheckpointFallback),
     "Nodes": (Node, NodeLost, ReplacementRequested, NodeJoined, HealthCheck, FaultInjected, Drill, PreemptNotice,
-              SlurmUnreachable, SlurmCalls, Refused),
+              SlurmUnreachable, SlurmCalls, Refused, StoreRejected),
     "Failure and recovery": (CollectiveError, Failure, Detection, Reform, Replan, GroupRebuild, StateCopy, Replay,
                              Resumed),
     "Faulty machines and stragglers": (Health, FaultyNode, Straggler),

@@ -20,6 +20,9 @@ node is the unit of membership (a plan places pipelines on nodes; a lost worker 
     fault/{i}                    a drill's fault i fired (fired once, even across restarts)
     fault/killed_at/{node}       when a drill injected a fault into a node (detection times)
     health/{node}/{nonce}        the prefix of a joining node's health-check collective
+
+In the store each key is hidden under a name derived from it with the job secret and each value,
+counters included, is signed (signed_store.py).
 """
 
 from __future__ import annotations

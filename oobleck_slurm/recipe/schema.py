@@ -158,11 +158,14 @@ def check(fn: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """The supervisors under Slurm (docs/failover.md, "Under Slurm"). With `failover`, the primary and a
-    standby supervisor each run as the batch step of their own small one-node job (not exclusive: they
-    may share a node), and every training node is its own one-node job whose batch step is its agent, so
-    that no node's loss ends the job. The local backend always runs a standby."""
+    """The supervisors under Slurm (docs/failover.md, "Under Slurm"). `standby` (the default): a standby
+    supervisor runs inside the allocation, as an `srun --overlap` step on a node other than the batch
+    host, and takes over from the replicas in memory if the batch host is lost. With `failover`, the
+    primary and a standby each run as the batch step of their own small one-node job (not exclusive:
+    they may share a node), and every training node is its own one-node job whose batch step is its
+    agent. The local backend always runs a standby."""
 
+    standby: bool = True
     failover: bool = False
     partition: str | None = None  # default: cluster.partition
     cpus: int = field(default=1, metadata=check(positive))

@@ -35,8 +35,9 @@ non-zero is reported as `worker_exit {code, worker}` and the node's other worker
 SIGUSR2 to the job's steps (submitit's `--signal=USR2@90` before the time limit), or, inside a Slurm
 step, SIGTERM (a preemption, `scontrol requeue`, `scancel`: SIGKILL follows after the grace time): the
 supervisor runs in the batch step, which the first does not reach. Workers ignore both (they would end
-them; `warm.ignore_step_signals`). If the supervisor goes away, the job is over: the agent kills its workers and exits (under
-Slurm, with no standby, after requeueing the job: `_requeue_if_lost`), so
+them; `warm.ignore_step_signals`). If the supervisor goes away and no standby takes over (within
+`failover_s`), the job is over: the agent kills its workers and exits (inside a Slurm allocation, after
+requeueing the job: `_requeue_if_lost`), so
 that nothing outlives the job on the node. With detection on (`metrics` in supervisor.json), it also
 samples its node and sends the metrics (agent_health.py).
 """
@@ -87,6 +88,7 @@ from oobleck_slurm.supervisor.warm import (
     ignore_step_signals,
     in_slurm_step,
     preloaded,
+    write_output_to,
 )
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
@@ -317,7 +319,7 @@ class Agent:
         self._done.set()
 
     def _requeue_if_lost(self) -> None:
-        """The supervisor is gone and no standby takes over: under Slurm, requeue the job rather than
+        """The supervisor is gone and no standby took over: in an allocation, requeue the job rather than
         leave its allocation idle. Measured on the lab (docs/slurm.md, "The batch host"): when the node
         that runs the batch step dies, slurmctld removes it from a `--no-kill` job and ends the steps
         launched from it, and the job stays RUNNING with nothing in it until its time limit. Every
@@ -333,7 +335,7 @@ class Agent:
             return
         # Quickly: the srun of this agent's step ran on the lost node, and Slurm may end the step within
         # a second (measured on the lab: 1.3-2.2 s after the node's loss).
-        print(f"{time.time():.3f} agent {self.node}: the supervisor was lost with no standby: requeueing job "
+        print(f"{time.time():.3f} agent {self.node}: the supervisor was lost and no standby took over: requeueing job "
               f"{job_id}", file=sys.stderr, flush=True)
         meta = self.job.meta()
         lost_host = (meta.get("supervisor") or {}).get("host")
@@ -379,8 +381,8 @@ class Agent:
         fd, log = tempfile.mkstemp(prefix=f"health-{self.node}-", suffix=".log")
         os.close(fd)
         try:
-            check = self._spawn(HEALTH_MODULE, [message.host, str(message.port), message.prefix, str(message.timeout)],
-                                dict(os.environ, OMP_NUM_THREADS="1"), log)
+            check = self._spawn(HEALTH_MODULE, [message.host, str(message.port), message.prefix, str(message.timeout),
+                                                str(self.job.path)], dict(os.environ, OMP_NUM_THREADS="1"), log)
             try:
                 code = check.wait(message.timeout + self.timeouts.health_check_timeout)  # its own, then its start
             except subprocess.TimeoutExpired:
@@ -430,7 +432,7 @@ class Agent:
         finally:
             # Here, in the main thread: the process ends when it returns, the command reader's daemon
             # thread with it (a requeue asked from there was cut short when this thread left first).
-            if self._supervisor_lost and self.failover_s <= 0:
+            if self._supervisor_lost:  # and no standby took over within failover_s
                 self._requeue_if_lost()
             if reporter is not None:
                 reporter.stop()
@@ -440,18 +442,6 @@ class Agent:
         return EXIT_OK
 
 
-def _log_to_job_folder(path: Path) -> None:
-    """Write this agent's stdout and stderr to its log in the job folder itself, not through srun: the
-    srun that forwards a step's output runs on the batch host, and what an agent says after that node's
-    loss (its requeue, `_requeue_if_lost`) was lost with it. srun appends its own lines to the same file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oobleck_slurm.supervisor.agent", description=__doc__.split("\n\n")[0])
     parser.add_argument("job_dir", type=Path)
@@ -459,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replacement", default=None, help="the node id the supervisor asked Slurm for")
     args = parser.parse_args(argv)
     if in_slurm_step():
-        _log_to_job_folder(JobDir.at(args.job_dir.resolve()).agent_log(node_name(args.node)))
+        write_output_to(JobDir.at(args.job_dir.resolve()).agent_log(node_name(args.node)))
     try:
         agent = Agent(args.job_dir.resolve(), node_name(args.node), args.replacement)
     except Exception as err:  # noqa: BLE001 - reported plainly; srun's log keeps it

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.errors import InfrastructureError, JobTimeoutError
-from oobleck_slurm.protocol import keys
+from oobleck_slurm.protocol import keys, signed_store
 from oobleck_slurm.protocol.events import EventLog
 from oobleck_slurm.protocol.messages import (
     Drill,
@@ -117,7 +117,8 @@ class AgentNodes:
         self._registered = threading.Condition(self._lock)
         self.server = ControlServer(secret, self._on_message, self._on_refused, on_disconnect=self._on_disconnect,
                                     handshake_timeout=config.timeouts.handshake_timeout)
-        self._store: dist.TCPStore | None = None  # the watcher's own client, for the drills' fault times
+        self._store: dist.Store | None = None  # the watcher's own client, for the drills' fault times
+        self._secret = secret  # its store clients are signed (protocol/signed_store.py)
         self._slurm_states: dict[str, str] = {}  # node id -> its Slurm state last seen (the Slurm poller's)
         self._watcher = threading.Thread(target=self._watch, name="agent-nodes-watch", daemon=True)
 
@@ -485,8 +486,8 @@ class AgentNodes:
         timeout = self.cfg.timeouts.health_check_timeout
         agent.send(Health(host=self.cfg.store_host, port=self.cfg.store_port, prefix=prefix, timeout=timeout))
         try:
-            store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
-                                  timeout=dt.timedelta(seconds=timeout))
+            store = signed_store.connect(self.cfg.store_host, self.cfg.store_port, dt.timedelta(seconds=timeout),
+                                         self._secret, self.log, "supervisor", self.cfg.timeouts.forged_value_poll)
             ok_here = health_peer(store, prefix, timeout)
             result = results.get(timeout=timeout)
             ok, detail = ok_here and result.ok, result.detail
@@ -531,8 +532,9 @@ class AgentNodes:
             self.launcher.lost(record.slurm_node)
 
     def _watch(self) -> None:
-        self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
-                                    timeout=self.cfg.timeouts.td("store_timeout"))
+        self._store = signed_store.connect(self.cfg.store_host, self.cfg.store_port,
+                                           self.cfg.timeouts.td("store_timeout"), self._secret, self.log,
+                                           "supervisor", self.cfg.timeouts.forged_value_poll)
         with self._lock:
             faults = {i: r.fault_at for i, r in self.nodes.items() if r.fault_at is not None}
         for ident, t in faults.items():

@@ -1,9 +1,10 @@
 """The health check of a node before it joins: can a fresh process there run a collective with a peer?
 
 A node that comes back (or a replacement Slurm just gave us) is not trusted blindly: its agent runs
-`python -m oobleck_slurm.supervisor.health HOST PORT PREFIX TIMEOUT` (imports torch, builds a gloo
-group of two on the job's store, all-reduces) while the supervisor is the other member
-(`health_peer`). Both check the sum; only then does the node's worker start.
+`python -m oobleck_slurm.supervisor.health HOST PORT PREFIX TIMEOUT JOB_DIR` (imports torch, builds a
+gloo group of two on the job's store, signed with the job folder's secret, and all-reduces) while the
+supervisor is the other member (`health_peer`). Both check the sum; only then does the node's worker
+start.
 """
 
 from __future__ import annotations
@@ -37,16 +38,20 @@ def health_peer(store: Store, prefix: str, timeout_s: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 4:
-        print("usage: python -m oobleck_slurm.supervisor.health HOST PORT PREFIX TIMEOUT", file=sys.stderr)
+    if len(args) != 5:
+        print("usage: python -m oobleck_slurm.supervisor.health HOST PORT PREFIX TIMEOUT JOB_DIR", file=sys.stderr)
         return 2
     import torch
-    import torch.distributed as dist
+
+    from oobleck_slurm.cluster.jobdir import load_secret
+    from oobleck_slurm.protocol.events import EventLog, events_path
+    from oobleck_slurm.protocol.signed_store import connect
 
     torch.set_num_threads(1)
-    host, port, prefix, timeout_s = args[0], int(args[1]), args[2], float(args[3])
+    host, port, prefix, timeout_s, job_dir = args[0], int(args[1]), args[2], float(args[3]), args[4]
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=dt.timedelta(seconds=timeout_s))
+        store = connect(host, port, dt.timedelta(seconds=timeout_s), load_secret(job_dir),
+                        EventLog(events_path(job_dir)), f"health check {prefix}")
         value = _allreduce(store, prefix, 1, timeout_s)
     except Exception as err:  # noqa: BLE001 - the verdict is the exit code; the message is the detail
         print(f"health check failed: {type(err).__name__}: {err}")

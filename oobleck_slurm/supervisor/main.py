@@ -53,6 +53,7 @@ from oobleck_slurm.errors import (
     status_for,
 )
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
+from oobleck_slurm.supervisor.warm import ignore_step_signals, in_slurm_step, write_output_to
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 if TYPE_CHECKING:
@@ -72,8 +73,24 @@ def advertised_host() -> str:
 
 def failover_enabled(backend: str, recipe: Any) -> bool:
     """Whether a standby supervisor runs: always on the local backend (a second process on this
-    machine), on Slurm with `cluster.supervisor.failover` (its own job on another node)."""
-    return backend == "local" or bool(recipe.cluster.supervisor.failover)
+    machine); on Slurm as a step on another node of the allocation (`standby_in_allocation`), or as
+    its own job with `cluster.supervisor.failover`."""
+    return backend == "local" or bool(recipe.cluster.supervisor.failover) or standby_in_allocation(backend, recipe)
+
+
+def standby_in_allocation(backend: str, recipe: Any) -> bool:
+    """Whether the standby is a step of the training allocation (`cluster.supervisor.standby`, the
+    default under Slurm): it needs a second node, which the batch host's loss leaves."""
+    cluster = recipe.cluster
+    return (backend == "slurm" and not cluster.supervisor.failover and bool(cluster.supervisor.standby)
+            and cluster.nodes + cluster.spare_nodes >= 2)
+
+
+def standby_node(candidates: list[str], exclude: list[str]) -> str | None:
+    """Where the standby step runs: the last of the allocation's nodes (spares last, so preferred: they
+    train nothing) that is none of `exclude` (this supervisor's node, a lost primary's, evicted ones)."""
+    allowed = [node for node in candidates if node not in exclude]
+    return allowed[-1] if allowed else None
 
 
 def allocation_nodes(backend: str, recipe: Any) -> list[str]:
@@ -142,6 +159,8 @@ def run_standby(job_dir: Path, backend: str, preemption: Any = None, on_preempt:
     import oobleck_slurm.supervisor.agent_nodes  # noqa: F401
     import oobleck_slurm.supervisor.coordinator  # noqa: F401
     import oobleck_slurm.supervisor.health_monitor  # noqa: F401
+    print(f"standby: watching the primary's lease (pid {os.getpid()}, {advertised_host()})", file=sys.stderr,
+          flush=True)
     while True:
         lease, now = read_lease(job), time.time()
         if (lease is not None and lease.done) or job.cancel_marker.exists():
@@ -151,6 +170,8 @@ def run_standby(job_dir: Path, backend: str, preemption: Any = None, on_preempt:
             epoch = current_epoch(job) + 1
             if not claim_epoch(job, epoch):
                 return EXIT_OK  # another standby took over
+            print(f"standby: the primary's lease is {now - lease.t:.2f} s old: taking over as epoch {epoch}",
+                  file=sys.stderr, flush=True)
             try:
                 state = read_state(job.supervisor_state)
             except ProtocolError as err:  # damaged (a crash of the disk): no traceback, a named exit
@@ -177,7 +198,7 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
     preemption = preemption or Preemption()
     started = time.time()
     try:
-        _run(job, backend, log, preemption, on_preempt or (lambda signal_name: preemption.requested.set()), takeover)
+        _run(job, backend, log, preemption, on_preempt or preemption.notice, takeover)
         # A run that stopped for a notice is preempted, checkpointed or not: a requeue goes on from the
         # newest complete checkpoint (an older periodic one if the on-demand one failed). Only a run
         # that trained every step is completed.
@@ -201,7 +222,31 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
              checkpoint_step=preemption.step)
     log.close()
     job.update_meta(exit_code=code, status=status, requeue=requeue)
+    if takeover is not None and backend == "slurm" and in_slurm_step():
+        # After a SIGTERM (preemption, `scontrol requeue`, `scancel`) Slurm decides; after the time
+        # limit's USR2 the job requeues itself, as submitit would have in the lost batch step.
+        _end_allocation(job, requeue and preemption.signal != "SIGTERM")
     return code
+
+
+def _end_allocation(job: JobDir, requeue: bool) -> None:
+    """A supervisor that took over inside the allocation ends it when the run ends: the batch script
+    that would have ended it died with the batch host, and Slurm keeps such a job RUNNING until its
+    time limit (docs/slurm.md, "The batch host"). `requeue`: the next run resumes from the newest
+    complete checkpoint, off the nodes this job lost; else scancel (sacct then says CANCELLED; the job
+    folder says how the run ended)."""
+    from oobleck_slurm.cluster.slurm import SlurmError, cancel_jobs, requeue_job
+
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return
+    try:
+        if requeue:  # the lost primary's node is among the evicted (`_run`)
+            requeue_job(job_id, sorted(job.meta().get("evicted_nodes", [])))
+        else:
+            cancel_jobs([job_id])  # this process too: it has nothing left to do
+    except SlurmError as err:
+        print(f"supervisor: {'requeue' if requeue else 'scancel'} of job {job_id} failed: {err}", file=sys.stderr)
 
 
 def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, takeover: Takeover | None) -> None:
@@ -219,6 +264,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     from oobleck_slurm.planning.pregenerate import pregenerate
     from oobleck_slurm.protocol import keys
     from oobleck_slurm.protocol.records import LaunchConfig, write_launch_config
+    from oobleck_slurm.protocol.signed_store import SignedStore
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
     from oobleck_slurm.supervisor.health_monitor import HealthMonitor
@@ -236,7 +282,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     launcher: Any
     if backend == "local":
         launcher = LocalLauncher(job.path)
-    elif failover:  # no allocation: each training node is its own job (launchers.py)
+    elif cluster.supervisor.failover:  # no allocation: each training node is its own job (launchers.py)
         launcher = NodeJobLauncher(job.path, cluster, recipe.name)
     else:
         launcher = SrunLauncher(job.path, cluster, recipe.name)
@@ -297,7 +343,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     else:  # the lost supervisor's plan goes on (Coordinator.take_over)
         plan = Plan.from_dict(takeover.state.plan)
     host = advertised_host()
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store_timeout"))
+    store = SignedStore.with_secret(  # every key hidden, every value signed (protocol/signed_store.py)
+        dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store_timeout")),
+        load_secret(job.path), log, "supervisor", timeouts.forged_value_poll)
     if takeover is not None:  # before the workers find the store: the generation they report for
         store.set(keys.CURRENT_GEN, str(takeover.state.generation))
     ckpt_dir = str(job.checkpoints)  # periodic if checkpoint_interval > 0; on-demand and final always
@@ -328,6 +376,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
                     slurm_job_id=os.environ.get("SLURM_JOB_ID") or meta.get("slurm_job_id"))
     if takeover is not None and backend == "slurm":
         _end_lost_primary(meta.get("slurm_job_id"))
+        if previous_host and not isinstance(launcher, NodeJobLauncher):
+            launcher.lost(previous_host)  # the batch host: replacements and a requeue avoid it
     config = CoordinatorConfig(f=ft.f, replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
                                devices_per_node=cluster.devices_per_node, timeouts=timeouts)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config, observer,
@@ -340,7 +390,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         # connections that are no longer its own.
         signal.signal(signal.SIGCONT, lambda signum, frame: lease.check())
     standby = (start_standby(job, backend, exclude=[h for h in (host, previous_host) if h],
-                            server=launcher.server if isinstance(launcher, LocalLauncher) else None)
+                            server=launcher.server if isinstance(launcher, LocalLauncher) else None,
+                            candidates=members + spares)
                if failover else None)
     observer.start()
     tensorboard = TensorBoardThread(job, timeouts.tensorboard_poll, lease.check) if recipe.logging.tensorboard else None
@@ -364,6 +415,29 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
             standby()
         nodes_backend.close()
         observer.close()
+
+
+def _standby_step(job: JobDir, recipe: Any, candidates: list[str], exclude: list[str]) -> Callable[[], None] | None:
+    """The standby as an `srun --overlap` step on another node of the allocation (docs/slurm.md, "The
+    batch host"): measured on the lab, a step launched from the batch host lives on when that machine
+    dies, the job stays RUNNING on the other nodes, and a step there can launch steps, requeue and end
+    the job. One CPU, no GPU; its output goes to its own log (`main`), since srun's died with the host."""
+    from oobleck_slurm.cluster import slurm
+
+    evicted = job.meta().get("evicted_nodes", [])
+    node = standby_node(candidates, [*exclude, *evicted])
+    if node is None:
+        print("supervisor: no standby: no other node in the allocation", file=sys.stderr)
+        return None
+    argv = [sys.executable, "-m", SUPERVISOR_MODULE, str(job.path), "--backend", "slurm", "--standby"]
+    try:
+        step = slurm.start_step(node, argv, recipe.cluster.supervisor.cpus, 0, job.standby_log(node),
+                                recipe.cluster.network, name=slurm.STANDBY_STEP_NAME)
+    except OSError as err:  # the job goes on; only its supervisor's loss is no longer survived
+        print(f"supervisor: no standby (srun failed): {err}", file=sys.stderr)
+        return None
+    print(f"supervisor: standby step on {node}", file=sys.stderr, flush=True)
+    return lambda: step.terminate() if step.poll() is None else None
 
 
 def _end_lost_primary(job_id: str | None) -> None:
@@ -466,17 +540,21 @@ def local_supervisor_command(job_dir: Path, *extra: str) -> list[str]:
             "--title-room", "_" * TITLE_ROOM]
 
 
-def start_standby(job: JobDir, backend: str, exclude: list[str],
-                  server: WarmServer | None = None) -> Callable[[], None] | None:
+def start_standby(job: JobDir, backend: str, exclude: list[str], server: WarmServer | None = None,
+                  candidates: list[str] | None = None) -> Callable[[], None] | None:
     """A second supervisor that takes over if this one is lost; returns what ends it (None: none could be
     started). Local backend: a process on this machine, in the job's process group, so that `cancel` ends
     it too; forked from the job's warm `server` if there is one (detached: it outlives that server).
-    Slurm: its own small one-node job, on none of the `exclude` nodes (this supervisor's, and a lost
-    primary's), recorded in meta.json (`supervisor_jobs`) for `cancel` and `kill-node`."""
+    Slurm: a step of the allocation on one of `candidates` (`standby_node`), or with
+    `cluster.supervisor.failover` its own small one-node job; on none of the `exclude` nodes (this
+    supervisor's, and a lost primary's); a job is recorded in meta.json (`supervisor_jobs`) for `cancel`
+    and `kill-node`."""
     if backend == "slurm":
         from oobleck_slurm.cluster import slurm
 
         recipe = job.recipe()
+        if standby_in_allocation(backend, recipe):
+            return _standby_step(job, recipe, candidates or [], exclude)
         try:
             job_id = slurm.submit(job.submitit, slurm.supervisor_parameters(recipe.cluster, recipe.name, "standby",
                                                                             exclude),
@@ -542,7 +620,7 @@ class SupervisorJob:
         `--signal`): hand it to submitit's handler in this process, once; it checkpoints and requeues.
         SIGTERM: checkpoint only (the run then ends as preempted; Slurm requeues it, or not)."""
         if signal_name == "SIGTERM":
-            self._preemption.requested.set()
+            self._preemption.notice(signal_name)
             return
         if not self._relayed.is_set():
             self._relayed.set()
@@ -562,7 +640,7 @@ class SupervisorJob:
         t = DEFAULT_TIMEOUTS
         if thread is not None:
             self._relayed.set()  # the notice came straight to this process: no relay needed
-            self._preemption.requested.set()
+            self._preemption.notice("SIGUSR2")
             self._preemption.finished.wait(t.checkpoint_timeout + t.teardown_timeout)
             thread.join(t.teardown_timeout)
         meta = job.meta()
@@ -600,6 +678,11 @@ def main(argv: list[str] | None = None) -> int:
     # process started from here (an ignored signal stays ignored across exec).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if args.standby:
+        if args.backend == "slurm" and in_slurm_step():  # a step of the allocation (`_standby_step`)
+            write_output_to(JobDir.at(args.job_dir).standby_log(os.environ.get("SLURMD_NODENAME", "")))
+            # Slurm's notices reach every step: the agents relay them to whichever supervisor is the
+            # primary, this one after a takeover; dying of them would end the job's coordinator.
+            ignore_step_signals()
         return run_standby(args.job_dir, args.backend)
     # SIGTERM (`cancel`, a test's teardown) stops the job: the run ends through its `finally` (the lease
     # marked done, so that the standby leaves instead of taking over; the agents told to shut down).

@@ -31,7 +31,8 @@ takes its last look with it before it ends). Consumers compare `view.generation`
 they are in: just after the coordinator publishes g+1 the view may still show g.
 
 The observer runs on any `dist.Store`: on a TCPStore its thread connects a client of its own
-(engine/abort.py `clone_store`), another store (the tests' HashStore) it shares.
+(engine/abort.py `clone_store`), another store (the tests' HashStore) it shares. On the job's signed
+store it also sweeps, every `store_sweep_poll`, the keys that are not the job's (one `list_keys`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from oobleck_slurm.engine.abort import clone_store
 from oobleck_slurm.protocol import keys, records
 from oobleck_slurm.protocol.records import FirstStep, GenerationConfig, StepCompute
+from oobleck_slurm.protocol.signed_store import SignedStore
 from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
@@ -87,6 +89,7 @@ class StoreObserver:
         self._thread: threading.Thread | None = None
         self._exists: set[str] = set()  # keys seen to exist (never deleted: not checked again)
         self._next_steps = 0.0
+        self._next_sweep = 0.0
 
     # ---- life --------------------------------------------------------------------------------------
 
@@ -108,11 +111,26 @@ class StoreObserver:
                 if client is None:
                     client = clone_store(self.store)  # the thread's own connection (other stores: shared)
                 self._publish(self._read(client))
+                self._sweep(client)
             except (RuntimeError, OSError) as err:  # a store hiccup: a new connection, the next period
                 self.last_error, client = f"{type(err).__name__}: {err}", None
             except (ValueError, ProtocolError) as err:  # a value that is not what its key holds: retried
                 self.last_error = f"{type(err).__name__}: {err}"
             self._stop.wait(self.timeouts.store_poll)
+        if client is not None:  # a last sweep: foreign keys written since the previous one are reported too
+            self._next_sweep = 0.0
+            try:
+                self._sweep(client)
+            except (RuntimeError, OSError):
+                pass
+
+    def _sweep(self, store: dist.Store) -> None:
+        """Every `store_sweep_poll`, delete and report the keys of a signed store that are not the job's
+        (written without the job secret: protocol/signed_store.py)."""
+        now = time.monotonic()
+        if isinstance(store, SignedStore) and now >= self._next_sweep:
+            self._next_sweep = now + self.timeouts.store_sweep_poll
+            store.sweep()
 
     def _publish(self, view: StoreView) -> None:
         with self._changed:

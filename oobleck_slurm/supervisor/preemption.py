@@ -20,3 +20,9 @@ class Preemption:
     requested: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
     step: int | None = None  # the checkpointed step, once finished (None: no checkpoint was written)
+    signal: str | None = None  # the notice's: SIGUSR2 (time limit: the job requeues itself) or SIGTERM
+
+    def notice(self, signal_name: str) -> None:
+        """An agent relayed Slurm's notice: checkpoint at the next step boundary."""
+        self.signal = signal_name
+        self.requested.set()

@@ -122,6 +122,20 @@ def in_slurm_step() -> bool:
     return "SLURM_STEP_ID" in os.environ
 
 
+def write_output_to(path: str | os.PathLike[str]) -> None:
+    """Write this process's stdout and stderr to `path` (appended) itself, not through srun: the srun
+    that forwards a step's output runs on the batch host, and when that machine dies the step's
+    slurmstepd stops reading the task's output (measured on the lab), so what an agent or a standby
+    says after the loss would be lost, and a task that writes a full pipe's worth would block. srun
+    appends its own lines to the same file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 # ---- the server (its own process) -------------------------------------------------------------------
 
 def _send(message: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from oobleck_slurm.cluster.slurm import (
     AGENT_STEP_NAME,
+    STANDBY_STEP_NAME,
     allocation_parameters,
     executor_arguments,
     replacement_parameters,
@@ -152,3 +153,16 @@ def test_shipped_centre_jobs_submit_what_their_centre_needs(path: Path, tmp_path
     if c.network:  # Slingshot (Isambard-AI): spares inside the allocation replace lost nodes
         assert sbatch["network"] == JOB_NETWORK
         assert recipe.fault_tolerance.replacement == "spare" and c.spare_nodes >= recipe.fault_tolerance.f
+
+
+@pytest.mark.parametrize("centre", CENTRES, ids=[p.stem for p in CENTRES])
+def test_the_standby_step_joins_the_jobs_network_with_one_cpu_and_no_gpu(centre: Path, tmp_path: Path) -> None:
+    """The standby supervisor is a step of the allocation (supervisor/main.py `_standby_step`): on
+    Slingshot it needs the job's VNI like every step, to reach the agents and workers after a takeover."""
+    c = centre_job(centre, tmp_path).cluster
+    assert c.supervisor.standby and not c.supervisor.failover
+    argv = srun_argv("nid000002", ["python", "-m", "standby"], c.supervisor.cpus, 0, c.network, STANDBY_STEP_NAME)
+    assert f"--job-name={STANDBY_STEP_NAME}" in argv and "--overlap" in argv and "--no-kill" in argv
+    assert "--cpus-per-task=1" in argv and not [a for a in argv if a.startswith("--gpus")]
+    networks = [a for a in argv if a.startswith("--network=")]
+    assert networks == ([f"--network={JOB_NETWORK}"] if centre.stem in SLINGSHOT else [])

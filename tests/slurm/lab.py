@@ -102,6 +102,14 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def _depth(proc: psutil.Process) -> int:
+    """How many ancestors the process has (0 once it is gone)."""
+    try:
+        return len(proc.parents())
+    except psutil.Error:
+        return 0
+
+
 def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
     while (left := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
@@ -230,7 +238,11 @@ class SlurmLab:
 
         Everything is SIGSTOPped first, then SIGKILLed, so no process of the node sees another one
         die and reacts (a stepd reporting its task's exit to srun, say): Slurm and the job's other
-        nodes only learn of the loss from silence. Returns how many processes were killed.
+        nodes only learn of the loss from silence. Children are killed before their parents: a
+        process whose exit orphans a process group that holds a stopped process makes the kernel send
+        that group SIGHUP and SIGCONT, which woke a stopped srun of the batch step, and srun aborted
+        its step on the other nodes (seen on the lab) where a dead machine's srun sends nothing.
+        Returns how many processes were killed.
         """
         killed = 0
         # Again while something is found: a stepd may have forked a task during the first scan.
@@ -239,7 +251,7 @@ class SlurmLab:
             if not procs:
                 break
             for sig in (signal.SIGSTOP, signal.SIGKILL):
-                for proc in procs:
+                for proc in sorted(procs, key=_depth, reverse=True):
                     with contextlib.suppress(psutil.NoSuchProcess):
                         proc.send_signal(sig)
             if left := _wait_gone(procs, timeout):

@@ -51,7 +51,7 @@ def until(what: str, check: Callable[[], Any], timeout: float = IO_TIMEOUT_S) ->
 
 class Backend:
     def __init__(self, tmp_path: Path) -> None:
-        self.events = tmp_path / "events.jsonl"
+        self.job_dir, self.events = tmp_path, tmp_path / "events.jsonl"
         self.secret = create_secret(tmp_path)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.log = EventLog(self.events)
@@ -141,16 +141,17 @@ def test_a_running_nodes_agent_going_away_is_agent_lost(backend: Backend) -> Non
 
 class AgentsSideOfCheck(threading.Thread):
     """The agent's side of a health check (agent.py runs it as a process): the real collective with the
-    supervisor, in a thread; `code` is the check's exit code."""
+    supervisor, on the store signed with the job folder's secret, in a thread; `code` is the check's exit
+    code."""
 
-    def __init__(self, check: Health) -> None:
+    def __init__(self, check: Health, job_dir: Path) -> None:
         super().__init__()
-        self.check, self.code = check, None
+        self.check, self.job_dir, self.code = check, job_dir, None
         self.start()
 
     def run(self) -> None:
         c = self.check
-        self.code = health.main([c.host, str(c.port), c.prefix, str(c.timeout)])
+        self.code = health.main([c.host, str(c.port), c.prefix, str(c.timeout), str(self.job_dir)])
 
 
 def test_a_spare_joins_through_a_real_health_check(backend: Backend) -> None:
@@ -160,7 +161,7 @@ def test_a_spare_joins_through_a_real_health_check(backend: Backend) -> None:
     assert backend.state("node3") is NodeState.HEALTH_CHECK
     check = parse(agent.recv())
     assert isinstance(check, Health)
-    peer = AgentsSideOfCheck(check)
+    peer = AgentsSideOfCheck(check, backend.job_dir)
     peer.join(IO_TIMEOUT_S)
     agent.send(HealthResult(node="node3", prefix=check.prefix, ok=peer.code == 0, seconds=0.1).to_dict())
     assert parse(agent.recv()) == Start(node_id="node3", workers=2, threads=3, device="cpu")
@@ -177,7 +178,7 @@ def test_a_stopped_check_is_abandoned_and_a_failed_one_fails_the_join(backend: B
     backend.nodes.start("node3")
     first = parse(agent.recv())
     assert isinstance(first, Health)
-    first_peer = AgentsSideOfCheck(first)
+    first_peer = AgentsSideOfCheck(first, backend.job_dir)
     backend.nodes.stop(["node3"])  # a checkpoint fallback, say
     assert parse(agent.recv()) == Stop() and backend.state("node3") is NodeState.IDLE
     backend.nodes.start("node3")
@@ -188,7 +189,7 @@ def test_a_stopped_check_is_abandoned_and_a_failed_one_fails_the_join(backend: B
     agent.send(HealthResult(node="node3", prefix=first.prefix, ok=True, seconds=0.1).to_dict())
     until("the first check's end", lambda: backend.kinds("health_check"))
     assert backend.state("node3") is NodeState.HEALTH_CHECK
-    second_peer = AgentsSideOfCheck(second)
+    second_peer = AgentsSideOfCheck(second, backend.job_dir)
     second_peer.join(IO_TIMEOUT_S)
     agent.send(HealthResult(node="node3", prefix=second.prefix, ok=False, seconds=0.1, detail="no GPU").to_dict())
     (loss,) = until("the failed join", backend.nodes.exited).values()
