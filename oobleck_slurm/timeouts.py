@@ -99,6 +99,9 @@ class JobTimeouts:
     # A warm server that died takes its workers with it (PR_SET_PDEATHSIG): their ends are reported once
     # their pids are gone, at most this long after (a SIGKILL takes milliseconds).
     warm_orphan_wait: float = 5.0
+    # A worker leaving a generation stops its reader thread (engine/prefetch.py) and waits this long for
+    # the read it is in (one step's samples: milliseconds); past it the daemon thread ends on its own.
+    prefetch_stop: float = 1.0
     # Under Slurm with supervisor failover, the training nodes are one-node jobs the supervisor submits
     # when it starts (docs/failover.md): how long they may wait in the queue before the job gives up.
     node_jobs_timeout: float = 600.0
@@ -150,9 +153,6 @@ class JobTimeouts:
     abort_poll: float = 0.01
     # A FailureWatch thread re-issues its blocking store wait this often, on a fresh connection.
     watch_renew: float = 300.0
-    # NCCL work is polled this often: a step's p2p waits are short.
-    nccl_poll: float = 0.0005
-    # A group's warm-up operation is polled this often: it completes in microseconds.
     # A read or wait on the job's store that met a refused value (forged, or unsigned: protocol/signed_store.py)
     # reads the key again this often until the writer's valid value replaces it: only under attack.
     forged_value_poll: float = 0.05
@@ -160,6 +160,9 @@ class JobTimeouts:
     # a process without the job secret): one request whose answer grows with the keys (tens of kB per
     # thousand), so not every store_poll; bounds how late such a write is reported.
     store_sweep_poll: float = 10.0
+    # NCCL work is polled this often: a step's p2p waits are short.
+    nccl_poll: float = 0.0005
+    # A group's warm-up operation is polled this often: it completes in microseconds.
     warm_up_poll: float = 0.001
     # The batch step's main thread waits on the supervisor thread in slices: signals arrive between them.
     join_poll: float = 0.2

@@ -22,6 +22,7 @@ from oobleck_slurm.engine.layer_optim import (
 )
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.spec import JobSpec
+from oobleck_slurm.models.documents import Documents, run_layer
 
 _TRAINED: dict[str, tuple[list[float], dict[str, dict[str, torch.Tensor]], dict[int, float]]] = {}
 
@@ -65,6 +66,14 @@ def reference_evals(job: JobSpec) -> dict[int, float]:
     return dict(_TRAINED[_trajectory_key(job, job.train.steps)][2])
 
 
+def _documents(job: JobSpec, tokens: torch.Tensor) -> Documents | None:
+    """The batch's documents when the job masks them (data.document_mask), else None."""
+    if not job.data.document_mask:
+        return None
+    assert job.data.eos_id is not None, "a job spec with document masking and no eos id (prepare_data sets it)"
+    return Documents.of(tokens, job.data.eos_id)
+
+
 def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, torch.Tensor]], dict[int, float]]:
     t = job.train
     layers = [layer.to(t.param_dtype) for layer in job.model.build(t.seed, 0, job.model.num_layers)]
@@ -81,9 +90,9 @@ def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, t
         # losses the batch's mean loss, and the sum of their 1/M-scaled gradients its gradient. An
         # independent check of the engine's accumulation, and 1.3x faster than looping over them.
         x, y = (torch.cat(parts) for parts in zip(*(batches.microbatch(step, m) for m in range(t.num_microbatches))))
-        h = x
+        h, documents = x, _documents(job, x)
         for layer in layers:
-            h = layer(h)
+            h = run_layer(layer, h, documents)
         loss = job.model.config.loss(h, y)
         loss.backward()
         total_sq = sum(layer_sq_norm(layer) for layer in layers)
@@ -98,8 +107,9 @@ def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, t
         if validation is not None and (done % t.eval_interval == 0 or done == t.steps):
             with torch.no_grad():
                 h, y = validation.batch(list(range(validation.num_samples)))
+                documents = _documents(job, h)
                 for layer in layers:
-                    h = layer(h)
+                    h = run_layer(layer, h, documents)
                 evals[done] = float(job.model.config.loss(h, y))
     keys = job.model.keys()
     params = {keys[i]: {n: p.detach().clone() for n, p in layer.named_parameters()}

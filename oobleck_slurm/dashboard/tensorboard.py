@@ -3,7 +3,8 @@
 TensorBoard, or any tool that reads its files (Weights & Biases' `sync_tensorboard`), then shows:
 
     train/loss, train/lr, train/grad_norm,        by step (a step replayed after a recovery is written
-    train/samples_per_s, train/step_seconds       again, with the same loss: recovery is exact)
+    train/samples_per_s, train/step_seconds,      again, with the same loss: recovery is exact)
+    train/data_seconds                            (the step's wait for its samples: `data_s`)
     eval/loss                                     by step
     recovery/seconds, recovery/nodes_lost         at the step training resumed from
     cluster/ranks, cluster/pipelines              at the step each plan took effect
@@ -25,7 +26,8 @@ from oobleck_slurm.protocol.events import EventTail
 
 OFFSET_FILE = "events.offset"  # bytes of events.jsonl already exported
 STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-                "samples_per_s": "train/samples_per_s", "seconds": "train/step_seconds"}
+                "samples_per_s": "train/samples_per_s", "seconds": "train/step_seconds",
+                "data_s": "train/data_seconds"}
 
 
 class TensorBoardUnavailable(BadInputError):

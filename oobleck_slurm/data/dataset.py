@@ -9,6 +9,9 @@ no window spans two streams.
 A stream is anything with `num_tokens` and `tokens(start, count)`: today's flat token file
 (`FlatTokens` over a `TokenFile`) or a shard of a prepared set (`oobleck_slurm.data.indexed`, where
 installed). `open_source(path)` opens either; `source_identity` says what a checkpoint records of it.
+
+Every dataset is a `Samples`: it writes the windows of given samples into a buffer the caller owns
+(`read_windows`), so the engine's reader thread fills pinned memory directly (engine/worker.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from oobleck_slurm.data.tokenizers import BYTE, BYTE_EOS
 from oobleck_slurm.data.tokens import TokenFile, TokenFileError
 
 EDGE_BYTES = 1 << 20  # a flat file's identity hashes its first and last MiB, not the whole file
@@ -38,11 +42,13 @@ class TokenStream(Protocol):
 
 @dataclass(frozen=True)
 class OpenedSource:
-    """One source's streams, its vocabulary where known, and what identifies it (`identity`)."""
+    """One source's streams, its vocabulary where known, what identifies it (`identity`), and the id
+    that ends each of its documents where known (document masking)."""
 
     streams: list[TokenStream]
     vocab_size: int | None
     identity: dict[str, Any]
+    eos_id: int | None = None
 
 
 class FlatTokens:
@@ -71,7 +77,34 @@ def flat_identity(tf: TokenFile) -> dict[str, Any]:
             "source_sha256": tf.meta.source_sha256, "edges_sha256": h.hexdigest(), "mtime_ns": st.st_mtime_ns}
 
 
-class TokenDataset:
+class Samples:
+    """Samples of `seq_len + 1` tokens (x: the first seq_len, y: the last seq_len), numbered 0 ..
+    num_samples - 1. A subclass writes windows into a caller's buffer (`read_windows`); `windows`
+    and `batch` are built on it once for all."""
+
+    num_samples: int
+    seq_len: int
+
+    def read_windows(self, sample_ids: np.ndarray, out: np.ndarray) -> None:
+        """Write the windows of `sample_ids` (int64) into the rows of `out` (int64, (n, seq_len + 1))."""
+        raise NotImplementedError
+
+    def windows(self, sample_ids: np.ndarray | list[int], pin: bool = False) -> torch.Tensor:
+        """The windows of `sample_ids`, int64 (n, seq_len + 1); in pinned memory with `pin` (CUDA only),
+        so that its copy to a GPU can be asynchronous."""
+        ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+        out = torch.empty((len(ids), self.seq_len + 1), dtype=torch.int64, pin_memory=pin)
+        if len(ids):
+            self.read_windows(ids, out.numpy())
+        return out
+
+    def batch(self, sample_ids: np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y), each int64 of shape (len(sample_ids), seq_len)."""
+        t = self.windows(sample_ids)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+class TokenDataset(Samples):
     """The samples of one or more token streams (or `TokenFile`s) for sequences of `seq_len` tokens."""
 
     def __init__(self, streams: TokenFile | TokenStream | Sequence[TokenFile | TokenStream], seq_len: int) -> None:
@@ -95,22 +128,16 @@ class TokenDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    def window(self, sample_id: int) -> np.ndarray:
-        """The seq_len + 1 tokens of sample `sample_id`."""
-        if not 0 <= sample_id < self.num_samples:
-            raise IndexError(f"sample {sample_id} outside [0, {self.num_samples})")
-        k = int(np.searchsorted(self._starts, sample_id, side="right")) - 1
-        start = (sample_id - int(self._starts[k])) * self.seq_len
-        return self.streams[k].tokens(start, self.seq_len + 1)
-
-    def batch(self, sample_ids: np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y), each int64 of shape (len(sample_ids), seq_len)."""
-        ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
-        windows = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
-        for row, sid in enumerate(ids):
-            windows[row] = self.window(int(sid))
-        t = torch.from_numpy(windows)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    def read_windows(self, sample_ids: np.ndarray, out: np.ndarray) -> None:
+        # the streams of all samples in one search; then one slice copy per sample (no index array
+        # of n * (seq_len + 1) entries)
+        bad = (sample_ids < 0) | (sample_ids >= self.num_samples)
+        if bad.any():
+            raise IndexError(f"sample {int(sample_ids[bad][0])} outside [0, {self.num_samples})")
+        streams = np.searchsorted(self._starts, sample_ids, side="right") - 1
+        starts = (sample_ids - self._starts[streams]) * self.seq_len
+        for row, (k, start) in enumerate(zip(streams.tolist(), starts.tolist())):
+            out[row] = self.streams[k].tokens(start, self.seq_len + 1)
 
 
 def _name(stream: TokenStream) -> str:
@@ -148,7 +175,8 @@ def open_source(path: str) -> OpenedSource:
         if not len(data):
             raise TokenFileError(f"{path}: no shards in this prepared set")
         return OpenedSource(list(data), data.vocab_size, {"prepared_sha256": data.identity(),
-                                                           "num_tokens": data.num_tokens, "shards": len(data)})
+                                                           "num_tokens": data.num_tokens, "shards": len(data)},
+                            data.eos_id)
     if _has_glob(path) or os.path.isdir(path):
         pattern = os.path.join(path, "*.bin") if os.path.isdir(path) else path
         files = sorted(m for m in glob.glob(pattern) if not m.endswith(".json"))
@@ -157,5 +185,7 @@ def open_source(path: str) -> OpenedSource:
     else:
         files = [path]
     opened = [TokenFile(f) for f in files]
+    # a flat file's sidecar records no eos; the byte tokenizer's is fixed (a NUL in the text ends a document)
+    eos = BYTE_EOS if all(tf.meta.tokenizer == BYTE for tf in opened) else None
     return OpenedSource([FlatTokens(tf) for tf in opened], max(tf.meta.vocab_size for tf in opened),
-                        {"files": [flat_identity(tf) for tf in opened]})
+                        {"files": [flat_identity(tf) for tf in opened]}, eos)

@@ -56,7 +56,7 @@ from oobleck_slurm.data.indexed import (
     sha256_of,
 )
 from oobleck_slurm.data.indexed import paths as index_paths
-from oobleck_slurm.data.tokenizers import BYTE, ByteTokenizer, Tokenizer, is_hf_spec, load_tokenizer
+from oobleck_slurm.data.tokenizers import BYTE, BYTE_EOS, ByteTokenizer, Tokenizer, is_hf_spec, load_tokenizer
 from oobleck_slurm.data.tokens import (
     TokenFile,
     TokenFileError,
@@ -351,7 +351,6 @@ def prepared(
 DEFAULT_SHARD_BYTES = 256 << 20  # input bytes per shard: the unit of parallelism and of resumption
 PIECE_CHARS = 64 << 10  # a document is tokenized in pieces of at most this many characters
 BATCH_CHARS = 1 << 20  # pieces (of one or many documents) are encoded together up to this many characters
-BYTE_EOS = 0  # the byte tokenizer's end of document: NUL, so the vocabulary stays 256 (see docs/data.md)
 # Tokens a tokenizer.json without a tokenizer_config.json most likely means by "end of document".
 KNOWN_EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 PLAN_FORMAT = "oobleck-slurm-prepare-plan"

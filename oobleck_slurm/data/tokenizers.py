@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 from oobleck_slurm.errors import BadInputError
 
 BYTE = "byte"
+BYTE_EOS = 0  # the byte tokenizer's end of document: NUL, so the vocabulary stays 256 (see docs/data.md)
 
 
 class TokenizerError(BadInputError, ValueError):

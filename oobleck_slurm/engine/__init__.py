@@ -10,6 +10,8 @@ Runtime:
     stage       a stage's forward/backward over its layers, one layer boundary at a time
     transfer    moving a layer's parameters and optimizer state between ranks (plan changes)
     worker      Worker: one process's training loop with explicit, rebuildable state
+    batches     a job's data in a worker: the samples of each step, `Reads` (what a rank reads)
+    prefetch    Prefetcher: the next step's reads in a thread, used only for the key they were made for
     abort       abortable generations: waits that leave as soon as the coordinator fails a generation
     recovery    step undo (an optimizer step everywhere or nowhere)
     from_recipe the recipe's tokens and JobSpec; from_planner: the planner's Plan as an ExecPlan

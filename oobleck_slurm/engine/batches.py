@@ -4,7 +4,8 @@ Which samples a step trains on comes from `GlobalBatchSampler` (by step, seed, d
 origin only); a pipeline takes its contiguous microbatch slice of them. So a plan change never changes
 the data. The data is one source (`DataSpec.path`) or several (`DataSpec.sources`, mixed by weight);
 validation holds the last samples of each source out of training, apportioned by weight, so it never
-shifts the order training draws the remaining samples in.
+shifts the order training draws the remaining samples in. A rank reads only its own slices of its
+microbatches (`Reads`, `StepBatches.read`), a step ahead (engine/prefetch.py).
 
 `prepare_data(spec, checkpoint_root)` is the supervisor's part: the data's identity, checked against
 the checkpoint a job resumes from (DataChangedError naming what changed), the stream's origin at that
@@ -13,73 +14,65 @@ checkpoint (a changed global batch resumes there with no gap and no repeat), and
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Protocol
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
 
-from oobleck_slurm.data.dataset import TokenDataset, open_source
+from oobleck_slurm.data.dataset import Samples, TokenDataset, open_source
 from oobleck_slurm.data.mixture import apportion
 from oobleck_slurm.data.sampler import SAMPLER_VERSION, GlobalBatchSampler
 from oobleck_slurm.engine.checkpoint import DataChangedError, identity_changes, latest_complete, read_data_record
+from oobleck_slurm.engine.layout import Role, pass_slices
 from oobleck_slurm.engine.spec import DataSpec, JobSpec
 from oobleck_slurm.errors import BadInputError
 
 
-class Dataset(Protocol):
-    num_samples: int
-
-    def batch(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class RandomTokens:
+class RandomTokens(Samples):
     """`num_samples` uniformly random token sequences from `seed`: same (x, y) layout as TokenDataset."""
 
     def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        self.num_samples = num_samples
-        self._tokens = torch.from_numpy(rng.integers(0, vocab_size, (num_samples, seq_len + 1)))
+        self.num_samples, self.seq_len = num_samples, seq_len
+        self._tokens = rng.integers(0, vocab_size, (num_samples, seq_len + 1))
 
-    def batch(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self._tokens[torch.as_tensor(np.asarray(sample_ids, dtype=np.int64))]
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    def read_windows(self, sample_ids: np.ndarray, out: np.ndarray) -> None:
+        np.take(self._tokens, sample_ids, axis=0, out=out)
 
 
-class SampleRange:
+class SampleRange(Samples):
     """Samples [start, stop) of another dataset, numbered from 0."""
 
-    def __init__(self, dataset: Dataset, start: int, stop: int) -> None:
+    def __init__(self, dataset: Samples, start: int, stop: int) -> None:
         self.dataset, self.start, self.num_samples = dataset, start, stop - start
+        self.seq_len = dataset.seq_len
 
-    def batch(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dataset.batch(np.asarray(sample_ids, dtype=np.int64) + self.start)
+    def read_windows(self, sample_ids: np.ndarray, out: np.ndarray) -> None:
+        self.dataset.read_windows(sample_ids + self.start, out)
 
 
-class Sources:
+class Sources(Samples):
     """Several datasets numbered back to back, each with its weight in the mix (None: by size)."""
 
-    def __init__(self, parts: list[Dataset], weights: list[float] | None) -> None:
+    def __init__(self, parts: list[Samples], weights: list[float] | None) -> None:
         self.parts, self.weights = parts, weights
         self.sizes = [p.num_samples for p in parts]
         self.num_samples = sum(self.sizes)
+        self.seq_len = parts[0].seq_len if parts else 0
         self._starts = np.cumsum([0, *self.sizes]).astype(np.int64)
 
-    def batch(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+    def read_windows(self, sample_ids: np.ndarray, out: np.ndarray) -> None:
         if len(self.parts) == 1:
-            return self.parts[0].batch(ids)
-        part = np.searchsorted(self._starts, ids, side="right") - 1
-        out: tuple[torch.Tensor, torch.Tensor] | None = None
+            self.parts[0].read_windows(sample_ids, out)
+            return
+        part = np.searchsorted(self._starts, sample_ids, side="right") - 1
         for j in np.unique(part).tolist():  # one read per source, then back in the step's order
             at = np.flatnonzero(part == j)
-            x, y = self.parts[j].batch(ids[at] - self._starts[j])
-            if out is None:
-                out = (x.new_empty((len(ids), *x.shape[1:])), y.new_empty((len(ids), *y.shape[1:])))
-            rows = torch.from_numpy(at)
-            out[0][rows], out[1][rows] = x, y
-        assert out is not None, "a batch of no samples"
-        return out
+            rows = np.empty((len(at), out.shape[1]), dtype=out.dtype)
+            self.parts[j].read_windows(sample_ids[at] - self._starts[j], rows)
+            out[at] = rows
 
 
 def source_paths(spec: DataSpec) -> list[tuple[str, float]]:
@@ -116,7 +109,7 @@ def _holdouts(spec: DataSpec, sizes: list[int]) -> list[int]:
     return apportion(weights, spec.holdout, at_least_one=False)
 
 
-def _all_sources(spec: DataSpec, seq_len: int, vocab_size: int) -> list[Dataset]:
+def _all_sources(spec: DataSpec, seq_len: int, vocab_size: int) -> list[Samples]:
     if spec.kind == "random":
         return [RandomTokens(spec.num_samples, seq_len, vocab_size, spec.seed)]
     return [_open_source(p, seq_len, vocab_size) for p, _ in source_paths(spec)]
@@ -131,11 +124,11 @@ def open_dataset(spec: DataSpec, seq_len: int, vocab_size: int) -> Sources:
         if h and part.num_samples <= h:
             raise ValueError(f"data: {path} has {part.num_samples} samples of seq_len {seq_len}; holding {h} "
                              f"out for validation (training.eval_samples) leaves none to train on")
-    kept: list[Dataset] = [SampleRange(p, 0, p.num_samples - h) if h else p for p, h in zip(parts, held)]
+    kept: list[Samples] = [SampleRange(p, 0, p.num_samples - h) if h else p for p, h in zip(parts, held)]
     return Sources(kept, _weights(spec, sizes))
 
 
-def open_validation(spec: DataSpec, seq_len: int, vocab_size: int, samples: int) -> Dataset:
+def open_validation(spec: DataSpec, seq_len: int, vocab_size: int, samples: int) -> Samples:
     """The first `samples` validation samples: of `spec.validation`, or those held out of training
     (each source's held-out tail, the sources in order)."""
     if spec.validation is not None:
@@ -148,15 +141,33 @@ def open_validation(spec: DataSpec, seq_len: int, vocab_size: int, samples: int)
         raise ValueError(f"data: {spec.holdout} samples held out for validation, {samples} asked for")
     parts = _all_sources(spec, seq_len, vocab_size)
     held = _holdouts(spec, [p.num_samples for p in parts])
-    tails: list[Dataset] = [SampleRange(p, p.num_samples - h, p.num_samples) for p, h in zip(parts, held) if h]
+    tails: list[Samples] = [SampleRange(p, p.num_samples - h, p.num_samples) for p, h in zip(parts, held) if h]
     return SampleRange(Sources(tails, None), 0, samples)
 
 
-def sampler_for(dataset: Dataset, global_batch_size: int, seed: int,
+def sampler_for(dataset: Samples, global_batch_size: int, seed: int,
                 origin: tuple[int, int] = (0, 0)) -> GlobalBatchSampler:
     """The sampler of a dataset `open_dataset` returned (or any dataset: one source)."""
     sizes = getattr(dataset, "sizes", None) or dataset.num_samples
     return GlobalBatchSampler(sizes, global_batch_size, seed, getattr(dataset, "weights", None), origin)
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What one rank reads for one step, and what a read made ahead of time is known by: the step, the
+    plan it was made for (`plan`: its identity; a read made for another plan is never used, even if its
+    microbatches coincide) and, per pass of the rank's stage, the (microbatch of the step, first sample,
+    end) slices it computes (layout.pass_slices, the microbatches numbered in the whole step)."""
+
+    step: int
+    plan: Hashable
+    passes: tuple[tuple[tuple[int, int, int], ...], ...]
+
+    @staticmethod
+    def of(step: int, plan: Hashable, role: Role, microbatch_size: int) -> Reads:
+        """What `role` of `plan` reads for `step`: its stage's passes (layout.pass_slices)."""
+        passes = pass_slices(microbatch_size, role.width, role.index, role.mb_count)
+        return Reads(step, plan, tuple(tuple((role.mb_start + m, lo, hi) for m, lo, hi in p) for p in passes))
 
 
 class StepBatches:
@@ -165,7 +176,7 @@ class StepBatches:
     `origin`: the stream's (step, samples consumed) where the job resumed (DataSpec.origin);
     `identity`: the data's identity (DataSpec.identity), which `record` adds to each checkpoint."""
 
-    def __init__(self, dataset: Dataset, global_batch_size: int, microbatch_size: int, seed: int,
+    def __init__(self, dataset: Samples, global_batch_size: int, microbatch_size: int, seed: int,
                  origin: tuple[int, int] | list[int] = (0, 0), identity: dict[str, Any] | None = None) -> None:
         self.dataset = dataset
         self.microbatch_size = microbatch_size
@@ -174,14 +185,26 @@ class StepBatches:
         self._ids: tuple[int, np.ndarray] | None = None  # the last step's ids: each is asked per microbatch
 
     def step_ids(self, step: int) -> np.ndarray:
-        if self._ids is None or self._ids[0] != step:
-            self._ids = (step, self.sampler.sample_ids(step))
-        return self._ids[1]
+        # one read of the cache: the worker's reader thread asks for the next step meanwhile
+        cached = self._ids
+        if cached is None or cached[0] != step:
+            cached = (step, self.sampler.sample_ids(step))
+            self._ids = cached
+        return cached[1]
 
     def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self.step_ids(step)
         b = self.microbatch_size
         return self.dataset.batch(ids[index * b : (index + 1) * b])
+
+    def read(self, reads: Reads, pin: bool = False) -> list[torch.Tensor]:
+        """The windows (int64, (samples, seq_len + 1)) of each pass of `reads`: only its slices' samples,
+        in their order, each pass in one buffer (pinned with `pin`)."""
+        ids = self.step_ids(reads.step)
+        b = self.microbatch_size
+        return [self.dataset.windows(np.concatenate([ids[m * b + lo : m * b + hi] for m, lo, hi in slices])
+                                     if slices else np.empty(0, dtype=np.int64), pin)
+                for slices in reads.passes]
 
     def record(self, step: int) -> dict[str, Any]:
         """What a checkpoint of `step` records of the data (engine/checkpoint.py DATA_FILE)."""
@@ -203,11 +226,34 @@ def data_identity(spec: DataSpec, seq_len: int, global_batch_size: int, seed: in
             "holdout": spec.holdout, "seed": seed, "sources": sources}
 
 
+def document_eos(spec: DataSpec) -> int:
+    """The id that ends a document, for document masking: `data.eos_id`, which every source (and the
+    validation file) that records its own must share, else the one they all record. BadInputError when
+    it is unknown or they disagree: the wrong id would mask nothing, or cut documents anywhere."""
+    paths = [p for p, _ in source_paths(spec)] if spec.kind == "tokens" else []
+    found = {p: open_source(p).eos_id for p in paths + ([spec.validation] if spec.validation else [])}
+    if spec.eos_id is not None:
+        for path, eos in found.items():
+            if eos is not None and eos != spec.eos_id:
+                raise BadInputError(f"data.eos_id is {spec.eos_id}, but {path} ends its documents with {eos}")
+        return spec.eos_id
+    unknown = [p for p, eos in found.items() if eos is None] or ([] if found else ["the random data"])
+    if unknown:
+        raise BadInputError(f"data.document_mask: {unknown[0]} does not record which token ends a document (only "
+                            f"`prepare`'s folders and byte-level token files do): give data.eos_id")
+    ids = {eos for eos in found.values() if eos is not None}
+    if len(ids) > 1:
+        raise BadInputError("data.document_mask: the sources end their documents with different ids ("
+                            + ", ".join(f"{p}: {eos}" for p, eos in found.items()) + "): prepare them alike")
+    return ids.pop()
+
+
 def prepare_data(job: JobSpec, checkpoint_root: str | None) -> DataSpec:
     """The job's DataSpec with its identity and the stream's origin: (0, 0), or the (step, consumed
     samples) of the last complete checkpoint under `checkpoint_root`, whose data must be this data
-    (DataChangedError naming what changed). Refuses (BadInputError) a run whose steps would take more
-    passes over a source than `data.epochs` allows."""
+    (DataChangedError naming what changed); with document masking, the end-of-document id
+    (`document_eos`). Refuses (BadInputError) a run whose steps would take more passes over a source
+    than `data.epochs` allows."""
     spec, t = job.data, job.train
     identity = data_identity(spec, job.model.seq_len, t.global_batch_size, t.seed)
     origin = (0, 0)
@@ -233,4 +279,5 @@ def prepare_data(job: JobSpec, checkpoint_root: str | None) -> DataSpec:
                     f"data.epochs: the job's {t.steps} steps of {t.global_batch_size} samples make {passes} passes "
                     f"over {path} ({n} training samples), data.epochs allows {spec.epochs}: raise data.epochs, "
                     f"add data or lower training.steps")
-    return replace(spec, identity=identity, origin=origin)
+    eos_id = document_eos(spec) if spec.document_mask else spec.eos_id
+    return replace(spec, identity=identity, origin=origin, eos_id=eos_id)

@@ -322,6 +322,14 @@ class ElasticWorker:
         received = w.adopt(plan, gen, cfg.source, list(cfg.transfers), (ckpt.root, ckpt.step) if ckpt else None)
         t2 = time.perf_counter()
         records.put(self.store, Rebuilt(groups_s=t1 - t0, copy_s=t2 - t1, bytes=received, t=time.time()), g, self.name)
+        try:
+            self._train(g, gen)
+        finally:  # leaving the generation (done, failed or aborted): its reader thread stops with it
+            w.stop_reads(self.timeouts.prefetch_stop)
+
+    def _train(self, g: int, gen: AbortableGeneration) -> None:
+        """Generation g's steps, from the worker's step on; then the final checkpoint."""
+        w = self.worker
         gen.align()
         if g > 0 and self._eval_due(w.step):  # the failure may have cut it short (else it is repeated)
             self._evaluate(g)

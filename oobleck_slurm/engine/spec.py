@@ -81,6 +81,13 @@ class DataSpec:
     epochs: int = 0  # the most passes over any source the job's steps may make; 0: no limit
     origin: tuple[int, int] = (0, 0)  # (step, samples consumed) where the sample stream resumed
     identity: dict[str, Any] | None = None  # what checkpoints record of the data (batches.data_identity)
+    # A worker reads the next step's samples while a step trains (engine/prefetch.py); off: each step
+    # reads its own at its start (the same samples, on the training loop's time: `data_s`)
+    prefetch: bool = True
+    # Document masking (models/documents.py): attention within each document, positions restarting at
+    # each; `eos_id` ends a document (given, or found in the data by engine.batches.prepare_data).
+    document_mask: bool = False
+    eos_id: int | None = None
 
     def __post_init__(self) -> None:
         # JSON gives lists back: tuples again, so that a spec equals its own round trip
@@ -92,6 +99,8 @@ class DataSpec:
             raise ValueError("data: kind 'tokens' needs a path to a prepared token file, or sources")
         if self.kind == "random" and self.num_samples < 1:
             raise ValueError(f"data: kind 'random' needs num_samples >= 1, got {self.num_samples}")
+        if self.eos_id is not None and self.eos_id < 0:
+            raise ValueError(f"data: eos_id must be >= 0, got {self.eos_id}")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from oobleck_slurm.engine.shard import StageParams
+from oobleck_slurm.models.documents import Documents, run_layer
 
 
 class Stage:
@@ -49,9 +50,10 @@ class Stage:
         return contextlib.nullcontext()
 
     def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None,
-                loss_scale: float = 1.0, split: bool = True) -> torch.Tensor:
+                loss_scale: float = 1.0, split: bool = True, documents: Documents | None = None) -> torch.Tensor:
         """The stage's output for microbatch `mb` (detached), or on the last stage its scaled loss.
-        `split`: layer by layer, so that backward can report each layer as it completes."""
+        `split`: layer by layer, so that backward can report each layer as it completes. `documents`:
+        the microbatch's document structure, given to every layer (document masking)."""
         saved = []
         h = x
         split = split or self.params is not None
@@ -61,10 +63,10 @@ class Stage:
                     self.params.before(index, 1)
                 if split or index == 0:
                     inp = h.detach().requires_grad_(h.is_floating_point())
-                    h = self._run(layer, inp)
+                    h = self._run(layer, inp, documents)
                     saved.append((inp, h))
                 else:
-                    h = self._run(layer, h)
+                    h = self._run(layer, h, documents)
                     saved[-1] = (saved[-1][0], h)
                 if self.params is not None:
                     self.params.after(index, 1)
@@ -78,10 +80,11 @@ class Stage:
         # autocast a block may return bf16; its backward casts the incoming gradient back.
         return h.detach() if self.is_last else h.detach().to(self.boundary_dtype)
 
-    def _run(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, layer: nn.Module, x: torch.Tensor, documents: Documents | None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(layer, x, use_reentrant=False)
-        return layer(x)
+            # the recomputation in the backward runs with the same documents (kept with the inputs)
+            return checkpoint(run_layer, layer, x, documents, use_reentrant=False)
+        return run_layer(layer, x, documents)
 
     def backward(self, mb: int, grad_out: torch.Tensor | None,
                  on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:

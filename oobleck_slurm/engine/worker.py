@@ -25,18 +25,19 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from oobleck_slurm.engine.batches import StepBatches, open_dataset, open_validation
+from oobleck_slurm.engine.batches import Reads, StepBatches, open_dataset, open_validation
 from oobleck_slurm.engine.checkpoint import layer_payload, load_layer
 from oobleck_slurm.engine.comm import SCATTER_BY_ALLREDUCE, Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
-from oobleck_slurm.engine.layout import ExecPlan, Role, Slice, edge_pieces, pass_slices, reduce_pieces, sample_range
+from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, pass_slices, reduce_pieces, sample_range
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.nccl_order import P2POp
+from oobleck_slurm.engine.prefetch import Prefetcher
 from oobleck_slurm.engine.schedule import one_f_one_b
 from oobleck_slurm.engine.shard import (
     MOMENTS,
@@ -56,9 +57,11 @@ from oobleck_slurm.engine.shard import (
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
+from oobleck_slurm.models.documents import Documents, run_layer
 from oobleck_slurm.optim.came_sharded import ShardedCAME
 from oobleck_slurm.planning.cost import stage_fold
 from oobleck_slurm.protocol.records import StepResult
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
 
 
 def attach_grad_buffer(layer: nn.Module) -> torch.Tensor:
@@ -164,6 +167,9 @@ def check_supported(job: JobSpec) -> None:
             "time and the embedding and the head may sit on different stages, so one shared weight "
             "would need its own gradient all-reduce; use tie_embeddings=False (the default)"
         )
+    if job.data.document_mask and not job.model.config.supports_document_mask:
+        raise NotImplementedError(f"data.document_mask: the {job.model.config.family} family's layers take one "
+                                  f"tensor, not a microbatch's documents (models/documents.py): gpt and llama do")
 
 
 class Worker:
@@ -192,6 +198,41 @@ class Worker:
                                    origin=job.data.origin, identity=job.data.identity)
         self.validation = (open_validation(job.data, job.model.seq_len, job.model.vocab_size, t.eval_samples)
                            if t.eval_interval else None)
+        self.reads = self._new_reads()
+        # document masking: every stage reads its rows' token ids (engine.batches.prepare_data resolved the eos)
+        if job.data.document_mask and job.data.eos_id is None:
+            raise ValueError("data.document_mask needs the end-of-document id (DataSpec.eos_id): "
+                             "engine.batches.prepare_data finds it in the data")
+        self.eos_id = job.data.eos_id if job.data.document_mask else None
+
+    def _documents(self, tokens: torch.Tensor) -> Documents | None:
+        """The document structure of input rows `tokens` (document masking), else None."""
+        return None if self.eos_id is None else Documents.of(tokens, self.eos_id)
+
+    # ---- reading the samples ------------------------------------------------------------------
+
+    def _new_reads(self) -> Prefetcher[Reads, list[torch.Tensor]]:
+        # pinned buffers on a GPU: their non-blocking copy is a DMA in stream order, and the loop goes on
+        # at once (a blocking copy waits for every kernel queued before it: the pipeline's work so far)
+        pin = self.device.type == "cuda"
+        setup = (lambda: torch.cuda.set_device(self.device)) if pin else None  # no context on another GPU
+        return Prefetcher(lambda reads: self.batches.read(reads, pin), f"reads-{self.rank}", setup)
+
+    def stop_reads(self, wait: float = DEFAULT_TIMEOUTS.prefetch_stop) -> None:
+        """End the reader thread and drop what it read ahead (leaving a generation, or a plan change)."""
+        self.reads.stop(wait)
+        self.reads = self._new_reads()
+
+    def _step_windows(self, role: Role) -> tuple[list[torch.Tensor], Reads | None]:
+        """This step's samples for this rank, one (samples, seq_len + 1) window tensor per pass, on the
+        device: the first stage uses their first seq_len tokens (inputs), the last their last seq_len
+        (targets), each rank of a wide stage only its slices. Read during the previous step if that
+        read was made for this step, plan and slices, else now. Also the next step's reads, to start
+        (None: reading ahead is off, or this is the last step)."""
+        reads = Reads.of(self.step, self.plan, role, self.job.train.microbatch_size)
+        windows = [w.to(self.device, non_blocking=True) for w in self.reads.take(reads)]
+        ahead = self.job.data.prefetch and self.step + 1 < self.job.train.steps
+        return windows, replace(reads, step=self.step + 1) if ahead else None
 
     # ---- plan changes -------------------------------------------------------------------------
 
@@ -256,6 +297,7 @@ class Worker:
         needed = set(role.layers) if role else set()
         received = 0
         self.pending = None  # a plan change starts at a step boundary (recovery.reach_step ran before)
+        self.stop_reads()  # nothing read ahead for the old plan is used, nor read on
         b = self.job.train.microbatch_size
         if role is not None and stage_fold(b, role.width) > 1 and (role.num_stages > 1 or not role.keep):
             raise ValueError(f"a stage of {role.width} ranks splits each microbatch between them: the microbatch "
@@ -463,17 +505,6 @@ class Worker:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def _samples(self, mb_start: int, slices: list[Slice]) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's tokens and targets of one pass (layout.pass_slices), on the device."""
-        tokens, targets = [], []
-        for m, lo, hi in slices:
-            t, y = self.batches.microbatch(self.step, mb_start + m)
-            tokens.append(t[lo:hi])
-            targets.append(y[lo:hi])
-        # one slice (every stage but a folded one's): a view, no copy before the one to the device
-        join = (lambda parts: parts[0]) if len(slices) == 1 else torch.cat
-        return join(tokens).to(self.device), join(targets).to(self.device)
-
     def _boundary_buffer(self, index: int, samples: int | None = None) -> torch.Tensor:
         """A receive buffer for the tensor entering layer `index` (or its gradient), for `samples`
         samples (default: a whole microbatch)."""
@@ -550,9 +581,21 @@ class Worker:
                 posted.append((gen.send(piece, dst, tag), piece))
             queue.append(posted)
 
+        upcoming: Reads | None = None  # the next step's reads, started when this thread first waits
+
+        def read_ahead() -> None:
+            """Start the next step's reads. The reader's Python holds the GIL while it runs, so it starts
+            when this thread is about to wait (its first receive, else the end of the schedule), not
+            while it launches the schedule's work."""
+            nonlocal upcoming
+            if upcoming is not None:
+                self.reads.ahead(upcoming)
+                upcoming = None
+
         def receive(buf: torch.Tensor, senders: tuple[int, ...], tag: int) -> None:
             works = [gen.recv(buf[lo - my_lo : hi - my_lo], src, tag)
                      for src, _, lo, hi in self._edge(b, senders, role.stage_ranks, sender=False)]  # type: ignore[union-attr]
+            read_ahead()
             for work in works:
                 gen.wait(work)
 
@@ -560,6 +603,7 @@ class Worker:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         clock = ComputeClock(self.device)
         schedule_s = 0.0
+        data_s = 0.0  # how long this step waited for its samples (read ahead: only the hand-over)
 
         scattering: list[BucketWork] = []  # kept stages' reduce-scatters in flight
         gather: StageParams | None = None
@@ -601,6 +645,13 @@ class Worker:
             # reduce behind the last pass this rank computes: a folded stage's last, partial pass may
             # give it no sample, and being kept it then skips that pass (no collective runs per pass)
             last_pass = max((i for i, slices in enumerate(passes) if slices), default=-1)
+            windows: list[torch.Tensor] = []
+            # the stages between read nothing, unless each layer needs its rows' documents: the token ids
+            # are read then, by the same reader and a step ahead, rather than sent along with the hidden states
+            if role.is_first or role.is_last or self.eos_id is not None:
+                t_data = time.perf_counter()
+                windows, upcoming = self._step_windows(role)
+                data_s = time.perf_counter() - t_data
             held = [self.layers[i] for i in role.layers]
             if role.width > 1:
                 if gen.stage is None:
@@ -615,19 +666,18 @@ class Worker:
                 if not samples:
                     continue
                 if op == "F":
-                    y = None
-                    if role.is_first or role.is_last:
-                        tokens, y = self._samples(role.mb_start, passes[m])
+                    y = windows[m][:, 1:].contiguous() if role.is_last else None
                     if role.is_first:
-                        x = tokens
+                        x = windows[m][:, :-1].contiguous()
                     else:
                         x = self._boundary_buffer(role.layers.start, samples)
                         receive(x, role.prev_ranks, 2 * m)
                     # each rank takes the mean over its samples, weighted by their share of a microbatch:
                     # the sum over the stage's ranks is the mean of the pass's microbatches' means
                     scale = samples / b / plan.num_microbatches
+                    documents = self._documents(windows[m][:, :-1]) if self.eos_id is not None else None
                     with clock.span():
-                        out = stage.forward(m, x, y, scale, split=m == last_pass)
+                        out = stage.forward(m, x, y, scale, split=m == last_pass, documents=documents)
                     if role.is_last:
                         loss_sum += out.double()  # on the device: no host sync per microbatch
                     else:
@@ -643,6 +693,7 @@ class Worker:
                         if grad_in is None:
                             raise RuntimeError("a stage after the first returned no input gradient")
                         post_send("grad", grad_in, role.prev_ranks, 2 * m + 1)
+            read_ahead()
             if gather is not None:
                 if last_pass < 0 and role.keep and role.mb_count:
                     # a folded stage's pipeline with fewer microbatches than a pass: the ranks with a
@@ -683,17 +734,20 @@ class Worker:
             self._prepare_stage_updates(gen, role, total_sq)
             self.pending = PendingStep(self.step, total_sq)
 
-        # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time, peak memory.
-        num_p = len(plan.pipelines)
-        metrics = torch.zeros(1 + num_p + 2 * gen.world_size, dtype=torch.float64, device=self.device)
+        # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time, peak memory,
+        # per-rank wait for data.
+        num_p, world = len(plan.pipelines), gen.world_size
+        metrics = torch.zeros(1 + num_p + 3 * world, dtype=torch.float64, device=self.device)
         if role is not None:
             if role.is_last:
                 metrics[0] = loss_sum
             if role.is_first and role.index == 0:  # one rank per pipeline: the metrics are summed
                 metrics[1 + role.pipeline] = schedule_s
-        metrics[1 + num_p + self.rank] = clock.seconds()
+        compute, memory, data = (1 + num_p + k * world for k in range(3))  # where each per-rank row starts
+        metrics[compute + self.rank] = clock.seconds()
         if self.device.type == "cuda":  # what the planner's memory model is checked against
-            metrics[1 + num_p + gen.world_size + self.rank] = torch.cuda.max_memory_allocated(self.device)
+            metrics[memory + self.rank] = torch.cuda.max_memory_allocated(self.device)
+        metrics[data + self.rank] = data_s
         gen.wait(gen.world.allreduce([metrics]))  # the commit point
         metrics = metrics.cpu()
         if role is not None:
@@ -708,8 +762,9 @@ class Worker:
             lr=lr,
             seconds=time.perf_counter() - t0,
             pipeline_seconds=tuple(float(v) for v in metrics[1 : 1 + num_p]),
-            compute_seconds=tuple(float(v) for v in metrics[1 + num_p : 1 + num_p + gen.world_size]),
-            peak_memory=tuple(float(v) for v in metrics[1 + num_p + gen.world_size :]) if self.device.type == "cuda" else (),
+            compute_seconds=tuple(float(v) for v in metrics[compute:memory]),
+            peak_memory=tuple(float(v) for v in metrics[memory:data]) if self.device.type == "cuda" else (),
+            data_s=float(metrics[data:].max()),  # the longest wait: a pipeline's ranks wait for each other
         )
 
     def _prepare_stage_updates(self, gen: Generation, role: Role, total_sq: float) -> None:
@@ -760,8 +815,10 @@ class Worker:
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
             for m in range(lo, hi):
                 ids = list(range(m * b, min(n, (m + 1) * b)))
-                if role.is_first or role.is_last:
-                    tokens, y = (t.to(self.device) for t in self.validation.batch(ids))  # type: ignore[arg-type]
+                documents = None
+                if role.is_first or role.is_last or self.eos_id is not None:
+                    tokens, y = (t.to(self.device) for t in self.validation.batch(ids))
+                    documents = self._documents(tokens)
                 if role.is_first:
                     h = tokens
                 else:
@@ -769,7 +826,7 @@ class Worker:
                     gen.wait(gen.recv(h, peer(role.prev_rank), 2 * m))
                 with torch.no_grad(), autocast:
                     for layer in layers:
-                        h = layer(h)
+                        h = run_layer(layer, h, documents)
                     if role.is_last:
                         total += self.job.model.config.loss(h, y).double() * len(ids)
                 if not role.is_last:

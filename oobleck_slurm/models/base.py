@@ -60,6 +60,9 @@ class ModelDef(ABC):
     family: ClassVar[str]
     seq_len: int
     vocab_size: int
+    # Whether the layers take a `models.documents.Documents` as an optional second argument
+    # (`data.document_mask`); a user's factory layers take one tensor.
+    supports_document_mask: ClassVar[bool] = False
 
     # ---- pure data ---------------------------------------------------------------------------
 

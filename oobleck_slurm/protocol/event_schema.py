@@ -207,6 +207,7 @@ class Step(Event):
     pipeline_seconds: list[float | None] | None = optional("per pipeline id: its first stage's schedule time (s)")
     compute_seconds: list[float | None] | None = optional("per rank: forward and backward only (s)")
     peak_memory: list[float | None] | None = optional("per rank: peak bytes allocated on its GPU")
+    data_s: float | None = optional("the longest any rank waited for its samples in the step (s)")
     generation: int | None = optional("the generation that ran it")
 
 
@@ -384,7 +385,6 @@ class Refused(Event):
     reason: str = required("why")
 
 
-# ---- failure and recovery ----------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class StoreRejected(Event):
     """A process of the job refused what it found in the job's store (protocol/signed_store.py): a value
@@ -401,6 +401,7 @@ class StoreRejected(Event):
     suppressed: int | None = optional("other refusals not reported since this reader's last event (rate limit)")
 
 
+# ---- failure and recovery ----------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
 class CollectiveError(RecoveryEvent):

@@ -84,6 +84,7 @@ class StepResult:
     pipeline_seconds: tuple[float, ...] = ()  # per pipeline: its first stage's schedule time
     compute_seconds: tuple[float, ...] = ()  # per rank: forward/backward only
     peak_memory: tuple[float, ...] = ()  # per rank: peak bytes allocated on its GPU
+    data_s: float = 0.0  # the longest any rank's training loop waited for its samples (engine/prefetch.py)
 
     def event(self, generation: int, global_batch_size: int) -> dict[str, Any]:
         """The `step` event rank 0 writes to the job's log."""
@@ -92,7 +93,7 @@ class StepResult:
             "seconds": self.seconds,
             "samples_per_s": global_batch_size / self.seconds if self.seconds > 0 else 0.0,
             "pipeline_seconds": list(self.pipeline_seconds), "compute_seconds": list(self.compute_seconds),
-            "peak_memory": list(self.peak_memory), "generation": generation,
+            "peak_memory": list(self.peak_memory), "data_s": self.data_s, "generation": generation,
         }
 
 

@@ -305,6 +305,13 @@ class DataConfig:
     # The most passes over any source the job's steps may make; a job that would make more is refused
     # at its start. Unset: no limit (a small source is repeated as often as its weight needs).
     epochs: int | None = field(default=None, metadata=check(optional(positive)))
+    # Each worker reads the next step's samples while a step trains (docs/data.md, "Reads off the critical
+    # path"); false: each step reads its own at its start, on the training loop's time (to measure it).
+    prefetch: bool = True
+    # Document masking (docs/data.md, "Document masking"): attention only within each document of a
+    # window and positions restarting at each; the end-of-document id is found in the data, or `eos_id`.
+    document_mask: bool = False
+    eos_id: int | None = field(default=None, metadata=check(optional(non_negative)))
 
 
 @dataclass(frozen=True)

@@ -272,6 +272,13 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
                                        f"give a tokenizer.json (data.tokenizer) or a larger vocabulary")
 
     d = recipe.data
+    if d.eos_id is not None and not d.document_mask:
+        add(("data", "eos_id"), "is used only by data.document_mask, which is false")
+    if d.document_mask and m.factory is not None:
+        add(("data", "document_mask"), "needs the gpt or llama family (or model.hf): a factory's layers take one "
+                                       "tensor, not a microbatch's documents")
+    elif d.eos_id is not None and not model_issues and d.eos_id >= (vocab := m.resolve().vocab_size):
+        add(("data", "eos_id"), f"{d.eos_id} is not a token of the model's vocabulary (vocab_size {vocab})")
     if d.path and d.text:
         add(("data", "text"), "give data.path (a prepared token file) or data.text (a text file), not both")
     for key in ("path", "text", "validation"):

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+from documents_corpus import documents_folder
 from jobrun import JobRun, assert_matches_reference, run_job, start_and_wait, tiny_recipe
 
 from oobleck_slurm.protocol.events import read_events
@@ -133,4 +134,15 @@ def test_a_notice_checkpoints_a_plan_with_wide_stages_and_the_next_run_resumes_t
     assert again["requeued"], "a folder with a complete checkpoint is a resume"
     resumed = [e["step"] for e in run.events if e["kind"] == "step" and e["t"] > again["t"]]
     assert resumed == list(range(ckpt["step"], steps))
+    assert_matches_reference(run)
+
+
+def test_document_masking_on_sharded_stages_keeps_the_reference(tmp_path, templates_cache):
+    # every rank of every stage, the wide middle ones included, masks the documents of its own rows
+    # (docs/data.md, "Document masking"): a prepared set of short documents, ended by the byte eos
+    recipe = sharded_recipe(4, steps=4)
+    recipe["cluster"]["memory_per_device"] = "6MB"  # two pipelines of four 2-wide stages, 2 nodes each
+    recipe["data"] = {"sources": [{"path": documents_folder(tmp_path)}], "document_mask": True}
+    run = run_job(tmp_path, recipe, templates_cache, timeout=JOB_TIMEOUT_S)
+    assert widths(run.kind("plan")[0]) == [[2, 2, 2, 2]] * 2  # wide stages between the first and the last
     assert_matches_reference(run)

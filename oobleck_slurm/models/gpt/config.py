@@ -18,6 +18,7 @@ class GPTConfig(ModelDef):
     4x GELU MLP, biases), final LayerNorm + head. Layers: embed, block.00 .. block.NN, head."""
 
     family: ClassVar[str] = "gpt"
+    supports_document_mask: ClassVar[bool] = True  # models.documents
     n_layer: int
     d_model: int
     n_head: int

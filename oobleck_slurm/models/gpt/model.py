@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oobleck_slurm.models.base import build_range
+from oobleck_slurm.models.documents import Documents, causal_attention
 from oobleck_slurm.models.gpt.config import GPTConfig
 
 INIT_STD = 0.02  # GPT-2 / nanoGPT initialisation
@@ -36,7 +37,9 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        if documents is not None:  # positions restart at each document's first token
+            return self.tok(idx) + self.pos(documents.positions)
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         return self.tok(idx) + self.pos(pos)
@@ -65,12 +68,12 @@ class CausalSelfAttention(nn.Module):
         mask[cfg.d_model : 2 * cfg.d_model] = 0.0
         self.register_buffer("qkv_bias_mask", mask, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         b, t, d = x.shape
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias * self.qkv_bias_mask)
         q, k, v = qkv.split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v, documents)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -85,8 +88,8 @@ class Block(nn.Module):
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.fc_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), documents)
         return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -98,8 +101,8 @@ class Head(nn.Module):
         self.ln = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        return self.lm_head(self.ln(x))  # per token: the documents change nothing here
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ class LlamaConfig(ModelDef):
     Layers: embed (token embedding), block.00 .. block.NN, head (final RMSNorm + output projection)."""
 
     family: ClassVar[str] = "llama"
+    supports_document_mask: ClassVar[bool] = True  # models.documents
     n_layer: int
     d_model: int
     n_head: int

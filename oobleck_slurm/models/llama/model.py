@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oobleck_slurm.models.base import build_range
+from oobleck_slurm.models.documents import Documents, causal_attention
 from oobleck_slurm.models.llama.config import LlamaConfig
 
 INIT_STD = 0.02
@@ -71,8 +72,8 @@ class Embedding(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(idx)
+    def forward(self, idx: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        return self.embed_tokens(idx)  # positions enter in the blocks
 
 
 class Attention(nn.Module):
@@ -91,14 +92,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, cfg.d_model, bias=cfg.o_bias)
         self.register_buffer("inv_freq", torch.empty(cfg.dim_per_head // 2), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         # float32 angles whatever the compute dtype: position * frequency loses digits in bf16
-        positions = torch.arange(t, device=x.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq.float()[None, :]
+        if documents is None:
+            positions = torch.arange(t, device=x.device, dtype=torch.float32)
+            freqs = positions[:, None] * self.inv_freq.float()[None, :]
+        else:  # each row's own positions, restarting at each document: angles (b, 1, t, .) for every head
+            freqs = documents.positions.float()[:, None, :, None] * self.inv_freq.float()
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         q = q * cos + _rotate_half(q) * sin
@@ -109,7 +113,7 @@ class Attention(nn.Module):
             rep = self.n_head // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v, documents)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
 
 
@@ -136,8 +140,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -149,8 +153,8 @@ class Head(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        return self.lm_head(self.norm(x))  # per token: the documents change nothing here
 
 
 @torch.no_grad()
