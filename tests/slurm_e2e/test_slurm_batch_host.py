@@ -55,25 +55,39 @@ def job_left_queue(slurm_id: str, timeout: float) -> str:
     raise AssertionError(f"job {slurm_id} still in the queue {timeout:g} s after training ended: {state}")
 
 
+def training_job(tmp_path: Path, templates_cache: Path, cluster: str = "", fault_tolerance: str = "") -> Path:
+    """A lab job of STEPS steps, a checkpoint every 50, no replacement (the survivors go on)."""
+    return submit_lab_job(tmp_path, templates_cache, f"""training:
+  steps: {STEPS}
+{cluster}fault_tolerance:
+  checkpoint_interval: 50
+  replacement: none
+{fault_tolerance}""")
+
+
+def started(job: Path) -> tuple[str, str]:
+    """Once the job runs: its Slurm id and its batch host."""
+    start = wait_events(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"],
+                        START_TIMEOUT_S)[0]
+    return start["slurm_job_id"], start["supervisor_node"]
+
+
+def past_a_checkpoint(job: Path) -> None:
+    wait_events(job, "a checkpoint and steps past it", lambda ev: [e for e in ev if e["kind"] == "step"
+                                                                   and e["step"] >= 55]
+                if any(written(e) for e in ev) else [], START_TIMEOUT_S)
+
+
 @pytest.mark.parametrize("how", ["kill", "freeze"])
 def test_the_batch_host_dies_and_the_standby_step_takes_over_in_memory(slurm_cluster, tmp_path: Path,
                                                                       templates_cache: Path, how: str) -> None:
     lab = slurm_cluster
-    job = submit_lab_job(tmp_path, templates_cache, f"""training:
-  steps: {STEPS}
-fault_tolerance:
-  checkpoint_interval: 50
-  replacement: none
-""")
+    job = training_job(tmp_path, templates_cache)
     slurm_id = None
     frozen: list = []
     try:
-        start = wait_events(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"],
-                            START_TIMEOUT_S)[0]
-        slurm_id, batch_host = start["slurm_job_id"], start["supervisor_node"]
-        wait_events(job, "a checkpoint and steps past it", lambda ev: [e for e in ev if e["kind"] == "step"
-                                                                       and e["step"] >= 55]
-                    if any(written(e) for e in ev) else [], START_TIMEOUT_S)
+        slurm_id, batch_host = started(job)
+        past_a_checkpoint(job)
         t_kill = time.time()
         frozen = lose_batch_host(lab, batch_host, how)
         takeover = wait_events(job, "takeover", lambda ev: [e for e in ev if e["kind"] == "takeover"], 120)[0]
@@ -108,17 +122,10 @@ def test_after_a_takeover_the_time_limit_notice_checkpoints_and_the_job_requeues
     """submitit's handler, which requeues after the time limit's USR2, died with the batch step: the new
     primary checkpoints on the notice the agents relay, then requeues the job itself, off the lost node."""
     lab = slurm_cluster
-    job = submit_lab_job(tmp_path, templates_cache, f"""training:
-  steps: {STEPS}
-fault_tolerance:
-  checkpoint_interval: 50
-  replacement: none
-""")
+    job = training_job(tmp_path, templates_cache)
     slurm_id = None
     try:
-        start = wait_events(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"],
-                            START_TIMEOUT_S)[0]
-        slurm_id, batch_host = start["slurm_job_id"], start["supervisor_node"]
+        slurm_id, batch_host = started(job)
         wait_events(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 20], START_TIMEOUT_S)
         spare = lab.start_spare()  # the requeued run needs four nodes without the dead one
         lose_batch_host(lab, batch_host, "kill")
@@ -151,24 +158,13 @@ fault_tolerance:
 def test_without_a_standby_the_job_requeues_from_its_newest_checkpoint(slurm_cluster, tmp_path: Path,
                                                                       templates_cache: Path, how: str) -> None:
     lab = slurm_cluster
-    job = submit_lab_job(tmp_path, templates_cache, f"""training:
-  steps: {STEPS}
-cluster:
-  supervisor: {{standby: false}}
-fault_tolerance:
-  checkpoint_interval: 50
-  step_timeout: 15
-  replacement: none
-""")
+    job = training_job(tmp_path, templates_cache, cluster="cluster:\n  supervisor: {standby: false}\n",
+                       fault_tolerance="  step_timeout: 15\n")
     slurm_id = None
     frozen: list = []
     try:
-        start = wait_events(job, "job_started", lambda ev: [e for e in ev if e["kind"] == "job_started"],
-                            START_TIMEOUT_S)[0]
-        slurm_id, batch_host = start["slurm_job_id"], start["supervisor_node"]
-        wait_events(job, "a checkpoint and steps past it", lambda ev: [e for e in ev if e["kind"] == "step"
-                                                                       and e["step"] >= 55]
-                    if any(written(e) for e in ev) else [], START_TIMEOUT_S)
+        slurm_id, batch_host = started(job)
+        past_a_checkpoint(job)
         spare = lab.start_spare()  # the repaired capacity the requeued run starts on
         t_kill = time.time()
         frozen = lose_batch_host(lab, batch_host, how)
