@@ -341,6 +341,16 @@ def queued_jobs(job_ids: Sequence[str], timeouts: JobTimeouts = DEFAULT_TIMEOUTS
         raise
 
 
+def job_end_time(job_id: str, timeouts: JobTimeouts = DEFAULT_TIMEOUTS) -> float | None:
+    """When the job's time limit ends (squeue's %e, the controller's local time, read here as this
+    node's), as a Unix time; None with no limit or an answer that is not a time (pending: "N/A")."""
+    text = _retried(["squeue", "-h", "-j", job_id, "-o", "%e"], timeouts=timeouts).strip()
+    try:
+        return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
 def expand_hostnames(nodelist: str) -> list[str]:
     """`node[1-4]` -> node1..node4, as Slurm expands it (the client alone: no RPC)."""
     return _run(["scontrol", "show", "hostnames", nodelist]).split()

@@ -395,6 +395,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
                if failover else None)
     observer.start()
     tensorboard = TensorBoardThread(job, timeouts.tensorboard_poll, lease.check) if recipe.logging.tensorboard else None
+    slurm_job_id = os.environ.get("SLURM_JOB_ID") if backend == "slurm" else None
+    time_limit = TimeLimitNotice(slurm_job_id, cluster.signal_delay_s, on_preempt) if slurm_job_id else None
     try:
         t0 = time.time()
         if takeover is None:
@@ -408,6 +410,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
             coordinator.take_over(takeover.state)
         coordinator.run()
     finally:
+        if time_limit is not None:
+            time_limit.stop()
         if tensorboard is not None:
             tensorboard.stop()
         lease.stop(done=True)
@@ -465,6 +469,42 @@ def _check_data(spec: Any) -> None:
             open_validation(spec.data, spec.model.seq_len, spec.model.vocab_size, spec.train.eval_samples)
     except ValueError as err:
         raise BadInputError(str(err)) from err
+
+
+class TimeLimitNotice:
+    """The time limit's notice as a backstop to Slurm's: `notify("SIGUSR2")` (what an agent's relay of
+    `--signal=USR2@lead` calls) `lead_s` before the job's end, asked of squeue at the start and again at
+    the deadline (an admin may have moved the limit): two RPCs a run. Slurm checks time limits
+    periodically and may send its signal late or not at all: on the lab a 1-minute allocation with a
+    30 s notice got none and ended TIMEOUT, not requeued. After a takeover inside the allocation it is
+    the new primary's only notice besides the agents' relay. A notice that came already is not repeated
+    (`SupervisorJob._signal_self`, `Preemption.notice`)."""
+
+    def __init__(self, job_id: str, lead_s: float, notify: Callable[[str], None]) -> None:
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, args=(job_id, lead_s, notify), name="time-limit", daemon=True).start()
+
+    def _run(self, job_id: str, lead_s: float, notify: Callable[[str], None]) -> None:
+        from oobleck_slurm.cluster.slurm import SlurmError, job_end_time
+
+        while not self._stop.is_set():
+            try:
+                end = job_end_time(job_id)
+            except SlurmError as err:  # Slurm's own signal still comes; only the backstop is lost
+                print(f"supervisor: the job's end time is unknown ({err}): no time-limit backstop", file=sys.stderr)
+                return
+            if end is None:
+                return  # no time limit
+            wait = end - lead_s - time.time()
+            if wait <= 0:
+                print(f"supervisor: {lead_s:g} s before the time limit: checkpoint and requeue", file=sys.stderr,
+                      flush=True)
+                notify("SIGUSR2")
+                return
+            self._stop.wait(wait)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class TensorBoardThread:

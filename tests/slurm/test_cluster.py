@@ -194,3 +194,28 @@ def test_spare_node_joins_and_takes_a_job(slurm_cluster, tmp_path: Path) -> None
     lab.stop_spare(spare)
     assert "DOWN" in lab.node_state(spare)
     assert lab.node_processes(spare) == []
+
+
+def test_the_time_limit_backstop_notifies_ahead_of_the_jobs_end(slurm_cluster, tmp_path: Path) -> None:
+    """supervisor/main.py `TimeLimitNotice` reads the job's end from squeue and calls the notice
+    `lead_s` before it, as Slurm's `--signal` would (and does not when it misses its window)."""
+    import threading
+
+    from oobleck_slurm.cluster.slurm import job_end_time
+    from oobleck_slurm.supervisor.main import TimeLimitNotice
+
+    lab = slurm_cluster
+    job_id = lab.run("sbatch", "--parsable", "-N1", "--time=2", f"--output={tmp_path}/out", "--wrap", "sleep 300").strip()
+    wait_until("the job runs", lambda: lab.run("squeue", "-h", "-j", job_id, "-o", "%T").strip() == "RUNNING")
+    end = job_end_time(job_id)
+    assert end is not None and 60 < end - time.time() <= 120
+    got: list[str] = []
+    notified = threading.Event()
+    t0 = time.monotonic()
+    watch = TimeLimitNotice(job_id, end - time.time() - 2.0, lambda name: (got.append(name), notified.set()))
+    try:
+        assert notified.wait(30), "no notice"
+        assert got == ["SIGUSR2"] and time.monotonic() - t0 >= 1.0  # at the deadline, not at once
+    finally:
+        watch.stop()
+        lab.run("scancel", job_id)
