@@ -44,7 +44,9 @@ import datetime as dt
 import hashlib
 import hmac
 import os
+import socket
 import struct
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -366,6 +368,34 @@ def connect(host: str, port: int, timeout: dt.timedelta, secret: bytes, log: Eve
     """A client of the job's store at host:port, signed with the job secret; rejections go to `log`
     as seen by `reader` (a worker's name, "supervisor", ...)."""
     inner = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return SignedStore.with_secret(inner, secret, log, reader, poll)
+
+
+def serve(host: str, timeout: dt.timedelta, secret: bytes, log: EventLog | None, reader: str,
+          poll: float = DEFAULT_TIMEOUTS.forged_value_poll) -> SignedStore:
+    """The job's store, hosted here and listening only on the address that `host` (the name every
+    client connects to) resolves to: torch's server binds every interface unless it is handed a
+    listening socket (`master_listen_fd`; TCPStoreLibUvBackend.cpp `makeWithSocket`). An address this
+    machine cannot bind falls back to every interface, as before."""
+    inner = None
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((address, 0))
+            listener.listen(socket.SOMAXCONN)
+        except OSError:
+            listener.close()
+            raise
+        port = listener.getsockname()[1]
+        # Detached: the server owns the descriptor (closed from Python, the older backend aborted).
+        inner = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                              master_listen_fd=listener.detach())
+    except OSError as err:
+        print(f"store: cannot listen on {host} only ({err}); listening on every interface", file=sys.stderr)
+    if inner is None:
+        inner = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
     return SignedStore.with_secret(inner, secret, log, reader, poll)
 
 

@@ -250,8 +250,6 @@ def _end_allocation(job: JobDir, requeue: bool) -> None:
 
 
 def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, takeover: Takeover | None) -> None:
-    import torch.distributed as dist
-
     from oobleck_slurm.cluster.jobdir import load_secret
     from oobleck_slurm.cluster.lease import claim_epoch, current_epoch
     from oobleck_slurm.engine.batches import prepare_data
@@ -264,7 +262,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     from oobleck_slurm.planning.pregenerate import pregenerate
     from oobleck_slurm.protocol import keys
     from oobleck_slurm.protocol.records import LaunchConfig, write_launch_config
-    from oobleck_slurm.protocol.signed_store import SignedStore
+    from oobleck_slurm.protocol.signed_store import serve as serve_store
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
     from oobleck_slurm.supervisor.health_monitor import HealthMonitor
@@ -343,9 +341,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     else:  # the lost supervisor's plan goes on (Coordinator.take_over)
         plan = Plan.from_dict(takeover.state.plan)
     host = advertised_host()
-    store = SignedStore.with_secret(  # every key hidden, every value signed (protocol/signed_store.py)
-        dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("store_timeout")),
-        load_secret(job.path), log, "supervisor", timeouts.forged_value_poll)
+    # Every key hidden, every value signed, listening only where the clients connect (protocol/signed_store.py)
+    store = serve_store(host, timeouts.td("store_timeout"), load_secret(job.path), log, "supervisor",
+                        timeouts.forged_value_poll)
     if takeover is not None:  # before the workers find the store: the generation they report for
         store.set(keys.CURRENT_GEN, str(takeover.state.generation))
     ckpt_dir = str(job.checkpoints)  # periodic if checkpoint_interval > 0; on-demand and final always

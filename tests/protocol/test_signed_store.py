@@ -242,3 +242,23 @@ def test_a_gloo_group_forms_over_it_with_forged_rendezvous_keys_in_the_way(serve
 def test_a_rank_without_the_secret_cannot_join_a_group(server: dist.TCPStore) -> None:
     results = run_ranks(server.port, [SECRET, OTHER])
     assert all(isinstance(v, str) for v, _ in results.values()), results  # neither forms the group
+
+
+def _listening_addresses(port: int) -> set[str]:
+    import psutil
+
+    return {c.laddr.ip for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_the_job_store_listens_only_where_its_clients_connect() -> None:
+    from oobleck_slurm.protocol.signed_store import connect, serve
+
+    secret = b"s" * 32
+    store = serve("127.0.0.1", dt.timedelta(seconds=5), secret, None, "supervisor")
+    port = store.inner.port
+    assert _listening_addresses(port) == {"127.0.0.1"}
+    client = connect("127.0.0.1", port, dt.timedelta(seconds=5), secret, None, "worker")
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
