@@ -2,7 +2,11 @@
 who found the store's port (tests/recovery/test_hostile_store.py). It knows no secret and imports nothing
 of the package: it is given the names and values to write.
 
-    python hostile_store_client.py HOST PORT PLAN.json SECONDS
+    python hostile_store_client.py ADDRESS.json PLAN.json SECONDS
+
+ADDRESS.json: the job folder's elastic.json, where the supervisor publishes its store's host and port;
+the client imports torch first and then waits for it (started with the job, it is ready when the store
+is: on a loaded machine, started only once the address was there, it came too late for a short job).
 
 PLAN.json: {"once": [[name, value_hex], ...], "add": [name, ...], "repeat": [[name, value_hex], ...]}.
 It writes "once" and adds 1 to each "add" name at once, then writes "repeat" every REPEAT_S until
@@ -19,12 +23,23 @@ import time
 import torch.distributed as dist
 
 REPEAT_S = 0.1
+ADDRESS_WAIT_S = 300.0
 
 
 def main() -> int:
-    host, port, plan_path, seconds = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+    address_path, plan_path, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     plan = json.loads(open(plan_path).read())
-    store = dist.TCPStore(host, port, is_master=False, timeout=dt.timedelta(seconds=10))
+    deadline = time.monotonic() + ADDRESS_WAIT_S
+    while True:
+        try:
+            address = json.loads(open(address_path).read())
+            break
+        except (OSError, ValueError):  # not published yet, or being written
+            if time.monotonic() > deadline:
+                print(f"no store address in {address_path} after {ADDRESS_WAIT_S} s", file=sys.stderr)
+                return 1
+            time.sleep(0.01)
+    store = dist.TCPStore(address["host"], int(address["port"]), is_master=False, timeout=dt.timedelta(seconds=10))
     writes = 0
     for name, value in plan["once"]:
         store.set(name, bytes.fromhex(value))
