@@ -46,7 +46,14 @@ EXECUTOR_ARGUMENTS = frozenset({"slurm_max_num_timeout"})
 # last, and libfabric's CXI provider uses only the first (prov/cxi cxip_gen_auth_key). Agents are
 # separate steps: each keeps only the job's VNI, which its workers inherit, so that workers of
 # different steps reach each other (docs/slurm.md, "One network domain per job").
-_KEEP_JOB_VNI = 'if [ -n "${SLINGSHOT_VNIS:-}" ]; then export SLINGSHOT_VNIS="${SLINGSHOT_VNIS##*,}"; fi; exec "$@"'
+_KEEP_JOB_VNI = 'if [ -n "${SLINGSHOT_VNIS:-}" ]; then export SLINGSHOT_VNIS="${SLINGSHOT_VNIS##*,}"; fi; '
+# Every step starts with the time-limit notice ignored: Slurm may send `--signal=USR2@…` up to 60 s
+# early (sbatch(1)), so at a short limit right at the job's start, and USR2's default action killed the
+# agents of a lab allocation before Python had installed their handler. The agent installs its own
+# handler once it runs (an ignored signal stays ignored across exec until then); a notice lost in that
+# window is given again by the supervisor's backstop (supervisor/main.py `TimeLimitNotice`).
+_IGNORE_NOTICE_AT_START = 'trap "" USR2; '
+
 
 
 _KEY_VALUE = re.compile(r"(?:^| )([A-Za-z][\w/:]*)=(.*?)(?= [A-Za-z][\w/:]*=|$)")
@@ -191,11 +198,12 @@ def srun_argv(node: str, command: Sequence[str], cpus: int, gpus: int = 0, netwo
     (`--gpu-bind=none`): the agent starts one worker per GPU and pins each itself before CUDA
     initialises, and every worker sees its peers' GPUs for NCCL's peer access (docs/nccl.md, "Slurm and GPUs").
     `network` (the recipe's `cluster.network`) goes to every step as to the allocation; with a job VNI
-    the agent keeps only that one (see `JOB_VNI`)."""
+    the agent keeps only that one (see `JOB_VNI`). The command runs under a shell line that ignores the
+    notice until the process handles it (`_IGNORE_NOTICE_AT_START`)."""
     gpu_args = [f"--gpus-per-node={gpus}", "--gpu-bind=none"] if gpus else []
     net_args = [f"--network={network}"] if network else []
-    if network and JOB_VNI in network.split(","):
-        command = ["/bin/sh", "-c", _KEEP_JOB_VNI, name, *command]  # "$@" is the command
+    keep_vni = _KEEP_JOB_VNI if network and JOB_VNI in network.split(",") else ""
+    command = ["/bin/sh", "-c", _IGNORE_NOTICE_AT_START + keep_vni + 'exec "$@"', name, *command]  # "$@": the command
     return ["srun", "--no-kill", "--kill-on-bad-exit=0", "--overlap", "-N1", "-n1", f"--nodelist={node}",
             f"--cpus-per-task={cpus}", *gpu_args, *net_args, f"--job-name={name}", *command]
 

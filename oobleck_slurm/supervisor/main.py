@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 # Statuses after which a requeue cannot help (a job's meta from before `requeue` was recorded).
 OVER = ("unrecoverable", "completed", "cancelled")
 STANDBY_POLL_S = 0.05  # a standby looks at the primary's lease this often: bounds its detection of a kill -9
+STALE_END_RETRY_S = 5.0  # squeue's end time of a job just requeued can still be the last run's: asked again
 SUPERVISOR_MODULE = "oobleck_slurm.supervisor.main"  # how a standby is started (python -m, or forked warm)
 
 
@@ -493,6 +494,9 @@ class TimeLimitNotice:
                 return
             if end is None:
                 return  # no time limit
+            if end <= time.time():  # a requeued job's end from before its restart (seen on the lab): ask again
+                self._stop.wait(STALE_END_RETRY_S)
+                continue
             wait = end - lead_s - time.time()
             if wait <= 0:
                 print(f"supervisor: {lead_s:g} s before the time limit: checkpoint and requeue", file=sys.stderr,

@@ -112,8 +112,22 @@ def test_an_agent_step_on_slingshot_joins_the_jobs_network_and_keeps_its_vni() -
     shell = argv.index("/bin/sh")
     assert argv[shell + 1] == "-c" and argv[-3:] == ["python", "-m", "agent"]
     assert 'SLINGSHOT_VNIS="${SLINGSHOT_VNIS##*,}"' in argv[shell + 2] and 'exec "$@"' in argv[shell + 2]
-    plain = srun_argv("cn01", ["agent"], cpus=2, network="tcs=BULK_DATA")  # no job VNI: no wrapper
-    assert "--network=tcs=BULK_DATA" in plain and "/bin/sh" not in plain
+    plain = srun_argv("cn01", ["agent"], cpus=2, network="tcs=BULK_DATA")  # no job VNI: the VNIs as given
+    assert "--network=tcs=BULK_DATA" in plain and "SLINGSHOT_VNIS" not in plain[plain.index("/bin/sh") + 2]
+
+
+def test_every_step_starts_with_the_time_limit_notice_ignored() -> None:
+    """Slurm may send `--signal=USR2@…` up to 60 s early: at a short limit, before Python installed the
+    agent's handler. The step's shell line ignores it (inherited across exec) until the agent handles it."""
+    import signal
+    import subprocess
+    import sys
+
+    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN)"]
+    argv = srun_argv("n", probe, cpus=1)
+    wrapped = argv[argv.index("/bin/sh"):]
+    assert subprocess.run(wrapped, capture_output=True, text=True, check=True).stdout.strip() == "True"
+    assert signal.getsignal(signal.SIGUSR2) != signal.SIG_IGN  # this process is untouched
 
 
 def test_the_vni_wrapper_keeps_the_job_vni_only(tmp_path) -> None:
