@@ -59,7 +59,9 @@ class JobTimeouts:
     # re-form the generation (a dead or frozen node is named within a lease). Well under the ~10 s
     # Slurm takes to mark a node DOWN.
     heartbeat_lease: float = 3.0
-    # Any group operation once the group is built (all-reduce, send/recv): a dead peer fails it this fast.
+    # A step's wait on a collective or p2p operation may take this long beyond twice the generation's longest
+    # step (engine/comm.py Generation.wait_timeout; a generation's first step: step_timeout): a wait
+    # includes its peers' compute, legitimately. A dead peer is named sooner by its node's loss.
     collective_timeout: float = 2.0
     # No healthy rank computes longer than a step between collectives: a rank whose step does not advance
     # this long is hung, and so is a member that has not left an aborted generation this long after it.

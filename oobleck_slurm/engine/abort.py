@@ -190,10 +190,11 @@ class AbortableGeneration(Generation):
         try:
             if self.backend == "nccl":
                 return self._poll(work)
+            bound = dt.timedelta(seconds=self.wait_timeout())
             if work.is_completed():  # async collectives that already finished: no thread
-                work.wait(self.timeouts.td("collective_timeout"))
+                work.wait(bound)
                 return
-            wait_abortable(lambda: work.wait(self.timeouts.td("collective_timeout")), self.watch, "collective")
+            wait_abortable(lambda: work.wait(bound), self.watch, "collective")
         except GenerationAborted:
             raise
         except RuntimeError as err:  # whatever the backend raised: a failed collective (see comm.py)
@@ -213,16 +214,17 @@ class AbortableGeneration(Generation):
             self.on_wait = on_wait
 
     def _poll(self, work: dist.Work) -> None:
-        """NCCL: poll the work and the failed key from this thread; past the collective timeout the
+        """NCCL: poll the work and the failed key from this thread; past `wait_timeout()` the
         generation's groups are aborted and the error reported like gloo's (a collective error)."""
-        deadline = time.monotonic() + self.timeouts.collective_timeout
+        bound = self.wait_timeout()
+        deadline = time.monotonic() + bound
         while not work.is_completed():
             if self.watch.failed():
                 raise self._aborted(self.watch.key)
             if time.monotonic() > deadline:
                 abort_groups(list(self.groups.values()))
                 raise dist.DistBackendError(f"NCCL work of generation {self.number} timed out after "
-                                            f"{self.timeouts.collective_timeout:g} s")
+                                            f"{bound:g} s")
             time.sleep(self.timeouts.nccl_poll)
         work.wait()  # completed: surfaces the work's error, if any
 

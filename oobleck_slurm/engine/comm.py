@@ -121,6 +121,9 @@ def abort_groups(groups: list[Group]) -> None:
 # 7.3 against 3.4 ms of CPU a call, 29 against 14 ms): where the input may be overwritten (a kept
 # stage's final gradients, shard.py) gloo all-reduces it in place instead. NCCL's is the cheaper one.
 SCATTER_BY_ALLREDUCE = {"gloo": True, "nccl": False}
+# A step's wait may take the collective timeout beyond this many times the generation's longest step
+# (Generation.wait_timeout): a step's own waits never exceed its wall time; the factor absorbs jitter.
+WAIT_STEP_FACTOR = 2.0
 
 
 class Group(Protocol):
@@ -165,6 +168,9 @@ class Generation:
         self.world_size = world_size
         self.plan = plan
         self.timeouts = timeouts
+        # The longest step of this generation so far (None before its first): bounds a step's waits.
+        self.longest_step_s: float | None = None
+        self._unbounded_next = False  # the next step follows extra work on some rank (evaluation, checkpoint)
         self.backend = backend
         self.device = device or torch.device("cpu")
         # Kept while the groups live: a store written in Python (SignedStore) answers the C++ groups' calls
@@ -242,9 +248,35 @@ class Generation:
                 time.sleep(self.timeouts.warm_up_poll)
             work.wait()
 
+    def wait_timeout(self) -> float:
+        """How long one of a step's waits may take before the group is taken for dead.
+
+        A wait includes its peers' compute, legitimately: stage 0 waits (S-1) stages' backward for its
+        first gradient, pipelines of different lengths meet at the all-reduce, and a generation's first
+        step connects NCCL's large-message paths and runs first kernels. So the bound is the collective
+        timeout *beyond* the longest step this generation has completed (WAIT_STEP_FACTOR of it), and
+        the step timeout (a hung rank's bound) for a generation's first step and for a step after
+        extra work on some rank (`expect_long_step`): a fixed collective timeout re-formed healthy
+        generations, and the same timeout then struck the re-formed one."""
+        if self.longest_step_s is None or self._unbounded_next:
+            return self.timeouts.step_timeout
+        return min(self.timeouts.step_timeout,
+                   self.timeouts.collective_timeout + WAIT_STEP_FACTOR * self.longest_step_s)
+
+    def step_completed(self, seconds: float) -> None:
+        """A step of this generation took `seconds` (its wall time, waits included)."""
+        if not self._unbounded_next:
+            self.longest_step_s = max(self.longest_step_s or 0.0, seconds)
+        self._unbounded_next = False
+
+    def expect_long_step(self) -> None:
+        """The next step's waits may include a peer's extra work (an evaluation or a checkpoint's
+        clones between steps): bounded by the step timeout, and not counted as a typical step."""
+        self._unbounded_next = True
+
     def wait(self, work: dist.Work) -> None:
-        """Wait for `work` at most the collective timeout (after which the group is dead)."""
-        work.wait(self.timeouts.td("collective_timeout"))
+        """Wait for `work` at most `wait_timeout()` (after which the group is dead)."""
+        work.wait(dt.timedelta(seconds=self.wait_timeout()))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         """Send to a pipeline neighbour: activations forward, gradients backward."""

@@ -349,6 +349,8 @@ class ElasticWorker:
                 if first:
                     records.put(self.step_writer, FirstStep(step=result.step, t=time.time()), g)
             first = False
+            if self._eval_due(w.step) or self._checkpoint_due(w.step):
+                gen.expect_long_step()  # a peer busy between steps: the next waits (eval's too) include it
             if self._eval_due(w.step):
                 self._evaluate(g)
             self._maybe_checkpoint()
@@ -390,9 +392,14 @@ class ElasticWorker:
         wide stage gathers them, its first rank writes)."""
         return [i for i in sorted(w.layers) if w.plan is not None and w.rank in w.plan.holder_stages(i)[0]]
 
+    def _checkpoint_due(self, step: int) -> bool:
+        """A periodic checkpoint is taken after every `checkpoint_interval` steps but the last (the final
+        checkpoint is the trained model's)."""
+        return self.checkpoint_interval > 0 and step % self.checkpoint_interval == 0 and step < self.job.train.steps
+
     def _maybe_checkpoint(self) -> None:
         w = self.worker
-        if self.checkpoint_interval <= 0 or w.step % self.checkpoint_interval or w.step >= self.job.train.steps:
+        if not self._checkpoint_due(w.step):
             return
         mine = self._first_held(w)
         if not mine:

@@ -4,7 +4,7 @@ The job folder's faults.json (copied into the job spec as `extra["faults"]` by t
 list of faults:
 
     {"node": N, "worker": i (default 0), "step": S, "generation": G, "at": POINT (default "start"),
-     "do": "kill" (default) | "hang" | "pause", "seconds": T (pause only)}
+     "do": "kill" (default) | "hang" | "pause" | "slow", "seconds": T (pause and slow)}
 
 POINT is where in step S (and, if given, generation G; one of the two is needed) the fault strikes
 worker i of node N:
@@ -21,8 +21,10 @@ worker i of node N:
 
 and what it does: "kill" sends this process SIGKILL, "hang" sleeps forever (a deadlocked worker that
 stays runnable), "pause" sleeps T seconds and goes on (a transient stall that makes its peers'
-collectives time out). Each fault strikes once, even across restarts (a store counter per fault), and
-a kill or hang writes its time to the store for the detection figures.
+collectives time out), "slow" sleeps T seconds at that point of step S and of every later step, in every
+generation (a slow stage or straggler: its peers legitimately wait for it). Each other fault strikes
+once, even across restarts (a store counter per fault), and a kill or hang writes its time to the store
+for the detection figures.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch.distributed as dist
 from oobleck_slurm.protocol import keys
 
 FAULT_POINTS = ("start", "wait:last", "optimizer", "report", "groups", "adopt", "replay")  # and "wait:K"
-FAULT_ACTIONS = ("kill", "hang", "pause")
+FAULT_ACTIONS = ("kill", "hang", "pause", "slow")
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 
 
@@ -72,9 +74,11 @@ def load_faults(path: Path) -> list[dict[str, Any]]:
         if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
             raise ValueError(f"{where}: 'worker' must be a worker index >= 0, got {worker!r}")
         seconds = f.get("seconds")
-        if f.get("do") == "pause" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+        if f.get("do") in ("pause", "slow") and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                        or not math.isfinite(seconds) or seconds <= 0):
-            raise ValueError(f"{where}: 'pause' needs 'seconds' > 0, got {seconds!r} (a finite number)")
+            raise ValueError(f"{where}: '{f['do']}' needs 'seconds' > 0, got {seconds!r} (a finite number)")
+        if f.get("do") == "slow" and "step" not in f:
+            raise ValueError(f"{where}: 'slow' needs the 'step' it starts at")
     return faults
 
 
@@ -138,10 +142,14 @@ class FaultHooks:
 
     def _strike(self, point: str, step: int) -> None:
         for i, f in self._mine:
-            if f.get("step", step) != step or f.get("generation", self.generation) != self.generation:
-                continue
             at = f.get("at", "start")
             hit = at == point or (at == "wait:last" and point == f"wait:{self._last_waits}")
+            if f.get("do") == "slow":  # every step from its step on: no once-only counter
+                if hit and step >= f["step"]:
+                    time.sleep(float(f["seconds"]))
+                continue
+            if f.get("step", step) != step or f.get("generation", self.generation) != self.generation:
+                continue
             if not hit or i in self._fired or self.store.add(keys.fault_fired(i), 1) != 1:
                 continue
             self._fired.add(i)

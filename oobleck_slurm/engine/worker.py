@@ -749,6 +749,7 @@ class Worker:
             metrics[memory + self.rank] = torch.cuda.max_memory_allocated(self.device)
         metrics[data + self.rank] = data_s
         gen.wait(gen.world.allreduce([metrics]))  # the commit point
+        gen.step_completed(time.perf_counter() - t0)  # bounds the next steps' waits (Generation.wait_timeout)
         metrics = metrics.cpu()
         if role is not None:
             lr = self.complete_step()

@@ -21,6 +21,21 @@ ERROR_GRACE_S = 2.5  # the heartbeat lease: a loss is named first, within it
 LEAVE_S = 6.0  # the step timeout: how long a member may take to leave an aborted generation
 PAUSE_S = 4.5  # > COLLECTIVE_S: the peers' collectives time out; < ERROR_GRACE_S + LEAVE_S: it leaves in time
 FAST = {"collective_timeout": COLLECTIVE_S, "heartbeat_lease": ERROR_GRACE_S, "step_timeout": LEAVE_S}
+SLOW_S = 1.5 * COLLECTIVE_S  # a slow stage's extra compute every step: longer than the collective timeout
+
+
+def test_a_slow_stage_is_waited_for_not_reformed(tmp_path, templates_cache):
+    """A wait includes its peers' compute (a stage's first gradient waits for the stages after it, a
+    slow stage holds up its pipeline, the first step connects NCCL's paths): a step's waits are bounded
+    by the collective timeout beyond the generation's longest step, and a generation's first step by
+    the step timeout (comm.py Generation.wait_timeout). With a fixed collective timeout, the slow
+    stage's peers timed out at every step, re-formed, and timed out again in the new generation."""
+    faults = [{"node": "node2", "step": 0, "at": "start", "do": "slow", "seconds": SLOW_S}]
+    run = run_job(tmp_path, tiny_recipe(**FAST), templates_cache, faults=faults)
+    assert_matches_reference(run)
+    assert not run.kind("collective_error") and not run.kind("reform"), run.kind("collective_error")
+    steps = [e for e in run.kind("step")]
+    assert len(steps) == 5 and all(e["seconds"] >= SLOW_S for e in steps), steps  # node2 was slow every step
 
 
 def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path, templates_cache):
