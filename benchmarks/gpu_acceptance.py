@@ -128,6 +128,8 @@ SECTIONS: dict[str, str] = {
     "d": "copy_bandwidth",
     "e": "two_ranks_one_gpu",
     "f": "two_stage_pipeline",
+    "g": "wide_stages",
+    "h": "job_kill_drill",
 }
 GPU_ONLY = frozenset({"e"})  # skipped without a GPU, without starting their process (seconds of imports)
 # NCCL 2.30 added NCCL_MULTI_RANK_GPU_ENABLE (docs/nccl.md, "Several ranks on one GPU"); 2.30.0 is the
@@ -486,6 +488,8 @@ def child_main(kind: str, config_path: str) -> int:
         result = child_dup_rank(s, config)
     elif kind == "pipeline":
         result = child_pipeline(s, config)
+    elif kind == "stage":
+        result = child_stage(s, config)
     elif kind == "memory":
         result = child_memory(s, config)
     elif kind == "section":
@@ -1204,7 +1208,7 @@ def child_pipeline(s: Settings, config: dict[str, Any]) -> dict[str, Any]:
     store = connect_store("127.0.0.1", int(config["port"]), s.timeouts(), PIPELINE_SECRET, None, f"rank {rank}")
     with reproducible(s) as nondeterministic:
         t0 = time.perf_counter()
-        worker, gen = start_worker(s, job, plan, store, rank=rank, world=2, device=device)
+        worker, gen = start_worker(s, job, plan, store, rank=rank, world=int(config.get("world", 2)), device=device)
         build_s = time.perf_counter() - t0
         steps = []
         for _ in range(job.train.steps):
@@ -1220,6 +1224,21 @@ def child_pipeline(s: Settings, config: dict[str, Any]) -> dict[str, Any]:
             "layers": sorted(worker.layers), "nondeterminism_warnings": nondeterministic}
 
 
+def ranks_on_gpus(s: Settings, ranks: int) -> tuple[list[int], dict[str, str], str]:
+    """(the CUDA device of each of `ranks` ranks, extra environment, a name) for a multi-rank run: a GPU
+    each where there are enough, else all on cuda:0 with NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30;
+    benchmarks/nccl/build.sh builds one for a torch wheel with an older NCCL), else Skipped."""
+    n = torch.cuda.device_count()
+    if n >= ranks:
+        return list(range(ranks)), {}, f"nccl_{ranks}_gpus"
+    v = nccl_version()
+    if v is not None and v >= NCCL_MULTI_RANK_MIN:
+        return [0] * ranks, dict(MULTI_RANK_ENV), f"nccl_{ranks}_ranks_on_1_gpu"
+    raise Skipped(f"{n} GPU(s) and NCCL {'.'.join(map(str, v or ()))}: NCCL refuses several ranks on one device "
+                  f"before {'.'.join(map(str, NCCL_MULTI_RANK_MIN))} (build one with benchmarks/nccl/build.sh and "
+                  f"run with LD_PRELOAD=.nccl/lib/libnccl.so.2); {ranks} ranks need {ranks} GPUs here")
+
+
 def pipeline_variants(s: Settings) -> dict[str, tuple[list[int], dict[str, str]]]:
     """name -> (the CUDA device of each rank, extra environment). Raises Skipped where no second rank
     can run. On a CPU two runs: plain gloo (a CPU job's groups) and gloo under NCCL's ordering rules
@@ -1227,27 +1246,24 @@ def pipeline_variants(s: Settings) -> dict[str, tuple[list[int], dict[str, str]]
     if not s.cuda:
         return {"gloo": ([0, 0], {"OOBLECK_NCCL_ORDER": "0"}),
                 "gloo_nccl_order": ([0, 0], {"OOBLECK_NCCL_ORDER": "1"})}
-    v = nccl_version()
-    if torch.cuda.device_count() >= 2:
-        return {"nccl_2_gpus": ([0, 1], {})}
-    if v is not None and v >= NCCL_MULTI_RANK_MIN:
-        return {"nccl_1_gpu_multi_rank": ([0, 0], dict(MULTI_RANK_ENV))}
-    raise Skipped(f"one GPU and NCCL {'.'.join(map(str, v or ()))}: NCCL refuses two ranks on one device "
-                  f"before {'.'.join(map(str, NCCL_MULTI_RANK_MIN))} (NCCL_MULTI_RANK_GPU_ENABLE=1 needs a "
-                  "newer NCCL); a 2-stage NCCL pipeline needs 2 GPUs here")
+    devices, env, name = ranks_on_gpus(s, 2)
+    return {name: (devices, env)}
 
 
 def run_pipeline(s: Settings, job: JobSpec, plan: ExecPlan, devices: list[int], env_extra: dict[str, str],
                  rec: Record, name: str) -> dict[str, torch.Tensor] | None:
-    """Both ranks of the pipeline in child processes; checks recorded under `name`; the union of their
-    trained states (None if a rank did not deliver it)."""
+    """Every rank of `plan` (one per entry of `devices`) in child processes; checks recorded under
+    `name`; the union of their trained states (None if a rank did not deliver it). A wide stage's ranks
+    each hold a shard: `snapshot` gathers whole layers on every rank of the stage."""
     store = master_store()
+    world = len(devices)
     with tempfile.TemporaryDirectory(prefix="gpu_acceptance_pipe_") as tmp:
         folder = Path(tmp)
-        paths = [folder / f"state{r}.pt" for r in range(2)]
+        paths = [folder / f"state{r}.pt" for r in range(world)]
         configs: list[dict[str, Any]] = [
             {"settings": dataclasses.asdict(s), "job": job.to_json(), "plan": plan.to_json(), "rank": r,
-             "port": store.port, "cuda_index": devices[r], "state": str(paths[r])} for r in range(2)]
+             "world": world, "port": store.port, "cuda_index": devices[r], "state": str(paths[r])}
+            for r in range(world)]
         free_device_memory()
         runs = run_children("pipeline", configs, child_env(s, env_extra), s.child_timeout_s, folder)
         states = [torch.load(path) if path.exists() else None for path in paths]
@@ -1262,10 +1278,10 @@ def run_pipeline(s: Settings, job: JobSpec, plan: ExecPlan, devices: list[int], 
         rec.check(f"{name}_exit_0", all(r.returncode == 0 for r in runs),
                   "; ".join(f"rank {i}: exit {r.returncode}: {last_error_line(r.stderr_tail)}"
                             for i, r in enumerate(runs) if r.returncode != 0))
-    first, last = runs[0].result, runs[1].result
+    first, last = runs[0].result, runs[-1].result
     if first is None or last is None or any(x is None for x in states):
         return None
-    losses = [x["loss"] for x in last["steps"]]  # the last stage's (every rank reports the same)
+    losses = [x["loss"] for x in last["steps"]]  # every rank reports the step's loss (the metrics all-reduce)
     step_s = [x["seconds"] for x in first["steps"]]
     out.update(losses=losses, median_step_s=median(step_s[1:] or step_s))
     rec.check(f"{name}_losses_finite", all(math.isfinite(x) for x in losses), f"losses {losses}")
@@ -1306,6 +1322,233 @@ def section_two_stage_pipeline(s: Settings, rec: Record) -> None:
                    f"{boundary / 2**20:.2f} MiB activations: " + (timing or "no run completed"))
 
 
+# ---- (g) wide and folded stages on several NCCL ranks ---------------------------------------------
+
+def whole_layers(worker: Worker) -> dict[str, torch.Tensor]:
+    """Every layer whole (parameters, buffers, optimizer state), by layer key: gathered from a wide
+    stage's shards (every rank of the stage must call it; its first rank gets the layers)."""
+    out: dict[str, torch.Tensor] = {}
+    for i in sorted(worker.layers):
+        payload = worker.layer_payload(i)
+        for name, t in (payload or {}).items():
+            if isinstance(t, torch.Tensor):
+                out[f"{worker.keys[i]}/{name}"] = t
+    return out
+
+
+def child_stage(s: Settings, config: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a hand-set plan (section g): `steps` steps, then its whole layers (a wide stage's
+    first rank) to `state`."""
+    from oobleck_slurm.engine.comm import connect_store
+    from oobleck_slurm.engine.layout import ExecPlan
+    from oobleck_slurm.engine.spec import JobSpec
+
+    job = JobSpec.from_json(config["job"])
+    plan = ExecPlan.from_json(config["plan"])
+    rank, world = int(config["rank"]), int(config["world"])
+    device = torch.device("cuda", int(config["cuda_index"])) if s.cuda else torch.device("cpu")
+    store = connect_store("127.0.0.1", int(config["port"]), s.timeouts(), PIPELINE_SECRET, None, f"rank {rank}")
+    with reproducible(s) as nondeterministic:
+        worker, gen = start_worker(s, job, plan, store, rank=rank, world=world, device=device)
+        losses = [worker.train_step().loss for _ in range(job.train.steps)]
+        state = whole_layers(worker)
+        gen.wait(gen.world.barrier())
+    torch.save(state, config["state"])
+    peak = torch.cuda.max_memory_allocated(device) if s.cuda else None
+    return {"rank": rank, "losses": losses, "peak_memory_allocated": peak, "nondeterminism_warnings": nondeterministic}
+
+
+def wide_plans(s: Settings, one: ExecPlan) -> dict[str, tuple[ExecPlan, int]]:
+    """name -> (a one-pipeline plan whose only stage spans 4 ranks, its microbatch size): kept (gathered
+    once a step), resharded (ZeRO-3: gathered around each use) and folded (microbatches of 2 on 4 ranks:
+    2 microbatches a pass, planning.cost.stage_fold)."""
+    from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec
+
+    n, m = one.num_layers, one.num_microbatches
+    def stage(keep: bool) -> ExecPlan:
+        return ExecPlan(n, m, (PipelineSpec((0,), (0, n), 0, m, (4,), (keep,)),))
+    return {"kept_4_wide": (stage(True), 4), "resharded_4_wide": (stage(False), 4), "folded_4_wide": (stage(True), 2)}
+
+
+def section_wide_stages(s: Settings, rec: Record) -> None:
+    devices, env, name = ranks_on_gpus(s, 4) if s.cuda else ([0] * 4, {"OOBLECK_NCCL_ORDER": "1"}, "gloo_nccl_order")
+    rec.results["ranks"] = name
+    runs: dict[str, Any] = {}
+    for variant, (plan, mbs) in wide_plans(s, planned(s, s.job(steps=1), 1)[0]).items():
+        job = s.job(steps=s.pipe_steps, microbatch_size=mbs, microbatches=4, deterministic=True)
+        one_plan, _, _ = planned(s, job, 1)
+        with reproducible(s):
+            store = master_store()
+            ref_worker, ref_gen = start_worker(s, job, one_plan, store)
+            initial = whole_layers(ref_worker)
+            ref_losses = [ref_worker.train_step().loss for _ in range(job.train.steps)]
+            reference = whole_layers(ref_worker)
+            release(ref_gen)
+            del ref_worker
+            free_device_memory()
+        with tempfile.TemporaryDirectory(prefix="gpu_acceptance_wide_") as tmp:
+            folder, store = Path(tmp), master_store()
+            paths = [folder / f"state{r}.pt" for r in range(4)]
+            configs = [{"settings": dataclasses.asdict(s), "job": job.to_json(), "plan": plan.to_json(), "rank": r,
+                        "world": 4, "port": store.port, "cuda_index": devices[r], "state": str(paths[r])}
+                       for r in range(4)]
+            children = run_children("stage", configs, child_env(s, env), s.child_timeout_s, folder)
+            state = torch.load(paths[0]) if paths[0].exists() else None
+        out: dict[str, Any] = {"microbatch_size": mbs, "plan": plan.to_json(), "one_rank_losses": ref_losses,
+                               "ranks": [{"exit_code": c.returncode, "seconds": c.seconds, "result": c.result,
+                                          **({"output_tail": c.stderr_tail[-3000:]} if c.returncode != 0 else {})}
+                                         for c in children]}
+        runs[variant] = out
+        rec.check(f"{variant}_exit_0", all(c.returncode == 0 for c in children),
+                  "; ".join(f"rank {i}: exit {c.returncode}: {last_error_line(c.stderr_tail)}"
+                            for i, c in enumerate(children) if c.returncode != 0))
+        if state is None or children[0].result is None:
+            continue
+        cmp = compare(reference, state)
+        # A stage of 4 ranks sums each gradient in another order than one rank (4 partial sums, then the
+        # reduce-scatter): not bitwise, so the check is that the two runs moved the model the same way:
+        # the difference between them is small against the update itself.
+        moved = sum(float((reference[k].double() - initial[k].double()).norm() ** 2) for k in reference
+                    if k in initial and reference[k].is_floating_point()) ** 0.5
+        apart = sum(float((reference[k].double() - state[k].double()).norm() ** 2) for k in reference
+                    if k in state and reference[k].is_floating_point()) ** 0.5
+        losses = children[0].result["losses"]
+        out.update(vs_one_rank=cmp, update_norm=moved, difference_norm=apart, losses=losses,
+                   relative_difference=apart / moved if moved else None)
+        rec.check(f"{variant}_same_layers", not cmp["missing_names"], f"missing {cmp['missing_names']}")
+        rec.check(f"{variant}_close_to_one_rank", moved > 0 and apart / moved < WIDE_TOLERANCE[s.precision],
+                  f"|wide - one rank| / |update| = {apart / moved if moved else float('nan'):.3g} "
+                  f"(bitwise: {cmp['equal']}, max |diff| {cmp['max_abs_diff']:.3g})")
+        rec.check(f"{variant}_losses_close", all(math.isclose(a, b, rel_tol=WIDE_TOLERANCE[s.precision])
+                                                 for a, b in zip(losses, ref_losses, strict=True)),
+                  f"{losses} vs one rank {ref_losses}")
+    rec.results["runs"] = runs
+    rec.summary = ", ".join(f"{v}: {r['relative_difference']:.2g} of the update apart from one rank"
+                            for v, r in runs.items() if r.get("relative_difference") is not None) or "no run completed"
+
+
+# How far a wide stage's trained model may be from one rank's, relative to the update (section g):
+# the order of a gradient's sum differs, so fp32 rounding (and bf16's, larger) accumulates over the steps.
+WIDE_TOLERANCE = {"fp32": 1e-3, "fp64": 1e-9, "bf16": 5e-2}
+
+
+# ---- (h) the job as submit runs it: kill -9 of a rank, the spare joins ----------------------------------
+
+class DeviceMemorySampler:
+    """The GPU's used memory (total - free, from torch.cuda.mem_get_info: every process's allocations,
+    NCCL's buffers and the CUDA contexts included) sampled in a thread, with the time of each sample."""
+
+    def __init__(self, period_s: float = 0.05) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True, name="mem-sampler")
+
+    def _run(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            free, total = torch.cuda.mem_get_info()
+            self.samples.append((time.time(), total - free))
+
+    def __enter__(self) -> DeviceMemorySampler:
+        if torch.cuda.is_available():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def peak(self, t0: float = 0.0, t1: float = float("inf")) -> int | None:
+        inside = [b for t, b in self.samples if t0 <= t <= t1]
+        return max(inside) if inside else None
+
+
+def job_state(run: Any) -> dict[str, torch.Tensor]:
+    """The job's final checkpoint (what the first pipeline wrote at the last step), by file and key."""
+    from oobleck_slurm.engine.checkpoint import LAYER_SUFFIX, read_layer_file
+
+    steps = run.spec().train.steps
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted((run.job.checkpoints / f"step{steps}").glob(f"*{LAYER_SUFFIX}")):
+        for k, v in read_layer_file(path, steps).items():
+            if isinstance(v, torch.Tensor):
+                out[f"{path.name}/{k}"] = v
+    return out
+
+
+def section_job_drill(s: Settings, rec: Record) -> None:
+    import _jobs  # benchmarks/_jobs.py: the production start path (prepare_job + start_local)
+
+    nodes, kill_step = 4, 3
+    devices, env, name = ranks_on_gpus(s, nodes + 1) if s.cuda else ([0] * (nodes + 1), {}, "gloo")
+    os.environ.update(env)  # the job's agents and workers inherit it
+    rec.results["ranks"] = name
+    mbs = 4 if s.cuda else 2
+    d = _jobs.recipe_dict(size=s.preset, nodes=nodes, steps=8, global_batch=4 * mbs * 2, microbatch=mbs,
+                          precision=s.precision, f=0, replacement="spare", gpus_per_node=1 if s.cuda else 0,
+                          heartbeat_lease=5.0, step_timeout=120.0, reconfiguration_timeout=300.0)
+    d["model"].update(family=s.family, n_layer=s.n_layer)
+    d["cluster"]["spare_nodes"] = 1
+    d["training"]["deterministic"] = True
+    with tempfile.TemporaryDirectory(prefix="gpu_acceptance_job_") as tmp:
+        root, cache = Path(tmp), Path(tmp) / "templates_cache"
+        estimate = estimate_gpu(s)
+        d["cluster"]["memory_per_device"] = _jobs.budget_for_span(d, 2, cache, estimate, root / "budget")
+        faults = [{"node": "node2", "step": kill_step, "at": "wait:3", "do": "kill"}]
+        t0 = time.time()
+        plain = _jobs.run_job(d, root / "plain", cache, estimate=estimate, timeout=s.child_timeout_s)
+        with DeviceMemorySampler() as mem:
+            drill = _jobs.run_job(d, root / "drill", cache, estimate=estimate, timeout=s.child_timeout_s, faults=faults)
+        a, b = job_state(plain), job_state(drill)
+    cmp = compare(a, b)
+    plans = drill.kind("plan")
+    lost, resumed = drill.kind("node_lost"), drill.kind("resumed")
+    out: dict[str, Any] = {
+        "recipe": d, "plans": [{"reason": p.get("reason"), "pipelines": [[st["node"] for st in pp["stages"]]
+                                                                         for pp in p["pipelines"]],
+                                "spares": p.get("spares")} for p in plans],
+        "node_lost": lost, "resumed": resumed, "node_joined": drill.kind("node_joined"),
+        "losses_uninterrupted": plain.losses(), "losses_drill": drill.losses(), "vs_uninterrupted": cmp,
+        "wall_s": {"uninterrupted": plain.wall_s, "drill": drill.wall_s}, "started": t0,
+        "peak_memory_allocated_per_rank": {e["step"]: e.get("peak_memory") for e in drill.kind("step")},
+    }
+    if mem.samples:
+        t_kill = min((e.get("t", 0.0) for e in lost), default=None)
+        t_back = max((e.get("t", 0.0) for e in resumed), default=None)
+        out["device_used_bytes"] = {"before_kill": mem.peak(0.0, t_kill or 0.0),
+                                    "recovery": mem.peak(t_kill or 0.0, t_back or 0.0),
+                                    "after": mem.peak(t_back or float("inf")), "samples": len(mem.samples)}
+        planned_bytes = [st.get("memory_bytes") or 0 for pp in plans[0]["pipelines"] for st in pp["stages"]]
+        out["planned_bytes_per_rank"] = planned_bytes
+        # What the planner does not count, per rank: CUDA context, NCCL's communicators and buffers, the
+        # caching allocator's slack (issue: communicators in the memory budget).
+        used = out["device_used_bytes"]
+        out["unplanned_bytes_per_rank"] = {k: (used[k] - sum(planned_bytes)) / (nodes + 1) if used.get(k) else None
+                                           for k in ("before_kill", "recovery", "after")}
+    rec.results.update(out)
+    rec.check("node_lost_is_node2", [e["node"] for e in lost] == ["node2"], f"{[(e['node'], e['cause']) for e in lost]}")
+    rec.check("recovered_in_memory", not drill.kind("checkpoint_fallback") and bool(resumed),
+              f"resumed {resumed}, fallback {drill.kind('checkpoint_fallback')}")
+    rec.check("spare_joined", [p.get("reason") for p in plans][-1:] == ["join"] and bool(drill.kind("node_joined")),
+              f"plans {out['plans']}")
+    rec.check("back_to_the_initial_shape", [len(p) for p in out["plans"][-1]["pipelines"]]
+              == [len(p) for p in out["plans"][0]["pipelines"]], f"plans {out['plans']}")
+    # The survivors train the degraded steps on another plan (one pipeline sums what two did), so the
+    # trajectory equals the uninterrupted one up to the order of a gradient's sum: close, not bitwise
+    # (section a is bitwise: one rank, the same plan before and after).
+    la, lb = plain.losses(), drill.losses()
+    tol = WIDE_TOLERANCE[s.precision]
+    rec.check("losses_close", la.keys() == lb.keys() and all(math.isclose(la[k], lb[k], rel_tol=tol) for k in la),
+              f"{la} vs {lb}")
+    apart = max((float((a[k].double() - b[k].double()).abs().max()) for k in a if k in b and a[k].is_floating_point()),
+                default=float("nan"))
+    rec.results["max_abs_diff"] = apart
+    rec.check("same_final_layers", not cmp["missing_names"], f"missing {cmp['missing_names']}")
+    rec.summary = (f"{name}: node2 killed in step {kill_step}, resumed at "
+                   f"{[e['step'] for e in resumed]} after {[round(e.get('total_seconds') or 0, 2) for e in resumed]} s; "
+                   f"final state {'bitwise equal' if cmp['equal'] else f'within {apart:.2g}'} of the uninterrupted run")
+
+
 # ---- running the sections ------------------------------------------------------------------------
 
 @dataclass
@@ -1339,6 +1582,8 @@ RUNNERS: dict[str, Callable[[Settings, Record], None]] = {
     "d": section_copy_bandwidth,
     "e": section_two_ranks_one_gpu,
     "f": section_two_stage_pipeline,
+    "g": section_wide_stages,
+    "h": section_job_drill,
 }
 
 
@@ -1365,7 +1610,7 @@ def section_env(s: Settings, key: str) -> dict[str, str]:
     setting once (so section b's timings keep the default)."""
     from oobleck_slurm.engine.worker import CUBLAS_DETERMINISTIC_WORKSPACE
 
-    if s.cuda and key in ("a", "f") and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+    if s.cuda and key in ("a", "f", "g") and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
         return {"CUBLAS_WORKSPACE_CONFIG": CUBLAS_DETERMINISTIC_WORKSPACE}
     return {}
 

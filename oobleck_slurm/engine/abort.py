@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from oobleck_slurm.engine.comm import CollectiveError, Generation, abort_groups, step_timeout_waits
 from oobleck_slurm.engine.layout import ExecPlan
+from oobleck_slurm.engine.nccl_order import P2POp
 from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.signed_store import SignedStore, unsigned
@@ -177,8 +178,10 @@ class AbortableGeneration(Generation):
 
     def __init__(self, store: dist.Store, number: int, rank: int, world_size: int, plan: ExecPlan,
                  timeouts: JobTimeouts, backend: str = "gloo", on_wait: Callable[[], None] | None = None,
-                 device: torch.device | None = None, superseded: threading.Event | None = None) -> None:
-        super().__init__(store, number, rank, world_size, plan, timeouts, backend, device)
+                 device: torch.device | None = None, superseded: threading.Event | None = None,
+                 previous: Generation | None = None, cancelled: threading.Event | None = None,
+                 built: list[Any] | None = None) -> None:
+        super().__init__(store, number, rank, world_size, plan, timeouts, backend, device, previous, cancelled, built)
         self.watch = FailureWatch(store, number, timeouts, superseded)
         self.on_wait = on_wait
 
@@ -199,6 +202,19 @@ class AbortableGeneration(Generation):
             raise
         except RuntimeError as err:  # whatever the backend raised: a failed collective (see comm.py)
             raise CollectiveError(f"{type(err).__name__}: {err}") from err
+
+    def exchange(self, ops: Sequence[P2POp]) -> list[dist.Work]:
+        """On NCCL, posted from a helper thread: a batch's pairs of the world communicator connect at
+        their first use (p2p connections are lazy whatever NCCL_RUNTIME_CONNECT says), a host-side
+        handshake with the peer that a frozen peer blocks forever. The worker's thread keeps watching
+        the failed key meanwhile, and on it aborts the generation, which ends the handshake."""
+        if self.backend != "nccl":
+            return super().exchange(ops)
+        try:
+            return wait_abortable(lambda: super(AbortableGeneration, self).exchange(ops), self.watch, "exchange")
+        except GenerationAborted:
+            abort_groups(list(self.groups.values()))
+            raise
 
     def align(self) -> None:
         """Wait until every member has adopted the generation's plan, under the step timeout and
@@ -226,7 +242,12 @@ class AbortableGeneration(Generation):
                 raise dist.DistBackendError(f"NCCL work of generation {self.number} timed out after "
                                             f"{bound:g} s")
             time.sleep(self.timeouts.nccl_poll)
-        work.wait()  # completed: surfaces the work's error, if any
+        if work.exception() is not None:
+            # Failed: abort every communicator of the generation at once before anything else touches
+            # one (aborting one at a time while kernels are queued on the others can hang, docs/nccl.md).
+            abort_groups(list(self.groups.values()))
+            raise dist.DistBackendError(f"NCCL work of generation {self.number} failed: {work.exception()}")
+        work.wait()  # completed and successful: orders the current stream after it
 
     def _aborted(self, why: str) -> GenerationAborted:
         if self.backend == "nccl":
@@ -236,23 +257,41 @@ class AbortableGeneration(Generation):
 
 def build_generation(store: dist.Store, number: int, rank: int, world_size: int, plan: ExecPlan,
                      timeouts: JobTimeouts, backend: str = "gloo", on_wait: Callable[[], None] | None = None,
-                     device: torch.device | None = None, superseded: threading.Event | None = None) -> AbortableGeneration:
+                     device: torch.device | None = None, superseded: threading.Event | None = None,
+                     previous: Generation | None = None) -> AbortableGeneration:
     """Build generation `number`'s groups in a helper thread: a member dying while the groups form
     (a failure during recovery) aborts the build instead of blocking until the connect timeout.
     The helper thread gets its own store connection: a group's setup blocks in store calls, and a
     shared client would keep the failed key from this thread's watch (a second failure during the
-    rebuild would then stall the survivors)."""
+    rebuild would then stall the survivors). `previous` (this worker's last generation) is released
+    as soon as the new world has formed (Generation's build order).
+
+    An abandoned build is cancelled: its helper stops at its next group and aborts what it built, and
+    the next build first aborts the groups every abandoned build has formed so far, so that no helper
+    warms up communicators of a dead generation while the next one's form on the same device."""
+    for cancelled, built in _abandoned:
+        abort_groups(built)  # those its helper formed so far; it aborts the rest itself, at its next group
+    _abandoned.clear()
     watch = FailureWatch(store, number, timeouts, superseded)
     group_store = clone_store(store)
+    cancelled, built = threading.Event(), []
     try:
         return wait_abortable(
             lambda: AbortableGeneration(group_store, number, rank, world_size, plan, timeouts, backend, on_wait,
-                                        device, superseded),
+                                        device, superseded, previous, cancelled, built),
             watch, f"generation {number} groups")
     except GenerationAborted:
+        cancelled.set()
+        _abandoned.append((cancelled, built))
         raise
     except RuntimeError as err:  # a member died or stalled while the groups formed
+        cancelled.set()
+        _abandoned.append((cancelled, built))
         raise CollectiveError(f"{type(err).__name__}: {err}") from err
+
+
+# Builds whose worker gave up on them (build_generation): (their cancel flag, the groups formed so far).
+_abandoned: list[tuple[threading.Event, list[Any]]] = []
 
 
 def clone_store(store: dist.Store, attempt_s: float = DEFAULT_TIMEOUTS.store_clone_attempt) -> dist.Store:

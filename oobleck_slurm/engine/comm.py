@@ -51,6 +51,11 @@ COLLECTIVE_ERROR_MARKERS = ("gloo/", "Connection closed by peer", "Connection re
                             "ncclCommAbort", "aborted")
 
 
+class BuildCancelled(RuntimeError):
+    """A generation's build that its worker abandoned (the generation failed while its groups formed)
+    stopped at its next group, its groups aborted."""
+
+
 class CollectiveError(InfrastructureError, RuntimeError):
     """A group operation of a generation failed: a peer died or stalled, or the network failed. Raised
     by the generation's waits and group builds (abort.py) around whatever the backend raised."""
@@ -121,6 +126,9 @@ def abort_groups(groups: list[Group]) -> None:
 # 7.3 against 3.4 ms of CPU a call, 29 against 14 ms): where the input may be overwritten (a kept
 # stage's final gradients, shard.py) gloo all-reduces it in place instead. NCCL's is the cheaper one.
 SCATTER_BY_ALLREDUCE = {"gloo": True, "nccl": False}
+# NCCL groups are also warmed up with a message of this size (Generation._warm_up): twice NCCL's default
+# buffer (NCCL_BUFFSIZE, 4 MiB), so that the algorithm and protocol of a layer-sized message connect then.
+WARM_UP_LARGE_BYTES = 8 * 2**20
 # A step's wait may take the collective timeout beyond this many times the generation's longest step
 # (Generation.wait_timeout): a step's own waits never exceed its wall time; the factor absorbs jitter.
 WAIT_STEP_FACTOR = 2.0
@@ -162,8 +170,11 @@ class Generation:
     """
 
     def __init__(self, store: dist.Store, number: int, rank: int, world_size: int, plan: ExecPlan,
-                 timeouts: JobTimeouts, backend: str = "gloo", device: torch.device | None = None) -> None:
+                 timeouts: JobTimeouts, backend: str = "gloo", device: torch.device | None = None,
+                 previous: Generation | None = None, cancelled: threading.Event | None = None,
+                 built: list[Group] | None = None) -> None:
         self.number = number
+        self.build_log: list[str] = []  # the build's order of events (groups formed, previous released)
         self.rank = rank
         self.world_size = world_size
         self.plan = plan
@@ -201,13 +212,25 @@ class Generation:
         ordered = backend == "gloo" and nccl_order.enabled()
         self.groups: dict[str, Group] = {}
         self._members: dict[str, tuple[int, ...]] = {}
-        for name in sorted(wanted):
+        built = built if built is not None else []  # shared with build_generation: aborted if abandoned
+        # The world first, in every member: once it has formed, every member has left the previous
+        # generation, so its communicators are freed before this one's others allocate theirs (a
+        # recovery never holds two generations' NCCL buffers, which are outside torch's allocator).
+        for name in ["world", *sorted(n for n in wanted if n != "world")]:
             members = wanted[name]
+            if cancelled is not None and cancelled.is_set():
+                abort_groups(built)
+                raise BuildCancelled(f"generation {number}: the build was abandoned (its generation failed)")
             if rank in members:
                 pg = make_group(store, keys.group_prefix(number, name), members.index(rank), len(members),
                                 timeout, backend, timeouts.td("connect_timeout"), device)
+                built.append(cast(Group, pg))
                 self.groups[name] = OrderedGroup(pg, name) if ordered else cast(Group, pg)
                 self._members[name] = members
+                self.build_log.append(f"group {name}")
+            if name == "world" and previous is not None:
+                previous.release(wait=True)
+                self.build_log.append(f"released generation {previous.number}")
         self.world = self.groups["world"]
         role = plan.role(rank)
         self.pipeline: Group | None = None
@@ -227,19 +250,28 @@ class Generation:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """One small operation on every group, in the build order (module doc of the class)."""
+        """One small operation on every group, in the build order (module doc of the class); on NCCL
+        also one of WARM_UP_LARGE_BYTES: NCCL connects each algorithm at its first use
+        (NCCL_RUNTIME_CONNECT), and a small message picks other algorithms and protocols than a
+        layer's gradient, which would otherwise connect inside a step, beyond the failed key's reach."""
+        sizes = [1] + ([WARM_UP_LARGE_BYTES // 4] if self.backend == "nccl" else [])
         for name in sorted(self.groups):
-            group, members = self.groups[name], self._members[name]
-            if name.startswith(("act/", "grad/")):
-                src, dst = (members[0], members[1]) if name.startswith("act/") else (members[1], members[0])
-                probe = torch.zeros(1, device=self.device)
-                peer = dst if self.rank == src else src
-                work = (group.send if self.rank == src else group.recv)([probe], members.index(peer), 0)
-            else:
-                work = group.allreduce([torch.zeros(1, device=self.device)])
-            if self.backend != "nccl":  # gloo's p2p work only completes through wait()
-                work.wait(self.timeouts.td("connect_timeout"))
-                continue
+            for numel in sizes:
+                self._warm_up_one(name, torch.zeros(numel, device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the large probes' blocks: back to the device for NCCL's buffers
+
+    def _warm_up_one(self, name: str, probe: torch.Tensor) -> None:
+        group, members = self.groups[name], self._members[name]
+        if name.startswith(("act/", "grad/")):
+            src, dst = (members[0], members[1]) if name.startswith("act/") else (members[1], members[0])
+            peer = dst if self.rank == src else src
+            work = (group.send if self.rank == src else group.recv)([probe], members.index(peer), 0)
+        else:
+            work = group.allreduce([probe])
+        if self.backend != "nccl":  # gloo's p2p work only completes through wait()
+            work.wait(self.timeouts.td("connect_timeout"))
+        else:
             deadline = time.monotonic() + self.timeouts.connect_timeout
             while not work.is_completed():  # NCCL's wait() would only order the streams
                 if time.monotonic() > deadline:
@@ -310,13 +342,23 @@ class Generation:
             return [pg._end_coalescing(self.device)]
         return [(world.send if op.op == "send" else world.recv)([op.tensor], op.peer, op.tag) for op in ops]
 
-    def release(self) -> None:
-        """Free this generation's groups once no member needs them any more (the next generation has
-        formed, so every member has left this one). A reaper thread drops them: a gloo group's
+    def release(self, wait: bool = False) -> None:
+        """Free this generation's groups once no member needs them any more (the next generation's
+        world has formed, so every member has left this one). A reaper thread drops them: a gloo group's
         destructor waits for its stuck operations (a failed generation's) to time out, and that must
-        not hold up training. NCCL communicators are aborted, which frees their buffers on the device
-        whether the generation failed or ended cleanly."""
+        not hold up training. NCCL communicators are aborted, all at once, which frees their buffers on
+        the device whether the generation failed or ended cleanly; with `wait` that happens before this
+        returns, and torch's cached blocks go back to the device too, so that the next generation's
+        communicators find the memory free. Releasing twice is harmless."""
         groups = list(self.groups.values())
+        if wait and self.backend == "nccl":
+            self.groups.clear()
+            self.layer_group.clear()
+            self.piece_group.clear()
+            self.pipeline = self.stage = None
+            abort_groups(groups)
+            torch.cuda.empty_cache()
+            return
         self.groups.clear()
         self.layer_group.clear()
         self.piece_group.clear()

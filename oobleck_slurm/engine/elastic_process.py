@@ -232,7 +232,7 @@ class ElasticWorker:
         w = self.worker
         w.rank = cfg.members.index(self.node) * self.per_node + self.local
         gen = build_generation(self.store, g, w.rank, len(cfg.members) * self.per_node, plan, self.timeouts,
-                               self.job.backend, None, w.device, superseded=self.superseded)
+                               self.job.backend, None, w.device, superseded=self.superseded, previous=self.gen)
         if self.gen is not None:
             self.gen.release()
         self.gen = w.gen = gen
@@ -312,8 +312,9 @@ class ElasticWorker:
         self.faults.before_groups(w.step)
         t0 = time.perf_counter()
         gen = build_generation(self.store, g, w.rank, world_size, plan, self.timeouts,
-                               self.job.backend, self._on_wait, w.device, superseded=self.superseded)
-        if self.gen is not None:  # every member of gen has left the previous generation
+                               self.job.backend, self._on_wait, w.device, superseded=self.superseded,
+                               previous=self.gen)  # released once g's world has formed
+        if self.gen is not None:  # (already released by the build; harmless)
             self.gen.release()
         self.gen = gen
         t1 = time.perf_counter()

@@ -124,7 +124,8 @@ def worker_env(base: dict[str, str] | os._Environ[str], local: int, threads: int
     so they do not oversubscribe it) and, on GPUs, its device and NCCL's settings (engine/comm.py)."""
     env = dict(base, OMP_NUM_THREADS=str(threads), LOCAL_RANK=str(local), OOBLECK_DEVICE=device)
     if device == "cuda":
-        env.update(NCCL_WORKER_ENV)
+        for name, value in NCCL_WORKER_ENV.items():
+            env.setdefault(name, value)  # a variable the user set is theirs (docs/nccl.md lists ours)
     return env
 
 

@@ -25,6 +25,9 @@ def test_each_worker_gets_its_device_threads_and_nccl_settings() -> None:
     assert gpu["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and gpu["PATH"] == "/bin"
     cpu = worker_env({}, local=1, threads=1, device="cpu")
     assert cpu["OOBLECK_DEVICE"] == "cpu" and not set(NCCL_WORKER_ENV) & set(cpu)
+    # a variable the user set stays theirs (NVLS on an NVSwitch machine, say)
+    mine = worker_env({"NCCL_NVLS_ENABLE": "1"}, local=0, threads=1, device="cuda")
+    assert mine["NCCL_NVLS_ENABLE"] == "1" and mine["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
 
 
 def test_a_gpu_nodes_step_takes_all_its_gpus_without_per_task_binding() -> None:

@@ -1,0 +1,66 @@
+"""A generation's build order (engine/comm.py Generation): the world group first, then the previous
+generation released, then the others; and an abandoned build stops at its next group. Real gloo groups,
+two ranks in threads on one store.
+
+Why: NCCL allocates each communicator's buffers outside torch's allocator, and a worker used to free
+the old generation only after every group of the new one had formed (and warmed up), so a recovery
+held two generations' communicators at once. Once the new world has formed every member has left the
+old generation, so the old one can go first."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import pytest
+import torch.distributed as dist
+from exec_plans import make_plan
+
+from oobleck_slurm.engine.comm import BuildCancelled, Generation
+from oobleck_slurm.timeouts import JobTimeouts
+
+TIMEOUTS = JobTimeouts(collective_timeout=30.0, step_timeout=60.0, connect_timeout=60.0)
+PLAN = make_plan(6, [[0, 3, 6]], [2])  # one pipeline of 2 stages: world, pipe, act/grad edges, layers
+
+
+def _on_both_ranks(build) -> list:
+    out: list = [None, None]
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = build(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_the_new_world_forms_first_then_the_previous_generation_is_released():
+    store = dist.HashStore()
+    store.set_timeout(dt.timedelta(seconds=60))
+    old = _on_both_ranks(lambda r: Generation(store, 0, r, 2, PLAN, TIMEOUTS))
+    assert all(g.groups for g in old)
+    new = _on_both_ranks(lambda r: Generation(store, 1, r, 2, PLAN, TIMEOUTS, previous=old[r]))
+    for g, previous in zip(new, old, strict=True):
+        assert g.build_log[:2] == ["group world", "released generation 0"], g.build_log
+        assert len(g.build_log) == 2 + len(g.groups) - 1  # every other group after the release
+        assert previous.groups == {} and previous.pipeline is None  # released once, harmless twice
+        previous.release()
+
+
+def test_an_abandoned_build_stops_at_its_next_group_and_keeps_nothing():
+    store = dist.HashStore()
+    cancelled = threading.Event()
+    cancelled.set()
+    built: list = []
+    with pytest.raises(BuildCancelled):
+        Generation(store, 0, 0, 1, make_plan(6, [[0, 6]], [2]), TIMEOUTS, cancelled=cancelled, built=built)
+    assert built == []
