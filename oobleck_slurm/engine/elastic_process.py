@@ -140,6 +140,7 @@ class ElasticWorker:
         self.last_step: LastStep | None = None  # the last step it completed
         self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
+        self.eval_logged: int | None = None  # the step of the last evaluation this worker logged (as rank 0)
 
     def _on_wait(self) -> None:
         self.faults.before_wait(self.worker.step)
@@ -332,7 +333,7 @@ class ElasticWorker:
         w = self.worker
         gen.align()
         if g > 0:  # what the step it resumes at is owed, as the loop does after a step
-            if self._eval_due(w.step):  # the failure may have cut it short (else it is repeated)
+            if self._eval_due(w.step) and not self._eval_logged(gen, w.step):  # cut short, or not reached
                 self._evaluate(g)
             self._complete_checkpoint(gen)
         first = True
@@ -368,8 +369,24 @@ class ElasticWorker:
         t0 = time.perf_counter()
         loss, samples = self.worker.evaluate()
         if self.worker.rank == 0:
-            self.log.emit("eval", step=self.worker.step, loss=loss, samples=samples,
+            step = self.worker.step
+            self.log.emit("eval", step=step, loss=loss, samples=samples,
                           seconds=time.perf_counter() - t0, generation=g)
+            # Marked after the event, so that an evaluation is never lost: a death between the two
+            # repeats it. The store outlives this worker; the background writer keeps a stalled store
+            # off the training path.
+            self.eval_logged = step
+            self.step_writer.set(keys.EVAL_LOGGED, str(step))
+
+    def _eval_logged(self, gen: AbortableGeneration, step: int) -> bool:
+        """Whether the evaluation after `step` steps was logged (in an earlier generation): a survivor
+        that logged it says so, else the store's mark (its rank 0 may be lost). Every member calls this:
+        one world all-reduce, so that all of them evaluate, or none."""
+        w = self.worker
+        told = self.eval_logged == step or (w.rank == 0 and records.get_int(self.store, keys.EVAL_LOGGED) == step)
+        flag = torch.tensor([1 if told else 0], dtype=torch.int64, device=w.device)
+        gen.wait(gen.world.allreduce([flag]))
+        return int(flag.item()) > 0
 
     def save_checkpoint(self, root: str, step: int) -> None:
         """Write this worker's share of the checkpoint of `step` (layers it holds first) and wait for it."""

@@ -1,7 +1,10 @@
 """What a recovery owes the step it resumes at, through the production path (supervisor, agents,
-workers; real gloo groups; SIGKILL): the checkpoint due at that step is completed."""
+workers; real gloo groups; SIGKILL): the checkpoint due at that step is completed, and the evaluation
+due at that step is logged once, not again by the new generation."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 from jobrun import assert_matches_reference, run_job, tiny_recipe
@@ -35,3 +38,14 @@ def test_a_checkpoint_due_at_the_resume_step_is_completed_when_the_commit_split_
         for name, p in params.items():
             err = float((p - ref[key][name]).abs().max() / ref[key][name].abs().max().clamp_min(1e-12))
             assert err <= 1e-5, f"{key}.{name}: relative error {err:.2e} against the reference after 2 steps"
+
+
+def test_an_evaluation_done_before_a_failure_is_not_repeated_at_the_resume_step(tmp_path, templates_cache):
+    # The evaluation after 2 steps is logged, then node2 dies as step 2 starts: the job resumes at
+    # step 2, where an evaluation is due, but it was measured and logged already.
+    recipe = tiny_recipe(steps=5)
+    recipe["training"].update(eval_interval=2, eval_samples=5)
+    run = run_job(tmp_path, recipe, templates_cache, faults=[{"node": "node2", "step": 2, "at": "start"}])
+    assert run.kind("replan")[0]["resume_step"] == 2
+    assert_matches_reference(run)
+    assert Counter(e["step"] for e in run.kind("eval")) == {2: 1, 4: 1, 5: 1}, run.kind("eval")
