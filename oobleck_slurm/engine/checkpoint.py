@@ -221,12 +221,14 @@ class CheckpointWriter:
         self.root = Path(root)
         self.data_record = data_record  # step -> its DATA_FILE record (StepBatches.record)
         self._recorded: set[int] = set()
+        self.submitted: set[tuple[int, str]] = set()  # (step, layer key): written or queued
         self._queue: queue.Queue = queue.Queue()
         self._error: Exception | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-writer")
         self._thread.start()
 
     def submit(self, step: int, key: str, payload: dict[str, torch.Tensor]) -> None:
+        self.submitted.add((step, key))
         self._queue.put((step, key, payload))
 
     def _run(self) -> None:

@@ -41,7 +41,7 @@ import torch
 from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE, JobDir, load_secret
 from oobleck_slurm.cluster.lease import PublishedEpoch, read_lease
 from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation, clone_store
-from oobleck_slurm.engine.checkpoint import CheckpointWriter
+from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_file
 from oobleck_slurm.engine.comm import connect_store, is_collective_error
 from oobleck_slurm.engine.faults import FaultHooks
 from oobleck_slurm.engine.layout import ExecPlan
@@ -140,6 +140,7 @@ class ElasticWorker:
         self.last_step: LastStep | None = None  # the last step it completed
         self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
+        self.eval_logged: int | None = None  # the step of the last evaluation this worker logged (as rank 0)
 
     def _on_wait(self) -> None:
         self.faults.before_wait(self.worker.step)
@@ -332,8 +333,10 @@ class ElasticWorker:
         """Generation g's steps, from the worker's step on; then the final checkpoint."""
         w = self.worker
         gen.align()
-        if g > 0 and self._eval_due(w.step):  # the failure may have cut it short (else it is repeated)
-            self._evaluate(g)
+        if g > 0:  # what the step it resumes at is owed, as the loop does after a step
+            if self._eval_due(w.step) and not self._eval_logged(gen, w.step):  # cut short, or not reached
+                self._evaluate(g)
+            self._complete_checkpoint(gen)
         first = True
         while w.step < self.job.train.steps:
             if first and g > 0:
@@ -369,8 +372,24 @@ class ElasticWorker:
         t0 = time.perf_counter()
         loss, samples = self.worker.evaluate()
         if self.worker.rank == 0:
-            self.log.emit("eval", step=self.worker.step, loss=loss, samples=samples,
+            step = self.worker.step
+            self.log.emit("eval", step=step, loss=loss, samples=samples,
                           seconds=time.perf_counter() - t0, generation=g)
+            # Marked after the event, so that an evaluation is never lost: a death between the two
+            # repeats it. The store outlives this worker; the background writer keeps a stalled store
+            # off the training path.
+            self.eval_logged = step
+            self.step_writer.set(keys.EVAL_LOGGED, str(step))
+
+    def _eval_logged(self, gen: AbortableGeneration, step: int) -> bool:
+        """Whether the evaluation after `step` steps was logged (in an earlier generation): a survivor
+        that logged it says so, else the store's mark (its rank 0 may be lost). Every member calls this:
+        one world all-reduce, so that all of them evaluate, or none."""
+        w = self.worker
+        told = self.eval_logged == step or (w.rank == 0 and records.get_int(self.store, keys.EVAL_LOGGED) == step)
+        flag = torch.tensor([1 if told else 0], dtype=torch.int64, device=w.device)
+        gen.wait(gen.world.allreduce([flag]))
+        return int(flag.item()) > 0
 
     def save_checkpoint(self, root: str, step: int) -> None:
         """Write this worker's share of the checkpoint of `step` (layers it holds first) and wait for it."""
@@ -394,22 +413,45 @@ class ElasticWorker:
         return [i for i in sorted(w.layers) if w.plan is not None and w.rank in w.plan.holder_stages(i)[0]]
 
     def _checkpoint_due(self, step: int) -> bool:
-        """A periodic checkpoint is taken after every `checkpoint_interval` steps but the last (the final
-        checkpoint is the trained model's)."""
-        return self.checkpoint_interval > 0 and step % self.checkpoint_interval == 0 and step < self.job.train.steps
+        """A periodic checkpoint is written after every `checkpoint_interval` steps (the last step's is
+        the final checkpoint)."""
+        i = self.checkpoint_interval
+        return i > 0 and 0 < step < self.job.train.steps and step % i == 0
 
     def _maybe_checkpoint(self) -> None:
+        if self._checkpoint_due(self.worker.step):
+            self._submit_layers(self._first_held(self.worker))
+
+    def _submit_layers(self, layers: list[int]) -> None:
+        """Queue `layers` for the checkpoint of the worker's step: cloned now (the next step changes the
+        tensors), serialised in the background."""
+        w = self.worker
+        if not layers:
+            return
+        if self.writer is None:
+            self.writer = CheckpointWriter(self.checkpoint_root, self.worker.batches.record)
+        for i in layers:
+            if (payload := w.layer_payload(i)) is not None:
+                self.writer.submit(w.step, w.keys[i], payload)
+
+    def _complete_checkpoint(self, gen: AbortableGeneration) -> None:
+        """At the step a recovery resumes at, write the layers its checkpoint lacks. The step's writers
+        may be lost, or may have held the step pending when the generation failed (its commit completed
+        on other ranks only): they completed it in the recovery, after their loop's checkpoint. Every
+        member calls this: one world all-reduce of what each sees written or queued, so that the ranks
+        of a wide stage, which gather a layer together, agree on what to write."""
         w = self.worker
         if not self._checkpoint_due(w.step):
             return
         mine = self._first_held(w)
-        if not mine:
-            return
-        if self.writer is None:
-            self.writer = CheckpointWriter(self.checkpoint_root, self.worker.batches.record)
-        for i in mine:  # clone now (the next step changes the tensors), serialise in the background
-            if (payload := w.layer_payload(i)) is not None:
-                self.writer.submit(w.step, w.keys[i], payload)
+        seen = torch.zeros(len(w.keys), dtype=torch.int64, device=w.device)
+        queued = self.writer.submitted if self.writer is not None else set()
+        for i in mine:
+            if (w.step, w.keys[i]) in queued or layer_file(self.checkpoint_root, w.step, w.keys[i]).exists():
+                seen[i] = 1
+        gen.wait(gen.world.allreduce([seen]))
+        written = seen.cpu().tolist()
+        self._submit_layers([i for i in mine if not written[i]])
 
 
 def _log_ready(name: str) -> None:

@@ -186,7 +186,6 @@ class Worker:
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.grads: dict[int, torch.Tensor] = {}  # layer -> the flat buffer its parameters' .grad view
         self.shards: dict[int, ShardedLayer] = {}  # layer -> this rank's shard, on a stage wider than one rank
-        self._held: dict[int, dict[int, tuple[int, int]]] | None = None  # every rank's holdings, during adopt
         self.pending: PendingStep | None = None  # a step finished everywhere but not yet applied here
         self.before_update: Callable[[int], None] | None = None  # called before each layer's update (faults)
         self.plan: ExecPlan | None = None
@@ -314,27 +313,38 @@ class Worker:
             for index in sorted(needed):
                 received += self._fresh_layer(index, role=role, checkpoint=checkpoint)
             self.step = checkpoint[1]
-        elif source == "memory" and (plan.sharded or self._any_sharded(gen, plan.num_layers)):
-            received = self._adopt_slices(plan, gen, role, list(transfers))
         elif source == "memory":
-            incoming = [layer for layer, _, dst in transfers if dst == self.rank]
-            for index in incoming:
-                self._fresh_layer(index, initialise=False)
-            try:
-                with step_timeout_waits(gen):
-                    received = run_transfers(gen, list(transfers), self.layers, self.optimizers)
-            except BaseException:
-                for index in incoming:
-                    self._drop_layer(index)
-                raise
-            for index in list(self.layers):
-                if index not in needed:
-                    self._drop_layer(index)
+            # What every rank holds now, read by every adopt (one world all-reduce): a table kept from an
+            # earlier adopt names layers dropped since, and a newcomer would post the all-reduce alone.
+            held = self._holdings(gen, plan.num_layers)
+            if plan.sharded or any(w > 1 for layers in held.values() for w, _ in layers.values()):
+                received = self._adopt_slices(plan, gen, role, list(transfers), held)
+            else:
+                received = self._adopt_whole(gen, list(transfers), needed)
         else:
             raise ValueError(f"adopt: source must be 'seed', 'checkpoint' or 'memory', got {source!r}")
         if missing := needed - set(self.layers):
             raise RuntimeError(f"rank {self.rank} lacks layer(s) {sorted(missing)} after adopting the plan")
         self.plan, self.gen, self.role = plan, gen, role
+        return received
+
+    def _adopt_whole(self, gen: Generation, transfers: list[tuple[int, int, int]], needed: set[int]) -> int:
+        """Adopt a plan of width-1 stages from holders of whole layers: receive the layers `transfers`
+        bring, then drop those not `needed`. A copy that fails drops the half-received layers again.
+        Returns the bytes received."""
+        incoming = [layer for layer, _, dst in transfers if dst == self.rank]
+        for index in incoming:
+            self._fresh_layer(index, initialise=False)
+        try:
+            with step_timeout_waits(gen):
+                received = run_transfers(gen, transfers, self.layers, self.optimizers)
+        except BaseException:
+            for index in incoming:
+                self._drop_layer(index)
+            raise
+        for index in list(self.layers):
+            if index not in needed:
+                self._drop_layer(index)
         return received
 
     def _holdings(self, gen: Generation, num_layers: int) -> dict[int, dict[int, tuple[int, int]]]:
@@ -350,11 +360,6 @@ class Worker:
         rows = table.cpu().tolist()
         return {r: {i: (w, k - 1) for i, (w, k) in enumerate(row) if w > 0} for r, row in enumerate(rows)}
 
-    def _any_sharded(self, gen: Generation, num_layers: int) -> bool:
-        """Whether some rank holds a layer sharded (every rank of `gen` calls this: a collective)."""
-        self._held = self._holdings(gen, num_layers)
-        return any(w > 1 for held in self._held.values() for w, _ in held.values())
-
     def _flat_source(self, index: int) -> FlatHolding:
         """This rank's holding of layer `index` in flat form."""
         sharded = self.shards.get(index)
@@ -366,15 +371,13 @@ class Worker:
         return FlatHolding(torch.cat([q.detach().reshape(-1) for q in layer.parameters()]), moments, step, factored, 0)
 
     def _adopt_slices(self, plan: ExecPlan, gen: Generation, role: Role | None,
-                      transfers: list[tuple[int, int, int]]) -> int:
+                      transfers: list[tuple[int, int, int]], held: dict[int, dict[int, tuple[int, int]]]) -> int:
         """Adopt `plan` from the holders' memory when a stage of it or a holding is wider than one
         rank: every rank gets its new shard of each layer (the whole layer on a stage of one) as
         element ranges of parameters and optimizer moments from one whole replica (shard.slice_moves),
         with CAME also the layer's row/column statistics, whole, from one rank of that replica
-        (shard.factored_moves); all posted as one batch, then the old holdings are replaced. Returns
-        the bytes received."""
-        held = getattr(self, "_held", None) or self._holdings(gen, plan.num_layers)
-        self._held = None
+        (shard.factored_moves); all posted as one batch, then the old holdings are replaced. `held`:
+        what every rank holds now (`_holdings`, read in this adopt). Returns the bytes received."""
         stages = [(p.stage_ranks(s), p.stage_layers(s)) for p in plan.pipelines for s in range(p.num_stages)]
         moves = slice_moves(stages, held, transfers)
         came = self.job.optim.name == "came"

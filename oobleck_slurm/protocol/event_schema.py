@@ -214,7 +214,9 @@ class Step(Event):
 @dataclass(frozen=True, kw_only=True)
 class Eval(Event):
     """The validation loss after `step` steps (rank 0, every `training.eval_interval` steps and at the
-    end). Computed on the same samples whatever the plan; a recovery may repeat one (same value)."""
+    end). Computed on the same samples whatever the plan. A recovery that resumes at that step does not
+    repeat a logged one (it may after a supervisor's takeover, or with rank 0 lost right after logging
+    it); steps redone from a checkpoint log theirs again."""
 
     kind = "eval"
     step: int = required("steps done when it was measured")

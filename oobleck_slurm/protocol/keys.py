@@ -15,6 +15,7 @@ node is the unit of membership (a plan places pipelines on nodes; a lost worker 
     gen{g}/first_step            the first completed step of g and its time (recovery events)
     gen{g}/errors                count of collective errors in g; gen{g}/error/{worker}: each one
     gen{g}/{group}               the prefix under which a process group of g is built
+    eval_logged                  the last step whose evaluation rank 0 logged (not repeated at a resume)
     worker/{worker}/step         the last step in which the worker reached a collective (names a hung rank)
     worker/{worker}/ready        the worker process is up (imports, model code) and can join
     fault/{i}                    a drill's fault i fired (fired once, even across restarts)
@@ -28,6 +29,7 @@ counters included, is signed (signed_store.py).
 from __future__ import annotations
 
 CURRENT_GEN = "current_gen"
+EVAL_LOGGED = "eval_logged"
 
 
 def worker_id(node: str, local: int) -> str:

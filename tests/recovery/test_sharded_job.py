@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from documents_corpus import documents_folder
 from jobrun import JobRun, assert_matches_reference, run_job, start_and_wait, tiny_recipe
+from reference import train_reference
 
+from oobleck_slurm.engine.checkpoint import layer_file, read_layer_file
 from oobleck_slurm.protocol.events import read_events
 
 pytestmark = pytest.mark.slow
@@ -71,6 +73,30 @@ def test_kill_9_of_a_node_with_sharded_stages_keeps_the_trajectory(tmp_path, tem
     # (the step's metrics are summed over the world): within its step's time, not 2 or 4 times it
     ratios = sorted(max(e["pipeline_seconds"]) / e["seconds"] for e in run.kind("step"))
     assert ratios[len(ratios) // 2] < 1.3, ratios
+
+
+def test_a_checkpoint_at_the_resume_step_is_completed_by_wide_stages(tmp_path, templates_cache):
+    # node1 (half of the first pipeline, whose 2-wide stages write their layers to the checkpoint)
+    # dies in step 2's optimizer step, after the commit point: the others apply step 2 and write
+    # their layers of the checkpoint of step 3, node1's are never written. The job resumes at step 3,
+    # where the new plan's first holders (stages of other widths, which gather each layer together)
+    # write what is missing.
+    recipe = sharded_recipe(3, steps=5, checkpoint_interval=3)
+    run = run_job(tmp_path, recipe, templates_cache, timeout=JOB_TIMEOUT_S,
+                  faults=[{"node": "node1", "worker": 0, "step": 2, "at": "optimizer"}])
+    assert run.kind("failure")[0]["nodes"] == ["node1"] and run.kind("replan")[0]["resume_step"] == 3
+    assert any(w > 1 for ws in widths(run.kind("plan")[-1]) for w in ws)
+    assert_matches_reference(run)
+    spec = run.spec()
+    _, ref = train_reference(spec, 3)
+    for key in spec.model.keys():
+        path = layer_file(run.job.checkpoints, 3, key)
+        assert path.exists(), f"the checkpoint of step 3 lacks {key}"
+        for name, p in read_layer_file(path, 3).items():
+            if name.startswith("param."):
+                want = ref[key][name[len("param."):]]
+                err = float((p - want).abs().max() / want.abs().max().clamp_min(1e-12))
+                assert err <= 1e-5, f"{key}.{name}: relative error {err:.2e} against the reference after 3 steps"
 
 
 def test_a_replacement_joins_and_the_widths_change_between_plans(tmp_path, templates_cache):
