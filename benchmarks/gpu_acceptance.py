@@ -1483,7 +1483,7 @@ def section_job_drill(s: Settings, rec: Record) -> None:
     devices, env, name = ranks_on_gpus(s, nodes + 1) if s.cuda else ([0] * (nodes + 1), {}, "gloo")
     os.environ.update(env)  # the job's agents and workers inherit it
     rec.results["ranks"] = name
-    mbs = 4 if s.cuda else 2
+    mbs = 2  # 16 samples a step: 8 steps stay within the shipped text's windows at a GPU slice's 2048 tokens
     d = _jobs.recipe_dict(size=s.preset, nodes=nodes, steps=8, global_batch=4 * mbs * 2, microbatch=mbs,
                           precision=s.precision, f=0, replacement="spare", gpus_per_node=1 if s.cuda else 0,
                           heartbeat_lease=5.0, step_timeout=120.0, reconfiguration_timeout=300.0)
