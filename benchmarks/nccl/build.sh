@@ -18,11 +18,11 @@ arch=${NCCL_ARCH:-90}
 out=${NCCL_OUT:-$here/.nccl}
 jobs=${JOBS:-$(nproc)}
 cuda=${CUDA_HOME:-/usr/local/cuda}
-# Only the kernels torch's NCCL backend launches for this engine (every operation is a SUM, AVG or MAX
-# all-reduce, a SUM reduce-scatter, an all-gather, a broadcast or a send/recv; NCCL_ONLY_FUNCS= builds all):
-# the device code is most of the build (about 45 s of a core per generated file), and the full set is 132
-# files. A collective outside the set fails with NCCL's error naming it, never silently.
-only=${NCCL_ONLY_FUNCS-'AllReduce (Sum|MinMax|PreMulSum) (f32|bf16|f16|f64|u8|i8|u32|i32|u64|i64) * *|ReduceScatter (Sum|PreMulSum) (f32|bf16|f16|f64) * *|AllGather * *|AllGatherV * *|Broadcast * *|SendRecv'}
+# Only the kernels torch's NCCL backend launches for this engine (every collective is a SUM all-reduce,
+# a SUM reduce-scatter, an all-gather, a broadcast or a send/recv, of fp32, bf16, fp64 (the step's
+# metrics) or integers; NCCL_ONLY_FUNCS= builds them all): the device code is most of the build (30-120 s
+# of a core per generated file, 132 files in all). A collective outside the set fails with NCCL's error.
+only=${NCCL_ONLY_FUNCS-'AllReduce Sum (f32|bf16|f64|u8|u64|i64) * *|ReduceScatter Sum (f32|bf16) * *|AllGather * *|Broadcast * *|SendRecv'}
 
 [ -x "$cuda/bin/nvcc" ] || { echo "build.sh: no nvcc under CUDA_HOME=$cuda (set CUDA_HOME)" >&2; exit 2; }
 work="$out/src"

@@ -9,4 +9,8 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 lib=${NCCL_LIB:-$here/.nccl/lib/libnccl.so.2}
 [ -f "$lib" ] || { echo "run_multi_rank.sh: no $lib: build it with benchmarks/nccl/build.sh" >&2; exit 2; }
 export LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}"
+# Ranks sharing one GPU share its SMs: a collective's kernel spins until every peer's kernel runs, so
+# the ranks' resident kernels together must fit (an H100/H200 has 132 SMs; 5 ranks with a few
+# operations in flight each). NCCL's limits on CTAs per kernel, unless set already.
+export NCCL_MAX_CTAS=${NCCL_MAX_CTAS:-8} NCCL_MAX_P2P_NCHANNELS=${NCCL_MAX_P2P_NCHANNELS:-8}
 exec python3 "$here/benchmarks/gpu_acceptance.py" --only "${SECTIONS:-e,f,g,h}" "$@"
