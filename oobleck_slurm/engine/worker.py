@@ -189,6 +189,7 @@ class Worker:
         self._held: dict[int, dict[int, tuple[int, int]]] | None = None  # every rank's holdings, during adopt
         self.pending: PendingStep | None = None  # a step finished everywhere but not yet applied here
         self.before_update: Callable[[int], None] | None = None  # called before each layer's update (faults)
+        self.before_scatter: Callable[[int], None] | None = None  # before each reduce-scatter wait (faults)
         self.plan: ExecPlan | None = None
         self.gen: Generation | None = None
         self.role: Role | None = None
@@ -644,6 +645,8 @@ class Worker:
         def flush_scatters() -> None:
             while scattering:
                 work = scattering.pop(0)
+                if self.before_scatter is not None:
+                    self.before_scatter(self.step)
                 work.complete(gen.wait)  # the pieces read its result
                 for position in work.positions:
                     post_pieces(role.layers.start + position)  # type: ignore[union-attr]
