@@ -104,6 +104,10 @@ class JobTimeouts:
     # A worker leaving a generation stops its reader thread (engine/prefetch.py) and waits this long for
     # the read it is in (one step's samples: milliseconds); past it the daemon thread ends on its own.
     prefetch_stop: float = 1.0
+    # A drill's "hold" fault waits this long at most for its generation to be declared failed, and an
+    # "after" condition for the workers it names to reach the fault's step (engine/faults.py): both
+    # come within a recovery's detection, so past it the drill was written wrong and the worker says so.
+    fault_wait_max: float = 120.0
     # Under Slurm with supervisor failover, the training nodes are one-node jobs the supervisor submits
     # when it starts (docs/failover.md): how long they may wait in the queue before the job gives up.
     node_jobs_timeout: float = 600.0
@@ -151,6 +155,8 @@ class JobTimeouts:
     agent_poll: float = 0.02
     # An agent looks for the supervisor's address file this often while it waits.
     address_poll: float = 0.2
+    # A drill's "after" condition reads the progress of the workers it names this often (a store read each).
+    fault_poll: float = 0.01
     # A waiting worker reads its FailureWatch's flag (no store request) this often: bounds abort latency.
     abort_poll: float = 0.01
     # A FailureWatch thread re-issues its blocking store wait this often, on a fresh connection.

@@ -69,14 +69,14 @@ class JobRun:
     def spec(self) -> JobSpec:
         return JobSpec.from_json(self.job.job_spec.read_text())
 
-    def final_params(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The final checkpoint's parameters, by layer key then parameter name."""
+    def final_params(self, kind: str = "param") -> dict[str, dict[str, torch.Tensor]]:
+        """The final checkpoint's parameters (`kind` "state": optimizer state), by layer key then name."""
         steps = self.spec().train.steps
         out = {}
         for path in sorted((self.job.checkpoints / f"step{steps}").glob(f"*{LAYER_SUFFIX}")):
             payload = read_layer_file(path, steps)  # tensors the job itself wrote
-            out[path.name[: -len(LAYER_SUFFIX)]] = {k[len("param."):]: v for k, v in payload.items()
-                                                    if k.startswith("param.")}
+            out[path.name[: -len(LAYER_SUFFIX)]] = {k[len(kind) + 1:]: v for k, v in payload.items()
+                                                    if k.startswith(f"{kind}.")}
         return out
 
     def log_tails(self) -> str:
@@ -141,11 +141,12 @@ def run_job(tmp_path: Path, recipe: dict[str, Any], cache_dir: Path, *, faults: 
     return run
 
 
-def assert_matches_reference(run: JobRun, rtol: float = 1e-5) -> None:
-    """Every step's loss and the final checkpoint's parameters equal the single-process reference
-    (tests/reference.py) within `rtol` relative (max element-wise error over the tensor's max); fp64
-    jobs: see tests/engine/test_exact.py for why 1e-5 separates errors from rounding."""
-    from reference import reference_evals, train_reference
+def assert_matches_reference(run: JobRun, rtol: float = 1e-5, optimizer_state: bool = False) -> None:
+    """Every step's loss and the final checkpoint's parameters (with `optimizer_state`, its optimizer
+    state too, step counters included) equal the single-process reference (tests/reference.py) within
+    `rtol` relative (max element-wise error over the tensor's max); fp64 jobs: see
+    tests/engine/test_exact.py for why 1e-5 separates errors from rounding."""
+    from reference import reference_evals, reference_optimizer_state, train_reference
 
     spec = run.spec()
     ref_losses, ref_params = train_reference(spec)
@@ -161,10 +162,21 @@ def assert_matches_reference(run: JobRun, rtol: float = 1e-5) -> None:
             assert abs(loss - ref_evals[step]) <= rtol * abs(ref_evals[step]), (step, loss, ref_evals[step])
     params = run.final_params()
     assert sorted(params) == sorted(ref_params)  # every layer is in the final checkpoint
-    for key, tensors in params.items():
-        for name, p in tensors.items():
-            ref = ref_params[key][name]
-            assert p.dtype == ref.dtype
-            err = float((p - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-            assert err <= rtol, f"{key}.{name}: relative error {err:.2e}"
+    assert_tensors_match(params, ref_params, rtol)
+    if optimizer_state:
+        assert_tensors_match(run.final_params("state"), reference_optimizer_state(spec), rtol)
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-6  # training moved: the comparison can fail
+
+
+def assert_tensors_match(got: dict[str, dict[str, torch.Tensor]], ref: dict[str, dict[str, torch.Tensor]],
+                         rtol: float) -> None:
+    """The same layers and tensor names, each tensor within `rtol` relative (max element-wise error over
+    the reference's max: a step counter one off is an error of 1/steps)."""
+    assert sorted(got) == sorted(ref)
+    for key, tensors in ref.items():
+        assert sorted(got[key]) == sorted(tensors), key
+        for name, r in tensors.items():
+            g = got[key][name].to(r.device)
+            assert g.shape == r.shape and g.dtype == r.dtype, (key, name, g.shape, r.shape, g.dtype, r.dtype)
+            err = float((g.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-12)) if r.numel() else 0.0
+            assert err <= rtol, f"{key}.{name}: relative error {err:.2e}"

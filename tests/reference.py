@@ -23,8 +23,10 @@ from oobleck_slurm.engine.layer_optim import (
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.models.documents import Documents, run_layer
+from oobleck_slurm.optim import optimizer_state_tensors
 
-_TRAINED: dict[str, tuple[list[float], dict[str, dict[str, torch.Tensor]], dict[int, float]]] = {}
+Tensors = dict[str, dict[str, torch.Tensor]]  # by layer key, then tensor name
+_TRAINED: dict[str, tuple[list[float], Tensors, dict[int, float], Tensors]] = {}
 
 
 def _trajectory_key(job: JobSpec, steps: int) -> str:
@@ -55,8 +57,16 @@ def train_reference(job: JobSpec, steps: int | None = None
             _TRAINED[key] = _train(job, steps)
         finally:
             torch.set_num_threads(threads)
-    losses, params, _ = _TRAINED[key]
+    losses, params, _, _ = _TRAINED[key]
     return list(losses), {k: {n: p.clone() for n, p in tensors.items()} for k, tensors in params.items()}
+
+
+def reference_optimizer_state(job: JobSpec) -> Tensors:
+    """The final optimizer state of each layer, by layer key then the names `optimizer_state_tensors`
+    gives it (those of a checkpoint's `state.<name>` tensors), after job.train.steps steps."""
+    train_reference(job)
+    states = _TRAINED[_trajectory_key(job, job.train.steps)][3]
+    return {k: {n: t.clone() for n, t in tensors.items()} for k, tensors in states.items()}
 
 
 def reference_evals(job: JobSpec) -> dict[int, float]:
@@ -74,7 +84,7 @@ def _documents(job: JobSpec, tokens: torch.Tensor) -> Documents | None:
     return Documents.of(tokens, job.data.eos_id)
 
 
-def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, torch.Tensor]], dict[int, float]]:
+def _train(job: JobSpec, steps: int) -> tuple[list[float], Tensors, dict[int, float], Tensors]:
     t = job.train
     layers = [layer.to(t.param_dtype) for layer in job.model.build(t.seed, 0, job.model.num_layers)]
     optimizers = [make_layer_optimizer(layer, job.optim) for layer in layers]
@@ -114,4 +124,6 @@ def _train(job: JobSpec, steps: int) -> tuple[list[float], dict[str, dict[str, t
     keys = job.model.keys()
     params = {keys[i]: {n: p.detach().clone() for n, p in layer.named_parameters()}
               for i, layer in enumerate(layers)}
-    return losses, params, evals
+    states = {keys[i]: {n: t.detach().clone() for n, t in optimizer_state_tensors(opt).items()}
+              for i, opt in enumerate(optimizers)}
+    return losses, params, evals, states

@@ -4,8 +4,10 @@ its workers: torch is imported once, not once per rank). It reads OUT_DIR/job.js
 generation, with the step each one starts at), trains through them on real gloo groups built on the
 test's store, and writes its per-step losses (rank 0) and the layers it gathers whole (first pipeline)
 to OUT_DIR, and every replica's gathered layers (`replicas<rank>.pt`, by (layer key, rank)). A generation
-may name ranks to kill -9 at a wait of a step (`kill`): the test then plays the coordinator (the failed
-key, the survivors' reports, the step to resume at: tests/engine/test_sharded.py). A generation marked
+may name a node's ranks to lose (`kill`): they kill -9 themselves at a wait of a step (`step`, `wait`),
+or the production fault hooks (engine/faults.py FaultHooks, node `node<rank // 4>`, worker `rank % 4`)
+carry out its `faults`; the test then plays the coordinator (the failed key, the survivors' reports, the
+step to resume at: tests/engine/test_sharded.py). A generation marked
 `checkpoint` starts from a checkpoint that the first pipeline of the one before writes to OUT_DIR/ckpt
 when it stops (whole-layer files, gathered from wide stages)."""
 
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from oobleck_slurm.engine.abort import GenerationAborted, build_generation
 from oobleck_slurm.engine.checkpoint import save_layer
 from oobleck_slurm.engine.comm import is_collective_error
+from oobleck_slurm.engine.faults import FaultHooks
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.recovery import can_complete, reach_step
 from oobleck_slurm.engine.spec import JobSpec
@@ -32,6 +35,7 @@ from oobleck_slurm.timeouts import JobTimeouts
 
 # generous: the machine is shared, and nothing here should time out
 TIMEOUTS = JobTimeouts(collective_timeout=120.0, step_timeout=300.0, connect_timeout=300.0, store_timeout=300.0)
+WORKERS_PER_NODE = 4  # node n is ranks 4n .. 4n + 3
 
 
 def coordinator_transfers(old: ExecPlan, new: ExecPlan) -> list[tuple[int, int, int]]:
@@ -70,16 +74,28 @@ def main(argv: list[str]) -> None:
     store.set(f"pid/{rank}", str(os.getpid()))
     losses: dict[int, float] = {}
     old: ExecPlan | None = None
+    node, local = f"node{rank // WORKERS_PER_NODE}", rank % WORKERS_PER_NODE
     for g, entry in enumerate(plans):
         plan = ExecPlan.from_json(entry["plan"])
         world = entry.get("world", world)
         kill = entry.get("kill")
         waits = [0]
+        faults = FaultHooks(kill.get("faults", []) if kill else [], store, node, local, TIMEOUTS)
+        faults.generation = g
+        worker.before_update, worker.before_scatter = faults.before_update, faults.before_scatter
+        reported = [-1]
 
-        def on_wait(kill: dict | None = kill, waits: list[int] = waits) -> None:
-            """A node's loss: its first rank, at wait number kill["wait"] of step kill["step"], kills -9
-            every worker of the node (itself last): they fail together."""
-            if kill and rank == kill["ranks"][0] and worker.step == kill["step"]:
+        def on_wait(kill: dict | None = kill, waits: list[int] = waits, faults: FaultHooks = faults,
+                    reported: list[int] = reported) -> None:
+            """The production hooks (faults, and the step progress a fault's "after" reads, written as
+            the worker writes it: at a step's first wait), or a node's loss: its first rank, at wait number
+            kill["wait"] of step kill["step"], kills -9 every worker of the node (itself last): they fail
+            together."""
+            faults.before_wait(worker.step)
+            if reported[0] != worker.step:
+                store.set(keys.worker_step(keys.worker_id(node, local)), str(worker.step))
+                reported[0] = worker.step
+            if kill and "wait" in kill and rank == kill["ranks"][0] and worker.step == kill["step"]:
                 waits[0] += 1
                 if waits[0] == kill["wait"]:
                     for r in kill["ranks"][1:]:
@@ -98,7 +114,9 @@ def main(argv: list[str]) -> None:
         stop = plans[g + 1]["step"] if g + 1 < len(plans) and not kill else job.train.steps
         try:
             while worker.step < stop:
+                faults.at_step_start(worker.step)
                 result = worker.train_step()
+                faults.at_step_end()
                 losses[result.step] = result.loss
         except Exception as e:
             if not kill or not (isinstance(e, GenerationAborted) or is_collective_error(e)):

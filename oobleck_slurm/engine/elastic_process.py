@@ -134,8 +134,9 @@ class ElasticWorker:
                              name="epoch-watch", daemon=True).start()
         device = torch.device("cuda", torch.cuda.current_device()) if self.job.backend == "nccl" else None
         self.worker = Worker(self.job, 0, device)
-        self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local)
+        self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local, self.timeouts)
         self.worker.before_update = self.faults.before_update
+        self.worker.before_scatter = self.faults.before_scatter
         self.gen: AbortableGeneration | None = None  # the generation this worker last built
         self.last_step: LastStep | None = None  # the last step it completed
         self.step_reported = False  # this step's progress is in the store (at its first wait)

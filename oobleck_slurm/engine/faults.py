@@ -4,7 +4,8 @@ The job folder's faults.json (copied into the job spec as `extra["faults"]` by t
 list of faults:
 
     {"node": N, "worker": i (default 0), "step": S, "generation": G, "at": POINT (default "start"),
-     "do": "kill" (default) | "hang" | "pause" | "slow", "seconds": T (pause and slow)}
+     "do": "kill" (default) | "hang" | "pause" | "slow" | "hold", "seconds": T (pause and slow),
+     "after": ["NODE" or "NODE:i", ...] (optional)}
 
 POINT is where in step S (and, if given, generation G; one of the two is needed) the fault strikes
 worker i of node N:
@@ -12,6 +13,8 @@ worker i of node N:
     start       before the step's first operation
     wait:K      before the step's K-th wait on a collective or p2p operation
     wait:last   before the step's last wait (as many waits as the previous step had)
+    scatter     before the step's first wait for a kept wide stage's gradient reduce-scatter (posted,
+                in flight; shard.py)
     optimizer   during the optimizer step, after one layer was updated (half applied)
     report      after leaving an aborted generation, before reporting its step and layers (the
                 coordinator is collecting reports)
@@ -22,9 +25,16 @@ worker i of node N:
 and what it does: "kill" sends this process SIGKILL, "hang" sleeps forever (a deadlocked worker that
 stays runnable), "pause" sleeps T seconds and goes on (a transient stall that makes its peers'
 collectives time out), "slow" sleeps T seconds at that point of step S and of every later step, in every
-generation (a slow stage or straggler: its peers legitimately wait for it). Each other fault strikes
-once, even across restarts (a store counter per fault), and a kill or hang writes its time to the store
-for the detection figures.
+generation (a slow stage or straggler: its peers legitimately wait for it), "hold" blocks until the
+worker's generation is declared failed and goes on (at `wait:last`, the commit point: the worker then
+holds its step pending while peers that were not held applied it, engine/recovery.py). Each fault but
+"slow" strikes once, even across restarts (a store counter per fault), and a kill or hang writes its
+time to the store for the detection figures.
+
+With "after", a fault that is due waits until every worker named there (a node's worker 0, or NODE:i)
+has reached the fault's step: its progress key (`worker/<id>/step`, written when it reaches its step's
+first wait) says so, and it has then applied every step before. So a kill can be placed after peers
+finished a step, whatever the machine's speed. Both waits are bounded by the job's `fault_wait_max`.
 """
 
 from __future__ import annotations
@@ -41,10 +51,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from oobleck_slurm.engine.abort import FailureWatch
 from oobleck_slurm.protocol import keys
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
-FAULT_POINTS = ("start", "wait:last", "optimizer", "report", "groups", "adopt", "replay")  # and "wait:K"
-FAULT_ACTIONS = ("kill", "hang", "pause", "slow")
+FAULT_POINTS = ("start", "wait:last", "scatter", "optimizer", "report", "groups", "adopt", "replay")  # and "wait:K"
+FAULT_ACTIONS = ("kill", "hang", "pause", "slow", "hold")
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 
 
@@ -79,7 +91,17 @@ def load_faults(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{where}: '{f['do']}' needs 'seconds' > 0, got {seconds!r} (a finite number)")
         if f.get("do") == "slow" and "step" not in f:
             raise ValueError(f"{where}: 'slow' needs the 'step' it starts at")
+        after = f.get("after", [])
+        if not isinstance(after, list) or not all(isinstance(w, str) and re.fullmatch(r"[^:\s]+(:[0-9]+)?", w)
+                                                  for w in after):
+            raise ValueError(f"{where}: 'after' must be a list of workers, NODE or NODE:i, got {after!r}")
     return faults
+
+
+def worker_of(name: str) -> str:
+    """The worker id (keys.worker_id) an "after" entry names: NODE is the node's worker 0."""
+    node, _, local = name.partition(":")
+    return keys.worker_id(node, int(local or 0))
 
 
 class FaultHooks:
@@ -89,7 +111,8 @@ class FaultHooks:
     once: production runs carry the object but nothing happens.
     """
 
-    def __init__(self, faults: Sequence[Mapping[str, Any]], store: dist.Store, node: str, local: int) -> None:
+    def __init__(self, faults: Sequence[Mapping[str, Any]], store: dist.Store, node: str, local: int,
+                 timeouts: JobTimeouts = DEFAULT_TIMEOUTS) -> None:
         # (index in the job's list: the store's once-only counter is per index, fault) for this worker
         self._mine = [(i, f) for i, f in enumerate(faults)
                       if (str(f["node"]), int(f.get("worker", 0))) == (node, local)]
@@ -100,12 +123,14 @@ class FaultHooks:
         self._waits = 0  # waits so far in the current step
         self._last_waits = 0  # waits of the last finished step: where "wait:last" strikes
         self._updates = 0  # layers updated so far in the current step's optimizer step
+        self._scatters = 0  # reduce-scatter waits so far in the current step
+        self.timeouts = timeouts
 
     def at_step_start(self, step: int) -> None:
         if not self._mine:
             return
         self._strike("start", step)
-        self._waits, self._updates = 0, 0
+        self._waits, self._updates, self._scatters = 0, 0, 0
 
     def at_step_end(self) -> None:
         self._last_waits = self._waits
@@ -123,6 +148,14 @@ class FaultHooks:
         self._updates += 1
         if self._updates == 2:
             self._strike("optimizer", step)
+
+    def before_scatter(self, step: int) -> None:
+        """Called before each wait for a kept stage's reduce-scatter; the fault strikes before the first."""
+        if not self._mine:
+            return
+        self._scatters += 1
+        if self._scatters == 1:
+            self._strike("scatter", step)
 
     def before_report(self, step: int) -> None:
         if self._mine:
@@ -153,11 +186,38 @@ class FaultHooks:
             if not hit or i in self._fired or self.store.add(keys.fault_fired(i), 1) != 1:
                 continue
             self._fired.add(i)
+            self._await_workers(f.get("after", []), step)
             if f.get("do") == "pause":  # no loss follows: no fault time for a detection figure
                 time.sleep(float(f["seconds"]))
+                return
+            if f.get("do") == "hold":
+                self._hold()
                 return
             self.store.set(keys.fault_time(self._node), repr(time.time()))
             if f.get("do", "kill") == "hang":
                 while True:  # not stopped: its agent sees a live, sleeping process
                     time.sleep(HANG_SLEEP_S)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _await_workers(self, names: Sequence[str], step: int) -> None:
+        """Return once every named worker has reached `step` (module doc, "after")."""
+        deadline = time.monotonic() + self.timeouts.fault_wait_max
+        waiting = [worker_of(name) for name in names]
+        while waiting := [w for w in waiting if not self._reached(w, step)]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fault of {self._node} at step {step}: {', '.join(waiting)} did not reach "
+                                   f"step {step} within {self.timeouts.fault_wait_max:g} s")
+            time.sleep(self.timeouts.fault_poll)
+
+    def _reached(self, worker: str, step: int) -> bool:
+        key = keys.worker_step(worker)
+        return self.store.check([key]) and int(self.store.get(key)) >= step
+
+    def _hold(self) -> None:
+        """Block until the worker's generation is declared failed. Through a FailureWatch of the
+        generation, which shares its flag with the generation's own watch (abort.py): the wait that
+        follows then raises GenerationAborted, even where its operation has completed meanwhile."""
+        watch = FailureWatch(self.store, self.generation, self.timeouts)
+        if not watch.wait(self.timeouts.fault_wait_max):
+            raise TimeoutError(f"fault of {self._node}: generation {self.generation} was not declared failed "
+                               f"within {self.timeouts.fault_wait_max:g} s of a hold")

@@ -188,6 +188,7 @@ class Worker:
         self.shards: dict[int, ShardedLayer] = {}  # layer -> this rank's shard, on a stage wider than one rank
         self.pending: PendingStep | None = None  # a step finished everywhere but not yet applied here
         self.before_update: Callable[[int], None] | None = None  # called before each layer's update (faults)
+        self.before_scatter: Callable[[int], None] | None = None  # before each reduce-scatter wait (faults)
         self.plan: ExecPlan | None = None
         self.gen: Generation | None = None
         self.role: Role | None = None
@@ -552,7 +553,30 @@ class Worker:
         The step's last collective (the world all-reduce of its metrics) is its commit point: before
         it, this rank records the step as `pending` (every collective it needs is done); a rank that
         finishes the metrics all-reduce proves every rank reached that point, so a failure after it
-        leaves survivors that can complete the step on their own (recovery.py)."""
+        leaves survivors that can complete the step on their own (recovery.py).
+
+        A step interrupted before that point leaves its layers fresh gradient buffers on gloo
+        (`_abandon_grads`)."""
+        try:
+            return self._train_step()
+        except BaseException:
+            if self.pending is None and self.gen is not None and self.gen.backend == "gloo":
+                self._abandon_grads()
+            raise
+
+    def _abandon_grads(self) -> None:
+        """Give every whole layer a new gradient buffer, leaving the old ones to the interrupted step's
+        all-reduces: they run in place, and gloo cannot abort them (abort.py), so they may go on writing
+        the old buffers after the step raised, until their peers finish or the group times out (up to
+        a minute), while a replay already accumulates into the layer's gradients. The old buffers are
+        freed when that work ends. NCCL aborts a failed generation's communicators (abort.py), and a
+        pending step waited for every collective: both keep their buffers. Sharded layers are rebuilt,
+        buffers included, by every adoption of a plan from memory (`_adopt_slices`)."""
+        for index, layer in self.layers.items():
+            if index not in self.shards:
+                self.grads[index] = attach_grad_buffer(layer)
+
+    def _train_step(self) -> StepResult:
         plan, gen, role = self.plan, self.gen, self.role
         if plan is None or gen is None:
             raise RuntimeError("Worker.train_step: no plan/generation; call adopt() first")
@@ -624,6 +648,8 @@ class Worker:
         def flush_scatters() -> None:
             while scattering:
                 work = scattering.pop(0)
+                if self.before_scatter is not None:
+                    self.before_scatter(self.step)
                 work.complete(gen.wait)  # the pieces read its result
                 for position in work.positions:
                     post_pieces(role.layers.start + position)  # type: ignore[union-attr]

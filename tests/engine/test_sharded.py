@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from reference import train_reference
+from jobrun import assert_tensors_match
+from reference import reference_optimizer_state, train_reference
 
 from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec
 from oobleck_slurm.engine.shard import factored_moves, slice_moves, vector_spans
@@ -71,11 +72,14 @@ def warm() -> Iterator[WarmServer]:
 
 
 def run_plans(warm: WarmServer, tmp_path: Path, job: JobSpec, plans: list[tuple[int, ExecPlan]],
-              kill: dict | None = None, checkpoints: tuple[int, ...] = ()) -> tuple[dict[int, float], dict]:
+              kill: dict | None = None, checkpoints: tuple[int, ...] = (),
+              reports: dict[int, tuple[int, bool]] | None = None) -> tuple[dict[int, float], dict]:
     """Run `plans` [(first step, plan)] on 8 worker processes. With `kill` {"ranks", "step", "wait"}
-    those ranks kill -9 themselves inside that step of the first plan; this process then plays the
-    coordinator: it sets the failed key once they are gone, collects the survivors' steps and names
-    the step to resume at (recovery.py), and the survivors go on with the second plan. The plans
+    those ranks kill -9 themselves inside that step of the first plan; with `kill` {"ranks", "faults"}
+    the production fault hooks strike (engine/faults.py) and, once one of the ranks died, this process
+    kills the others, as their node's agent does. It then plays the coordinator: it sets the failed key
+    once they are gone, collects the survivors' steps (into `reports`: rank -> (step, pending)) and
+    names the step to resume at (recovery.py), and the survivors go on with the second plan. The plans
     numbered in `checkpoints` start from a checkpoint the plan before writes (sharded_run.py)."""
     (tmp_path / "job.json").write_text(job.to_json())
     entries = [{"step": s, "plan": p.to_json(), "checkpoint": k in checkpoints} for k, (s, p) in enumerate(plans)]
@@ -90,7 +94,9 @@ def run_plans(warm: WarmServer, tmp_path: Path, job: JobSpec, plans: list[tuple[
              for r in range(WORLD)]
     try:
         if kill is not None:
-            coordinate(store, procs, kill)
+            got = coordinate(store, procs, kill)
+            if reports is not None:
+                reports.update(got)
         for p in procs:
             p.wait(timeout=JOB_TIMEOUT_S)
     finally:
@@ -129,23 +135,34 @@ def assert_replicas_agree(tmp_path: Path, rtol: float = 1e-5) -> int:
     return compared
 
 
-def coordinate(store: dist.TCPStore, procs: list[WarmProcess], kill: dict) -> None:
-    """The coordinator's part of a failure of generation 0 (module doc of run_plans)."""
+def coordinate(store: dist.TCPStore, procs: list[WarmProcess], kill: dict) -> dict[int, tuple[int, bool]]:
+    """The coordinator's part of a failure of generation 0 (module doc of run_plans); returns the
+    survivors' reports, rank -> (step, whether it holds it pending)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while any(procs[r].poll() is None for r in kill["ranks"]):  # detection: the processes' exits
+    while all(procs[r].poll() is None for r in kill["ranks"]):  # detection: a process's exit
+        assert time.monotonic() < deadline, "no rank to kill died"
+        time.sleep(POLL_S)
+    for r in kill["ranks"]:  # the node's agent kills its other workers
+        if procs[r].poll() is None:
+            procs[r].kill()
+    while any(procs[r].poll() is None for r in kill["ranks"]):
         assert time.monotonic() < deadline, "the ranks to kill are still alive"
         time.sleep(POLL_S)
     store.set(keys.failed(0), "{}")
     survivors = [r for r in range(WORLD) if r not in kill["ranks"]]
     store.wait([f"report/0/{r}" for r in survivors], dt.timedelta(seconds=JOB_TIMEOUT_S))
-    reports = [store.get(f"report/0/{r}").decode().split() for r in survivors]
-    steps = [int(step) for step, _ in reports]
+    reports = {r: tuple(int(v) for v in store.get(f"report/0/{r}").decode().split()) for r in survivors}
+    steps = [step for step, _ in reports.values()]
     # some survivor applied the interrupted step: the others hold it pending and complete it
-    assert max(steps) - min(steps) <= 1 and all(int(ok) for step, ok in reports if int(step) < max(steps))
+    assert max(steps) - min(steps) <= 1 and all(ok for step, ok in reports.values() if step < max(steps))
     store.set("resume/0", str(max(steps)))
+    return {r: (step, bool(ok)) for r, (step, ok) in reports.items()}
 
 
-def assert_exact(job: JobSpec, losses: dict[int, float], layers: dict, rtol: float = 1e-5) -> None:
+def assert_exact(job: JobSpec, losses: dict[int, float], layers: dict, rtol: float = 1e-5,
+                 optimizer_state: bool = False) -> None:
+    """Losses and the layers gathered whole equal the reference; with `optimizer_state` their
+    optimizer state too (step counters, moments, CAME's row/column statistics)."""
     ref_losses, ref_params = train_reference(job)
     assert sorted(losses) == list(range(job.train.steps))
     for step, ref in enumerate(ref_losses):
@@ -156,6 +173,10 @@ def assert_exact(job: JobSpec, losses: dict[int, float], layers: dict, rtol: flo
             got = layers[key][f"param.{name}"]
             err = float((got - p).abs().max() / p.abs().max().clamp_min(1e-12))
             assert err <= rtol, f"{key}.{name}: relative error {err:.2e}"
+    if optimizer_state:
+        states = {key: {name[len("state."):]: t for name, t in payload.items() if name.startswith("state.")}
+                  for key, payload in layers.items()}
+        assert_tensors_match(states, reference_optimizer_state(job), rtol)
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-6  # training moved: the comparison can fail
 
 
@@ -237,3 +258,26 @@ def test_came_checkpoints_are_whole_layers_between_widths(warm, tmp_path):
     losses, layers = run_plans(warm, tmp_path, job, [(0, WIDE_AND_MIXED), (1, narrow_first), (3, ALONE)], checkpoints=(1, 2))
     assert_exact(job, losses, layers)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step1", "step3"]
+
+
+def test_a_kill_in_a_folded_stages_reduce_scatter_beside_a_sharded_came_step_held_pending(warm, tmp_path):
+    """The commit point split on sharded CAME stages, placed by the production fault hooks
+    (engine/faults.py). Each node is one pipeline of one 4-wide kept stage folding microbatches of 2.
+    Rank 1 is held at step 2's commit wait until the generation fails: it holds step 2 pending (its
+    ShardedCAME statistics reduced in the stage, the update not applied). Rank 4 dies in step 3 during
+    its stage's reduce-scatter, once ranks 0, 2 and 3 have reached step 3 (they applied step 2); its
+    node's other ranks die with it. Rank 1 completes step 2 alone, every survivor goes on at step 3 as
+    two 2-wide stages whose shards are re-cut from the ranks that applied step 2 and from rank 1; the
+    losses, parameters and optimizer state equal the reference's."""
+    train = dataclasses.replace(came_job().train, steps=5, microbatch_size=2, num_microbatches=6)
+    job = dataclasses.replace(came_job(), train=train)
+    folded = ExecPlan(6, 6, (PipelineSpec((0,), (0, 6), 0, 3, (4,), (True,)),
+                             PipelineSpec((4,), (0, 6), 3, 3, (4,), (True,))))
+    halves = ExecPlan(6, 6, (PipelineSpec((0, 2), (0, 3, 6), 0, 6, (2, 2), (True, False)),))
+    faults = [{"node": "node0", "worker": 1, "step": 2, "at": "wait:last", "do": "hold"},
+              {"node": "node1", "worker": 0, "step": 3, "at": "scatter", "after": ["node0:0", "node0:2", "node0:3"]}]
+    reports: dict[int, tuple[int, bool]] = {}
+    losses, layers = run_plans(warm, tmp_path, job, [(0, folded), (3, halves)],
+                               kill={"ranks": [4, 5, 6, 7], "faults": faults}, reports=reports)
+    assert reports == {0: (3, False), 1: (2, True), 2: (3, False), 3: (3, False)}
+    assert_exact(job, losses, layers, optimizer_state=True)

@@ -37,6 +37,29 @@ def test_kill_mid_step_keeps_the_trajectory(tmp_path, templates_cache, optimizer
     assert "node2" not in state.members and state.trained
 
 
+def test_a_split_commit_is_completed_alone_beside_survivors_that_applied_it(tmp_path, templates_cache):
+    """The commit point split deterministically (engine/faults.py): node1 is held at step 2's commit
+    wait until the generation fails, so it holds step 2 pending; node2 dies at the start of step 3
+    once node3 and node4 have reached step 3 (so they applied step 2, and so did node2). Every
+    survivor goes on at step 3: node1 completes step 2 alone, and node2's layers are copied from
+    node4, which applied it (their only surviving holder), to the spare that joins node1's pipeline.
+    The final optimizer state is the reference's, not only the parameters."""
+    faults = [{"node": "node1", "step": 2, "at": "wait:last", "do": "hold"},
+              {"node": "node2", "step": 3, "at": "start", "after": ["node3", "node4"]}]
+    recipe = tiny_recipe(**{**TWO_NODE_PIPELINES, "nodes": 5})  # pipelines (node1, node2), (node3, node4), node5 spare
+    run = run_job(tmp_path, recipe, templates_cache, faults=faults)
+    first = run.kind("plan")[0]
+    assert [p["nodes"] for p in first["pipelines"]] == [["node1", "node2"], ["node3", "node4"]], first
+    assert run.kind("failure")[0]["nodes"] == ["node2"]
+    replan = run.kind("replan")[0]
+    assert replan["survivor_steps"] == {"node1:0": 2, "node3:0": 3, "node4:0": 3}, replan
+    assert replan["resume_step"] == 3 and replan["transfers"] > 0
+    after = run.kind("plan")[1]
+    assert ["node1", "node5"] in [sorted(p["nodes"]) for p in after["pipelines"]], after
+    assert run.kind("state_copy")[0]["bytes"] > 0
+    assert_matches_reference(run, optimizer_state=True)
+
+
 def test_a_loss_before_the_first_step_starts_over_from_the_seed(tmp_path, templates_cache):
     # node2 dies as step 0 starts: nothing trained yet, so every layer is the seed's, even where its
     # replicas were on node2 or not built yet (found on a loaded machine: a lease lapsing at start-up)
