@@ -1495,6 +1495,13 @@ def section_job_drill(s: Settings, rec: Record) -> None:
         estimate = estimate_gpu(s)
         d["cluster"]["memory_per_device"] = _jobs.budget_for_span(d, 2, cache, estimate, root / "budget")
         faults = [{"node": "node2", "step": kill_step, "at": "wait:3", "do": "kill"}]
+        from oobleck_slurm.engine.comm import communicators_per_rank
+        from oobleck_slurm.engine.from_planner import exec_plan
+
+        first = exec_plan(_jobs.planned(_jobs.load(d, root / "plan"), cache, estimate),
+                          [f"node{i + 1}" for i in range(nodes)], 1)
+        world = 1 + max(r for p in first.pipelines for r in p.all_ranks)
+        rec.results["communicators_per_rank"] = communicators_per_rank(first, world)
         t0 = time.time()
         plain = _jobs.run_job(d, root / "plain", cache, estimate=estimate, timeout=s.child_timeout_s)
         with DeviceMemorySampler() as mem:

@@ -192,23 +192,8 @@ class Generation:
         # to a newcomer, `AbortableGeneration.align`) raise theirs. gloo bounds a collective by the
         # group's timeout whatever its waiter allows.
         timeout = dt.timedelta(seconds=max(timeouts.collective_timeout, timeouts.step_timeout))
-        wanted: dict[str, tuple[int, ...]] = {"world": tuple(range(world_size))}
-        for p in plan.pipelines:
-            if len(p.all_ranks) > 1:
-                wanted["pipe/" + "-".join(map(str, p.all_ranks))] = p.all_ranks
-            for s in range(p.num_stages):
-                if p.widths[s] > 1:
-                    wanted["stage/" + "-".join(map(str, p.stage_ranks(s)))] = p.stage_ranks(s)
-                if s + 1 < p.num_stages:
-                    sender, receiver = p.stage_ranks(s), p.stage_ranks(s + 1)
-                    # which ranks' sample ranges overlap is the same for every microbatch size both
-                    # widths divide, the largest width included
-                    for a, b, _, _ in edge_pieces(max(len(sender), len(receiver)), sender, receiver):
-                        wanted[edge_name("act", a, b)] = (a, b)
-                        wanted[edge_name("grad", a, b)] = (a, b)
+        wanted = plan_groups(plan, world_size)
         by_members = reduce_groups(plan)
-        for members in by_members:
-            wanted["layers/" + "-".join(map(str, members))] = members
         ordered = backend == "gloo" and nccl_order.enabled()
         self.groups: dict[str, Group] = {}
         self._members: dict[str, tuple[int, ...]] = {}
@@ -372,6 +357,37 @@ class Generation:
             groups.clear()
 
         threading.Thread(target=reap, daemon=True, name=f"release:gen{self.number}").start()
+
+
+def plan_groups(plan: ExecPlan, world_size: int) -> dict[str, tuple[int, ...]]:
+    """Every group a generation of `plan` builds, by name, with its members (the class doc of
+    Generation): on NCCL one communicator each, whose buffers are outside torch's allocator."""
+    wanted: dict[str, tuple[int, ...]] = {"world": tuple(range(world_size))}
+    for p in plan.pipelines:
+        if len(p.all_ranks) > 1:
+            wanted["pipe/" + "-".join(map(str, p.all_ranks))] = p.all_ranks
+        for s in range(p.num_stages):
+            if p.widths[s] > 1:
+                wanted["stage/" + "-".join(map(str, p.stage_ranks(s)))] = p.stage_ranks(s)
+            if s + 1 < p.num_stages:
+                sender, receiver = p.stage_ranks(s), p.stage_ranks(s + 1)
+                # which ranks' sample ranges overlap is the same for every microbatch size both
+                # widths divide, the largest width included
+                for a, b, _, _ in edge_pieces(max(len(sender), len(receiver)), sender, receiver):
+                    wanted[edge_name("act", a, b)] = (a, b)
+                    wanted[edge_name("grad", a, b)] = (a, b)
+    for members in reduce_groups(plan):
+        wanted["layers/" + "-".join(map(str, members))] = members
+    return wanted
+
+
+def communicators_per_rank(plan: ExecPlan, world_size: int) -> list[int]:
+    """How many groups (NCCL communicators) each rank of a generation of `plan` is a member of."""
+    counts = [0] * world_size
+    for members in plan_groups(plan, world_size).values():
+        for r in members:
+            counts[r] += 1
+    return counts
 
 
 def edge_name(direction: str, a: int, b: int) -> str:
