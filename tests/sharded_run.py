@@ -3,7 +3,7 @@ OUT_DIR PORT RANK WORLD`, or forked with that argv by a warm server (the test's,
 its workers: torch is imported once, not once per rank). It reads OUT_DIR/job.json (a JobSpec) and OUT_DIR/plans.json (one ExecPlan per
 generation, with the step each one starts at), trains through them on real gloo groups built on the
 test's store, and writes its per-step losses (rank 0) and the layers it gathers whole (first pipeline)
-to OUT_DIR, and every replica's gathered layers (`replicas<rank>.pt`, by (layer key, rank)). A generation
+to OUT_DIR (with training.eval_interval, the final validation loss: eval.json), and every replica's gathered layers (`replicas<rank>.pt`, by (layer key, rank)). A generation
 may name ranks to kill -9 at a wait of a step (`kill`): the test then plays the coordinator (the failed
 key, the survivors' reports, the step to resume at: tests/engine/test_sharded.py). A generation marked
 `checkpoint` starts from a checkpoint that the first pipeline of the one before writes to OUT_DIR/ckpt
@@ -110,6 +110,10 @@ def main(argv: list[str]) -> None:
             for key, payload in gathered(worker, plan, rank)[0].items():
                 save_layer(out / "ckpt", worker.step, key, payload)
             gen.wait(gen.world.barrier())  # every file written before any rank reads
+    if job.train.eval_interval:  # the final validation loss (every rank takes part)
+        loss, _ = worker.evaluate()
+        if rank == 0:
+            (out / "eval.json").write_text(json.dumps(loss))
     payloads, replicas = gathered(worker, plan, rank)
     torch.save(payloads, out / f"layers{rank}.pt")
     torch.save(replicas, out / f"replicas{rank}.pt")
