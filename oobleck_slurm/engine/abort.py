@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -170,6 +170,33 @@ def wait_abortable(fn: Callable[[], Any], watch: FailureWatch, what: str) -> Any
     return box.get("value")
 
 
+def poll_pauses(first: float, most: float) -> Iterator[float]:
+    """The pauses between a polled wait's checks: none (a yield), then `first`, doubling up to `most`."""
+    pause = 0.0
+    while True:
+        yield pause
+        pause = min(most, max(first, 2 * pause))
+
+
+def poll_work(work: dist.Work, watch: FailureWatch, timeout_s: float, timeouts: JobTimeouts,
+              abort: Callable[[], None], what: str = "a collective") -> None:
+    """Wait for `work` by polling `is_completed()` (it never blocks) and the watch from this thread, with
+    `poll_pauses` between checks (never longer than timeouts.nccl_poll, so the failed key is seen within
+    it). On the failed key or past `timeout_s`, `abort()` runs, then GenerationAborted or a
+    DistBackendError is raised. A completed work is waited on, which raises its error if it failed."""
+    deadline = time.monotonic() + timeout_s
+    pauses = poll_pauses(timeouts.nccl_poll_first, timeouts.nccl_poll)
+    while not work.is_completed():
+        if watch.failed():
+            abort()
+            raise GenerationAborted(f"{watch.key} while waiting for {what}")
+        if time.monotonic() > deadline:
+            abort()
+            raise dist.DistBackendError(f"{what} timed out after {timeout_s:g} s")
+        time.sleep(next(pauses))
+    work.wait()
+
+
 class AbortableGeneration(Generation):
     """A Generation whose every wait gives up when the coordinator declares it failed.
 
@@ -213,18 +240,11 @@ class AbortableGeneration(Generation):
             self.on_wait = on_wait
 
     def _poll(self, work: dist.Work) -> None:
-        """NCCL: poll the work and the failed key from this thread; past the collective timeout the
-        generation's groups are aborted and the error reported like gloo's (a collective error)."""
-        deadline = time.monotonic() + self.timeouts.collective_timeout
-        while not work.is_completed():
-            if self.watch.failed():
-                raise self._aborted(self.watch.key)
-            if time.monotonic() > deadline:
-                abort_groups(list(self.groups.values()))
-                raise dist.DistBackendError(f"NCCL work of generation {self.number} timed out after "
-                                            f"{self.timeouts.collective_timeout:g} s")
-            time.sleep(self.timeouts.nccl_poll)
-        work.wait()  # completed: surfaces the work's error, if any
+        """NCCL: poll the work and the failed key from this thread (`poll_work`); on the failed key or
+        past the collective timeout the generation's groups are aborted, and a timeout is reported like
+        gloo's (a collective error)."""
+        poll_work(work, self.watch, self.timeouts.collective_timeout, self.timeouts,
+                  lambda: abort_groups(list(self.groups.values())), f"NCCL work of generation {self.number}")
 
     def _aborted(self, why: str) -> GenerationAborted:
         if self.backend == "nccl":

@@ -636,13 +636,16 @@ class Worker:
             """The layer's gradient is complete. A kept stage reduce-scatters it first, asynchronously,
             with the rest of its bucket (shard.py): the bucket's pieces are posted once the next layer's
             backward is done (or at the schedule's end), so the scatter runs behind that backward.
-            Resharded, each microbatch's backward already scattered into the shard."""
+            Resharded, each microbatch's backward posted its scatter into the shard: the last one's
+            pieces wait for it the same way."""
             flush_scatters()
-            if gather is not None and role.keep:  # type: ignore[union-attr]
-                work = gather.scatter(index - role.layers.start)  # type: ignore[union-attr]
+            if gather is not None:
+                position = index - role.layers.start  # type: ignore[union-attr]
+                work = gather.scatter(position) if role.keep else gather.scattered(position)  # type: ignore[union-attr]
                 if work is not None:
                     scattering.append(work)
-                return
+                if work is not None or role.keep:  # type: ignore[union-attr]
+                    return
             post_pieces(index)
 
         if role is not None:

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from plan_runs import assert_exact, run_plans, warm_server
 from reference import reference_evals, train_reference
