@@ -69,6 +69,7 @@ def main(argv: list[str]) -> None:
     worker = Worker(job, rank)
     store.set(f"pid/{rank}", str(os.getpid()))
     losses: dict[int, float] = {}
+    seconds: dict[int, float] = {}  # each step's wall time (rank 0), for timing a plan
     old: ExecPlan | None = None
     for g, entry in enumerate(plans):
         plan = ExecPlan.from_json(entry["plan"])
@@ -100,6 +101,7 @@ def main(argv: list[str]) -> None:
             while worker.step < stop:
                 result = worker.train_step()
                 losses[result.step] = result.loss
+                seconds[result.step] = result.seconds
         except Exception as e:
             if not kill or not (isinstance(e, GenerationAborted) or is_collective_error(e)):
                 raise
@@ -119,6 +121,7 @@ def main(argv: list[str]) -> None:
     torch.save(replicas, out / f"replicas{rank}.pt")
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
+        (out / "seconds.json").write_text(json.dumps(seconds))
     gen.wait(gen.world.barrier())
 
 
