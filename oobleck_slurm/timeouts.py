@@ -168,8 +168,11 @@ class JobTimeouts:
     # a process without the job secret): one request whose answer grows with the keys (tens of kB per
     # thousand), so not every store_poll; bounds how late such a write is reported.
     store_sweep_poll: float = 10.0
-    # NCCL work is polled this often: a step's p2p waits are short.
+    # NCCL work is polled at most this often: a step's p2p waits are short. A wait re-checks its work at
+    # once (a yield), then after nccl_poll_first, doubling the pause up to nccl_poll: a short operation is
+    # seen within microseconds rather than a whole period later, and a long one costs a poll a period.
     nccl_poll: float = 0.0005
+    nccl_poll_first: float = 0.00002
     # A group's warm-up operation is polled this often: it completes in microseconds.
     warm_up_poll: float = 0.001
     # The batch step's main thread waits on the supervisor thread in slices: signals arrive between them.

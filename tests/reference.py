@@ -20,6 +20,7 @@ from oobleck_slurm.engine.layer_optim import (
     set_lr,
     zero_grads,
 )
+from oobleck_slurm.engine.layer_rng import LayerDraws
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.models.documents import Documents, run_layer
@@ -84,6 +85,25 @@ def _documents(job: JobSpec, tokens: torch.Tensor) -> Documents | None:
     return Documents.of(tokens, job.data.eos_id)
 
 
+def _random_step(job: JobSpec, layers: list[torch.nn.Module], batches: StepBatches, step: int) -> torch.Tensor:
+    """One step's backward for a model with random layers (dropout): microbatch by microbatch, each
+    layer's draws seeded for (step, microbatch, layer) as the engine seeds them (engine/layer_rng.py), so
+    a mask is the same here as on whichever rank computes that microbatch. Returns the step's mean loss."""
+    t = job.train
+    draws = LayerDraws(t.seed, step, torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64)
+    for m in range(t.num_microbatches):
+        h, y = batches.microbatch(step, m)
+        documents = _documents(job, h)
+        for index, layer in enumerate(layers):
+            with draws.seeded(m, index):
+                h = run_layer(layer, h, documents)
+        loss = job.model.config.loss(h, y) / t.num_microbatches
+        loss.backward()
+        total += loss.detach().double()
+    return total
+
+
 def _train(job: JobSpec, steps: int) -> tuple[list[float], Tensors, dict[int, float], Tensors]:
     t = job.train
     layers = [layer.to(t.param_dtype) for layer in job.model.build(t.seed, 0, job.model.num_layers)]
@@ -99,12 +119,15 @@ def _train(job: JobSpec, steps: int) -> tuple[list[float], Tensors, dict[int, fl
         # The step's microbatches as one batch: equal-sized microbatches make the mean of their mean
         # losses the batch's mean loss, and the sum of their 1/M-scaled gradients its gradient. An
         # independent check of the engine's accumulation, and 1.3x faster than looping over them.
-        x, y = (torch.cat(parts) for parts in zip(*(batches.microbatch(step, m) for m in range(t.num_microbatches))))
-        h, documents = x, _documents(job, x)
-        for layer in layers:
-            h = run_layer(layer, h, documents)
-        loss = job.model.config.loss(h, y)
-        loss.backward()
+        if getattr(job.model.config, "random_layers", ()):
+            loss = _random_step(job, layers, batches, step)
+        else:
+            x, y = (torch.cat(parts) for parts in zip(*(batches.microbatch(step, m) for m in range(t.num_microbatches))))
+            h, documents = x, _documents(job, x)
+            for layer in layers:
+                h = run_layer(layer, h, documents)
+            loss = job.model.config.loss(h, y)
+            loss.backward()
         total_sq = sum(layer_sq_norm(layer) for layer in layers)
         scale_grads(layers, clip_coefficient(total_sq, t.grad_clip))
         lr = lr_at(step, lr=job.optim.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
@@ -115,12 +138,16 @@ def _train(job: JobSpec, steps: int) -> tuple[list[float], Tensors, dict[int, fl
         losses.append(float(loss.detach()))
         done = step + 1
         if validation is not None and (done % t.eval_interval == 0 or done == t.steps):
+            for layer in layers:
+                layer.eval()
             with torch.no_grad():
                 h, y = validation.batch(list(range(validation.num_samples)))
                 documents = _documents(job, h)
                 for layer in layers:
                     h = run_layer(layer, h, documents)
                 evals[done] = float(job.model.config.loss(h, y))
+            for layer in layers:
+                layer.train()
     keys = job.model.keys()
     params = {keys[i]: {n: p.detach().clone() for n, p in layer.named_parameters()}
               for i, layer in enumerate(layers)}

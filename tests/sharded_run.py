@@ -1,13 +1,14 @@
-"""One worker process of a hand-planned job (tests/engine/test_sharded.py): `python sharded_run.py
+"""One worker process of a hand-planned job (tests/plan_runs.py): `python sharded_run.py
 OUT_DIR PORT RANK WORLD`, or forked with that argv by a warm server (the test's, as an agent's forks
 its workers: torch is imported once, not once per rank). It reads OUT_DIR/job.json (a JobSpec) and OUT_DIR/plans.json (one ExecPlan per
 generation, with the step each one starts at), trains through them on real gloo groups built on the
 test's store, and writes its per-step losses (rank 0) and the layers it gathers whole (first pipeline)
-to OUT_DIR, and every replica's gathered layers (`replicas<rank>.pt`, by (layer key, rank)). A generation
+to OUT_DIR (rank 0's step seconds: seconds.json; with training.eval_interval, the final validation loss:
+eval.json), and every replica's gathered layers (`replicas<rank>.pt`, by (layer key, rank)). A generation
 may name a node's ranks to lose (`kill`): they kill -9 themselves at a wait of a step (`step`, `wait`),
 or the production fault hooks (engine/faults.py FaultHooks, node `node<rank // 4>`, worker `rank % 4`)
 carry out its `faults`; the test then plays the coordinator (the failed key, the survivors' reports, the
-step to resume at: tests/engine/test_sharded.py). A generation marked
+step to resume at: tests/plan_runs.py). A generation marked
 `checkpoint` starts from a checkpoint that the first pipeline of the one before writes to OUT_DIR/ckpt
 when it stops (whole-layer files, gathered from wide stages)."""
 
@@ -73,6 +74,7 @@ def main(argv: list[str]) -> None:
     worker = Worker(job, rank)
     store.set(f"pid/{rank}", str(os.getpid()))
     losses: dict[int, float] = {}
+    seconds: dict[int, float] = {}  # each step's wall time (rank 0), for timing a plan
     old: ExecPlan | None = None
     node, local = f"node{rank // WORKERS_PER_NODE}", rank % WORKERS_PER_NODE
     for g, entry in enumerate(plans):
@@ -118,6 +120,7 @@ def main(argv: list[str]) -> None:
                 result = worker.train_step()
                 faults.at_step_end()
                 losses[result.step] = result.loss
+                seconds[result.step] = result.seconds
         except Exception as e:
             if not kill or not (isinstance(e, GenerationAborted) or is_collective_error(e)):
                 raise
@@ -128,11 +131,16 @@ def main(argv: list[str]) -> None:
             for key, payload in gathered(worker, plan, rank)[0].items():
                 save_layer(out / "ckpt", worker.step, key, payload)
             gen.wait(gen.world.barrier())  # every file written before any rank reads
+    if job.train.eval_interval:  # the final validation loss (every rank takes part)
+        loss, _ = worker.evaluate()
+        if rank == 0:
+            (out / "eval.json").write_text(json.dumps(loss))
     payloads, replicas = gathered(worker, plan, rank)
     torch.save(payloads, out / f"layers{rank}.pt")
     torch.save(replicas, out / f"replicas{rank}.pt")
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
+        (out / "seconds.json").write_text(json.dumps(seconds))
     gen.wait(gen.world.barrier())
 
 

@@ -46,11 +46,11 @@ def model_factory_issues(recipe: Recipe) -> list[RecipeIssue]:
     file, line and key; empty without a factory or when it fits."""
     if not recipe.model.factory:
         return []
-    from oobleck_slurm.models import FactoryError, with_layers
+    from oobleck_slurm.models import FactoryError, check_stage_widths, with_layers
     from oobleck_slurm.recipe.source import read_source
 
     try:
-        with_layers(recipe.model.resolve(), recipe.training.seed)
+        check_stage_widths(with_layers(recipe.model.resolve(), recipe.training.seed), recipe.cluster.max_stage_devices)
     except FactoryError as problem:
         return [read_source(Path(recipe.source)).issue(tuple(problem.key.split(".")), str(problem))]
     return []

@@ -8,6 +8,7 @@ Pure logic (no processes, no I/O):
 Runtime:
     comm        Generation: every process group of one membership generation, every timeout named
     stage       a stage's forward/backward over its layers, one layer boundary at a time
+    layer_rng   random layers' draws seeded per (step, microbatch, layer): dropout whatever the plan
     transfer    moving a layer's parameters and optimizer state between ranks (plan changes)
     worker      Worker: one process's training loop with explicit, rebuildable state
     batches     a job's data in a worker: the samples of each step, `Reads` (what a rank reads)

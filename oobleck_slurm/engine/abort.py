@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -171,6 +171,39 @@ def wait_abortable(fn: Callable[[], Any], watch: FailureWatch, what: str) -> Any
     return box.get("value")
 
 
+def poll_pauses(first: float, most: float) -> Iterator[float]:
+    """The pauses between a polled wait's checks: none (a yield), then `first`, doubling up to `most`."""
+    pause = 0.0
+    while True:
+        yield pause
+        pause = min(most, max(first, 2 * pause))
+
+
+def poll_work(work: dist.Work, watch: FailureWatch, timeout_s: float, timeouts: JobTimeouts,
+              abort: Callable[[], None], what: str = "a collective") -> None:
+    """Wait for `work` by polling `is_completed()` (it never blocks) and the watch from this thread, with
+    `poll_pauses` between checks (never longer than timeouts.nccl_poll, so the failed key is seen within
+    it). On the failed key or past `timeout_s`, `abort()` runs, then GenerationAborted or a
+    DistBackendError is raised; so is a DistBackendError, after `abort()`, for a work that completed with
+    an error. A work that completed successfully is waited on (orders the current stream after it)."""
+    deadline = time.monotonic() + timeout_s
+    pauses = poll_pauses(timeouts.nccl_poll_first, timeouts.nccl_poll)
+    while not work.is_completed():
+        if watch.failed():
+            abort()
+            raise GenerationAborted(f"{watch.key} while waiting for {what}")
+        if time.monotonic() > deadline:
+            abort()
+            raise dist.DistBackendError(f"{what} timed out after {timeout_s:g} s")
+        time.sleep(next(pauses))
+    if work.exception() is not None:
+        # Failed: abort every communicator at once before anything touches one (aborting one at a time,
+        # or waiting on this work first, while kernels are queued on the others can hang, docs/nccl.md).
+        abort()
+        raise dist.DistBackendError(f"{what} failed: {work.exception()}")
+    work.wait()  # completed and successful: orders the current stream after it
+
+
 class AbortableGeneration(Generation):
     """A Generation whose every wait gives up when the coordinator declares it failed.
 
@@ -230,24 +263,12 @@ class AbortableGeneration(Generation):
             self.on_wait = on_wait
 
     def _poll(self, work: dist.Work) -> None:
-        """NCCL: poll the work and the failed key from this thread; past `wait_timeout()` the
-        generation's groups are aborted and the error reported like gloo's (a collective error)."""
-        bound = self.wait_timeout()
-        deadline = time.monotonic() + bound
-        while not work.is_completed():
-            if self.watch.failed():
-                raise self._aborted(self.watch.key)
-            if time.monotonic() > deadline:
-                abort_groups(list(self.groups.values()))
-                raise dist.DistBackendError(f"NCCL work of generation {self.number} timed out after "
-                                            f"{bound:g} s")
-            time.sleep(self.timeouts.nccl_poll)
-        if work.exception() is not None:
-            # Failed: abort every communicator of the generation at once before anything else touches
-            # one (aborting one at a time while kernels are queued on the others can hang, docs/nccl.md).
-            abort_groups(list(self.groups.values()))
-            raise dist.DistBackendError(f"NCCL work of generation {self.number} failed: {work.exception()}")
-        work.wait()  # completed and successful: orders the current stream after it
+        """NCCL: poll the work and the failed key from this thread (`poll_work`); on the failed key or
+        past `wait_timeout()` the generation's groups are aborted, and a timeout is reported like gloo's
+        (a collective error); so is a work that completed with an error, after every communicator of the
+        generation was aborted."""
+        poll_work(work, self.watch, self.wait_timeout(), self.timeouts,
+                  lambda: abort_groups(list(self.groups.values())), f"NCCL work of generation {self.number}")
 
     def _aborted(self, why: str) -> GenerationAborted:
         if self.backend == "nccl":

@@ -31,8 +31,10 @@ When (`StageParams`), in the stage's mode (planning/cost.py: the planner keeps a
   microbatch's backward has passed the layer.
 - resharded (ZeRO-3): the parameters are gathered before each forward and again before each backward,
   and freed after each use, so a rank never holds more than two layers' full parameters (the current
-  and the prefetched next); each microbatch's gradient of a layer exists in full only during that
-  layer's backward, then is reduce-scattered and added to the rank's gradient shard.
+  and the prefetched next); each microbatch's gradient of a layer exists in full from that layer's
+  backward until the next layer's backward is done: its reduce-scatter is posted after its backward and
+  waited for behind the next one (the scatter overlaps that compute), then added to the rank's gradient
+  shard.
 Each shard's pieces are then all-reduced across the pipelines. Every collective is posted by the engine
 on its own groups and waited on through the generation's abortable waits.
 
@@ -323,11 +325,16 @@ class ShardedLayer:
         per step)."""
         return group.reduce_scatter([self.grad_shard], [self._chunks(self.grad_full)])
 
-    def scatter_microbatch(self, group: Group, wait: Callable[[dist.Work], None]) -> None:
-        """Resharded: reduce-scatter one microbatch's whole gradient, add it to the shard, free it."""
-        wait(group.reduce_scatter([self.scattered], [self._chunks(self.grad_full)]))
-        self.grad_shard += self.scattered
-        self.release_grad()
+    def scatter_microbatch(self, group: Group) -> tuple[dist.Work, Callable[[], None]]:
+        """Resharded: post the reduce-scatter of one microbatch's whole gradient; the returned function,
+        once the work is done, adds it to the shard and frees the whole gradient."""
+        work = group.reduce_scatter([self.scattered], [self._chunks(self.grad_full)])
+
+        def unpack() -> None:
+            self.grad_shard += self.scattered
+            self.release_grad()
+
+        return work, unpack
 
     def grad_view(self, lo: int, hi: int) -> torch.Tensor:
         """The reduced gradient's logical elements [lo, hi), inside this shard."""
@@ -476,6 +483,9 @@ class StageParams:
         self.layers, self.group, self.wait, self.keep = layers, group, wait, keep
         self.bucket_bytes, self.scatter_by_allreduce = bucket_bytes, scatter_by_allreduce
         self.pending: dict[int, BucketWork] = {}  # position -> the gather in flight that holds it
+        # resharded: position -> its microbatch's reduce-scatter in flight, completed behind the next
+        # layer's backward (`after`), before the layer's own next backward (`before`), or at `finish`
+        self.scattering: dict[int, BucketWork] = {}
         self.whole: set[int] = set()  # kept: layers gathered this step
         # kept: the reduce-scatter buckets, from the stage's last layer down, by the layer that closes each
         down = list(reversed(range(len(layers))))
@@ -506,15 +516,31 @@ class StageParams:
                 if self.keep:
                     self.whole.add(p)
         if not self.keep and direction < 0:
+            self.complete_scatter(i)  # its whole gradient is about to be zeroed for this backward
             self.layers[i].open_grad()
 
     def after(self, i: int, direction: int) -> None:
         if self.keep:
             return
         if direction < 0:
-            self.layers[i].scatter_microbatch(self.group, self.wait)
+            # post this layer's scatter, then complete the ones posted before it: they ran behind this
+            # layer's backward (one more layer's whole gradient held, planning/cost.py stage_memory)
+            work, unpack = self.layers[i].scatter_microbatch(self.group)
+            for j in list(self.scattering):
+                self.complete_scatter(j)
+            self.scattering[i] = BucketWork([i], work, unpack)
         if i not in self.pending:  # a prefetched gather is kept
             self.layers[i].release()
+
+    def complete_scatter(self, i: int) -> None:
+        """Resharded: wait for layer i's reduce-scatter in flight, if any, and add it to its shard."""
+        work = self.scattering.pop(i, None)
+        if work is not None:
+            work.complete(self.wait)
+
+    def scattered(self, i: int) -> BucketWork | None:
+        """Resharded: layer i's reduce-scatter still in flight (its shard is final once it completes)."""
+        return self.scattering.get(i)
 
     def scatter(self, i: int) -> BucketWork | None:
         """Kept: layer i's gradient for the step is complete. The reduce-scatter of its bucket, posted,
@@ -527,10 +553,13 @@ class StageParams:
         return work
 
     def finish(self) -> None:
-        """Wait for a prefetch nobody used and free everything (end of a schedule)."""
+        """Wait for a prefetch nobody used and the scatters in flight, and free everything (end of a
+        schedule)."""
         for work in {id(w): w for w in self.pending.values()}.values():
             work.complete(self.wait)
         self.pending.clear()
+        for i in list(self.scattering):
+            self.complete_scatter(i)
         for layer in self.layers:
             layer.release()
         self.whole.clear()

@@ -8,6 +8,10 @@ autograd pass over the stage (one backward call, not one per layer).
 
 A sharded stage (`params`, shard.py) runs every microbatch layer by layer, each layer's use framed by
 `params.before` / `params.after` (its gathers, and when resharded its gradient's reduce-scatter).
+
+Random layers (`draws`, layer_rng.py): each layer's forward of a microbatch runs with the generators
+seeded from (seed, step, the microbatch's number in the step, the layer's index), so dropout masks do
+not depend on the plan; on a sharded stage a layer that draws is refused (`names` name it).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from oobleck_slurm.engine.layer_rng import LayerDraws
 from oobleck_slurm.engine.shard import StageParams
 from oobleck_slurm.models.documents import Documents, run_layer
 
@@ -26,9 +31,12 @@ from oobleck_slurm.models.documents import Documents, run_layer
 class Stage:
     def __init__(self, layers: list[nn.Module], first_layer: int, is_last: bool, device: torch.device,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], bf16: bool = False,
-                 recompute: bool = False, params: StageParams | None = None) -> None:
+                 recompute: bool = False, params: StageParams | None = None, draws: LayerDraws | None = None,
+                 names: list[str] | None = None) -> None:
         self.layers = layers
         self.params = params
+        self.draws = draws
+        self.names = names or [str(first_layer + i) for i in range(len(layers))]
         self.loss = loss
         # Recompute: a layer's forward keeps only its input; its backward runs the forward again (under
         # the same autocast) to rebuild what it needs.
@@ -50,23 +58,26 @@ class Stage:
         return contextlib.nullcontext()
 
     def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None,
-                loss_scale: float = 1.0, split: bool = True, documents: Documents | None = None) -> torch.Tensor:
+                loss_scale: float = 1.0, split: bool = True, documents: Documents | None = None,
+                microbatch: int | None = None) -> torch.Tensor:
         """The stage's output for microbatch `mb` (detached), or on the last stage its scaled loss.
         `split`: layer by layer, so that backward can report each layer as it completes. `documents`:
-        the microbatch's document structure, given to every layer (document masking)."""
+        the microbatch's document structure, given to every layer (document masking). `microbatch`: its
+        number in the whole step (default `mb`), which seeds the layers' random draws."""
+        microbatch = mb if microbatch is None else microbatch
         saved = []
         h = x
         split = split or self.params is not None
         with self._autocast():
-            for index, layer in enumerate(self.layers):
+            for index in range(len(self.layers)):
                 if self.params is not None:
                     self.params.before(index, 1)
                 if split or index == 0:
                     inp = h.detach().requires_grad_(h.is_floating_point())
-                    h = self._run(layer, inp, documents)
+                    h = self._run(index, inp, documents, microbatch)
                     saved.append((inp, h))
                 else:
-                    h = self._run(layer, h, documents)
+                    h = self._run(index, h, documents, microbatch)
                     saved[-1] = (saved[-1][0], h)
                 if self.params is not None:
                     self.params.after(index, 1)
@@ -80,11 +91,17 @@ class Stage:
         # autocast a block may return bf16; its backward casts the incoming gradient back.
         return h.detach() if self.is_last else h.detach().to(self.boundary_dtype)
 
-    def _run(self, layer: nn.Module, x: torch.Tensor, documents: Documents | None) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled():
-            # the recomputation in the backward runs with the same documents (kept with the inputs)
-            return checkpoint(run_layer, layer, x, documents, use_reentrant=False)
-        return run_layer(layer, x, documents)
+    def _run(self, index: int, x: torch.Tensor, documents: Documents | None, microbatch: int) -> torch.Tensor:
+        layer = self.layers[index]
+        seeded = (contextlib.nullcontext() if self.draws is None else
+                  self.draws.seeded(microbatch, self.first_layer + index,
+                                    check=self.names[index] if self.params is not None else None))
+        with seeded:
+            if self.recompute and torch.is_grad_enabled():
+                # the recomputation in the backward runs with the same documents (kept with the inputs),
+                # and the same random draws (checkpoint restores the generators' state it found: seeded)
+                return checkpoint(run_layer, layer, x, documents, use_reentrant=False)
+            return run_layer(layer, x, documents)
 
     def backward(self, mb: int, grad_out: torch.Tensor | None,
                  on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:

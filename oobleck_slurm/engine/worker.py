@@ -34,6 +34,7 @@ from oobleck_slurm.engine.batches import Reads, StepBatches, open_dataset, open_
 from oobleck_slurm.engine.checkpoint import layer_payload, load_layer
 from oobleck_slurm.engine.comm import SCATTER_BY_ALLREDUCE, Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
+from oobleck_slurm.engine.layer_rng import LayerDrawError, LayerDraws
 from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, pass_slices, reduce_pieces, sample_range
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.nccl_order import P2POp
@@ -303,6 +304,12 @@ class Worker:
             raise ValueError(f"a stage of {role.width} ranks splits each microbatch between them: the microbatch "
                              f"size {b} must be a multiple of {role.width}, unless the stage is its pipeline's "
                              f"only one and kept (it then computes several microbatches per pass)")
+        random = set(getattr(self.job.model.config, "random_layers", ())) & needed
+        if role is not None and role.width > 1 and random:
+            raise LayerDrawError(f"layer(s) {', '.join(self.keys[i] for i in sorted(random))} draw random numbers "
+                                 f"in training (dropout): a stage of {role.width} workers gives each a slice of a "
+                                 f"microbatch, whose draws would depend on the plan (engine/layer_rng.py); set "
+                                 f"cluster.max_stage_devices: 1")
         if source == "seed":
             self._clear_layers()
             for index in sorted(needed):
@@ -658,13 +665,16 @@ class Worker:
             """The layer's gradient is complete. A kept stage reduce-scatters it first, asynchronously,
             with the rest of its bucket (shard.py): the bucket's pieces are posted once the next layer's
             backward is done (or at the schedule's end), so the scatter runs behind that backward.
-            Resharded, each microbatch's backward already scattered into the shard."""
+            Resharded, each microbatch's backward posted its scatter into the shard: the last one's
+            pieces wait for it the same way."""
             flush_scatters()
-            if gather is not None and role.keep:  # type: ignore[union-attr]
-                work = gather.scatter(index - role.layers.start)  # type: ignore[union-attr]
+            if gather is not None:
+                position = index - role.layers.start  # type: ignore[union-attr]
+                work = gather.scatter(position) if role.keep else gather.scattered(position)  # type: ignore[union-attr]
                 if work is not None:
                     scattering.append(work)
-                return
+                if work is not None or role.keep:  # type: ignore[union-attr]
+                    return
             post_pieces(index)
 
         if role is not None:
@@ -689,7 +699,8 @@ class Worker:
                                      self.job.train.bucket_mb * 2**20, SCATTER_BY_ALLREDUCE[gen.backend])
             stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
                           bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute,
-                          params=gather)
+                          params=gather, draws=LayerDraws(self.job.train.seed, self.step, self.device),
+                          names=[self.keys[i] for i in role.layers])
             for op, m in one_f_one_b(role.stage, role.num_stages, len(passes)):
                 samples = sum(hi - lo for _, lo, hi in passes[m])
                 if not samples:
@@ -706,7 +717,8 @@ class Worker:
                     scale = samples / b / plan.num_microbatches
                     documents = self._documents(windows[m][:, :-1]) if self.eos_id is not None else None
                     with clock.span():
-                        out = stage.forward(m, x, y, scale, split=m == last_pass, documents=documents)
+                        out = stage.forward(m, x, y, scale, split=m == last_pass, documents=documents,
+                                            microbatch=role.mb_start + passes[m][0][0])
                     if role.is_last:
                         loss_sum += out.double()  # on the device: no host sync per microbatch
                     else:
@@ -827,7 +839,7 @@ class Worker:
             raise RuntimeError("Worker.evaluate: no plan/generation; call adopt() first")
         if self.validation is None:
             raise RuntimeError("Worker.evaluate: the job has no validation samples (training.eval_interval 0)")
-        n, b = self.validation.num_samples, self.job.train.microbatch_size
+        n = self.validation.num_samples
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         if role is not None and role.width > 1 and gen.stage is not None:
             # A wide stage gathers its layers whole and its first rank alone evaluates (validation
@@ -837,17 +849,35 @@ class Worker:
             if role.index > 0:
                 role = None
         if role is not None:
+            self._evaluate_share(role, gen, total)
+        for sharded in self.shards.values():
+            sharded.release()
+        gen.wait(gen.world.allreduce([total]))
+        return float(total.cpu()) / n, n
+
+    def _evaluate_share(self, role: Role, gen: Generation, total: torch.Tensor) -> None:
+        """This stage's part of `evaluate`, its layers in eval mode (no dropout) for the time being: the
+        loss summed over its pipeline's validation microbatches is added to `total` on the last stage."""
+        plan, validation = self.plan, self.validation
+        if plan is None or validation is None:
+            raise RuntimeError("Worker.evaluate: no plan or no validation samples")
+        n, b = validation.num_samples, self.job.train.microbatch_size
+        pin = self.device.type == "cuda"  # pinned host buffers: the copies to the device do not block
+        layers = [self.layers[i] for i in role.layers]
+        for layer in layers:
+            layer.eval()
+        try:
             count = -(-n // b)  # validation microbatches, the last one possibly smaller
             lo = count * role.mb_start // plan.num_microbatches
             hi = count * (role.mb_start + role.mb_count) // plan.num_microbatches
-            layers = [self.layers[i] for i in role.layers]
             bf16 = self.job.train.precision == "bf16"
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
             for m in range(lo, hi):
                 ids = list(range(m * b, min(n, (m + 1) * b)))
                 documents = None
                 if role.is_first or role.is_last or self.eos_id is not None:
-                    tokens, y = (t.to(self.device) for t in self.validation.batch(ids))
+                    tokens, y = (t.pin_memory().to(self.device, non_blocking=True) if pin else t
+                                 for t in validation.batch(ids))
                     documents = self._documents(tokens)
                 if role.is_first:
                     h = tokens
@@ -861,10 +891,9 @@ class Worker:
                         total += self.job.model.config.loss(h, y).double() * len(ids)
                 if not role.is_last:
                     gen.wait(gen.send(h.to(self.job.train.param_dtype).contiguous(), peer(role.next_rank), 2 * m))
-        for sharded in self.shards.values():
-            sharded.release()
-        gen.wait(gen.world.allreduce([total]))
-        return float(total.cpu()) / n, n
+        finally:
+            for layer in layers:
+                layer.train()
 
     def layer_payload(self, index: int) -> dict[str, torch.Tensor] | None:
         """The whole of layer `index` (checkpoint.layer_payload: parameters, buffers, optimizer

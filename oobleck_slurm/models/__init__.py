@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from oobleck_slurm.models.base import LayerEstimate, ModelDef
-from oobleck_slurm.models.factory import FactoryError, FactoryModel, inspect_factory
+from oobleck_slurm.models.factory import FactoryError, FactoryModel, check_stage_widths, inspect_factory
 from oobleck_slurm.models.gpt import GPT_PRESETS, GPTConfig, gpt_config
 from oobleck_slurm.models.llama import LLAMA_PRESETS, LlamaConfig, llama_config
 
@@ -42,6 +42,7 @@ def model_from_dict(d: dict[str, Any]) -> ModelDef:
 
 __all__ = [
     "FAMILIES", "GPT_PRESETS", "LLAMA_PRESETS", "PRESETS", "FactoryError", "FactoryModel", "GPTConfig",
+    "check_stage_widths",
     "LayerEstimate", "LlamaConfig", "ModelDef", "gpt_config", "inspect_factory", "llama_config",
     "model_from_dict", "preset", "with_layers",
 ]

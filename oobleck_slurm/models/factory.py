@@ -5,7 +5,12 @@ user's model, each initialised from (seed, its index) alone; with `stop=None` it
 which is how the model declares its layers: their count, and their names when it returns a dict
 {name: module} (a list gets the names layer.00, layer.01, ...). The first layer takes token ids
 (B, seq_len); the last returns logits (B, seq_len, vocab_size), trained with next-token cross-entropy.
-Buffers travel with the layer in recovery copies, and persistent ones into checkpoints.
+Buffers must be constants of the model: a layer whose forward updates a buffer in training (BatchNorm's
+running statistics) is refused by name, since each replica would update its own from its own samples,
+and copies between stage widths rebuild buffers from the seed. They travel with whole-layer recovery
+copies, and persistent ones into checkpoints. Layers with dropout modules are listed (`random_layers`):
+the engine seeds every layer's draws per (step, microbatch, layer) (engine/layer_rng.py), which a
+stage wider than one worker cannot keep, so such a model needs `cluster.max_stage_devices: 1`.
 
 `inspect_factory` builds the whole model on the meta device (no memory, no initialisation) and pushes
 a (1, seq_len) batch through it: that gives the layer names and the tensor shapes between layers, and
@@ -47,10 +52,13 @@ class FactoryModel(ModelDef):
     layer_names: tuple[str, ...] = ()
     boundaries: tuple[tuple[int, ...], ...] = ()
     params: int = 0
+    # The layers holding a dropout module (or attention with dropout) that is active in training.
+    random_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:  # from JSON: lists back to tuples
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
         object.__setattr__(self, "boundaries", tuple(tuple(b) for b in self.boundaries))
+        object.__setattr__(self, "random_layers", tuple(self.random_layers))
 
     def layer_keys(self) -> list[str]:
         if not self.layer_names:
@@ -114,6 +122,8 @@ def inspect_factory(model: FactoryModel, seed: int = 0) -> FactoryModel:
                     f"model factory {model.factory!r}: layer {index - 1} ({names[index - 1]}) must return one "
                     f"floating-point tensor for the next layer, got {got}"))
             boundaries.append(tuple(x.shape[1:]))
+        layer.train()  # as the engine trains it: buffers that training updates are updated here too
+        before = {name: (buf, buf._version) for name, buf in layer.named_buffers()}
         try:
             with torch.no_grad():
                 x = layer(x)
@@ -122,6 +132,7 @@ def inspect_factory(model: FactoryModel, seed: int = 0) -> FactoryModel:
             raise FactoryError("model.factory", (
                 f"model factory {model.factory!r}: layer {index} ({names[index]}) cannot take {what} "
                 f"on the meta device: {type(err).__name__}: {err}")) from err
+        _refuse_updated_buffers(model.factory, index, names[index], layer, before)
     want = (1, model.seq_len, model.vocab_size)
     shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
     if shape != want:
@@ -131,7 +142,59 @@ def inspect_factory(model: FactoryModel, seed: int = 0) -> FactoryModel:
             f"model factory {model.factory!r}: the last layer ({names[-1]}) must return logits "
             f"(B, model.seq_len, model.vocab_size) = {want} for token ids of shape (1, {model.seq_len}), got {got}"))
     params = sum(p.numel() for layer in layers for p in layer.parameters())
-    return replace(model, layer_names=tuple(names), boundaries=tuple(boundaries), params=params)
+    random = tuple(i for i, layer in enumerate(layers) if _random_modules(layer))
+    return replace(model, layer_names=tuple(names), boundaries=tuple(boundaries), params=params,
+                   random_layers=random)
+
+
+def _refuse_updated_buffers(factory: str, index: int, name: str, layer: nn.Module,
+                            before: dict[str, tuple[torch.Tensor, int]]) -> None:
+    """FactoryError naming the buffers that one forward of `layer` in training mode updated in place or
+    replaced (`before`: each buffer and its version counter before it), and the modules that keep
+    running statistics (BatchNorm, InstanceNorm with track_running_stats) even if the meta device's
+    kernels left their counters alone."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    after = dict(layer.named_buffers())
+    changed = [key for key, (buf, version) in before.items()
+               if after.get(key) is not buf or buf._version != version]
+    changed += [f"{path}.{key}".lstrip(".") for path, module in layer.named_modules()
+                if isinstance(module, _NormBase) and module.track_running_stats
+                for key in ("running_mean", "running_var") if getattr(module, key, None) is not None]
+    if not changed:
+        return
+    raise FactoryError("model.factory", (
+        f"model factory {factory!r}: layer {index} ({name}) updates its buffer(s) "
+        f"{', '.join(sorted(set(changed)))} in training (running statistics, as BatchNorm keeps): each pipeline "
+        f"would update its own copy from its own samples, so the result would depend on the plan; use a "
+        f"normalisation without running statistics and within each sample (LayerNorm, GroupNorm, RMSNorm)"))
+
+
+def _random_modules(layer: nn.Module) -> list[str]:
+    """The submodules of `layer` that draw random numbers in training: dropout with p > 0, and
+    attention modules with dropout."""
+    from torch import nn
+
+    found = []
+    for path, module in layer.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.append(path)
+        elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+            found.append(path)
+    return found
+
+
+def check_stage_widths(model: ModelDef, max_stage_devices: int) -> None:
+    """FactoryError (key cluster.max_stage_devices) when the model has random layers and the planner may
+    give a stage more than one worker: the engine's per-microbatch draws (engine/layer_rng.py) cannot be
+    split between a stage's workers."""
+    random = getattr(model, "random_layers", ())
+    if random and max_stage_devices > 1:
+        names = model.layer_keys()
+        raise FactoryError("cluster.max_stage_devices", (
+            f"the model's layer(s) {', '.join(names[i] for i in random)} use dropout: a stage of several "
+            f"workers gives each a slice of a microbatch, whose random draws would depend on the plan; set "
+            f"cluster.max_stage_devices to 1 (got {max_stage_devices}), or dropout to 0"))
 
 
 def load_factory(path: str) -> Callable[..., Any]:

@@ -30,7 +30,8 @@ fits in memory (it gathers once per step where resharded gathers twice per micro
 
 - Resharded (ZeRO-3, `keep` False): per microbatch, every layer's parameters are all-gathered before its
   forward and again before its backward (freed after each use), and its gradient is reduce-scattered
-  after its backward into the device's gradient shard (the whole gradient exists only for that moment):
+  after its backward into the device's gradient shard; the scatter is waited for behind the next
+  layer's backward, so the whole gradient lives until then (two layers' at a time):
 
       comm_l    = 2 allgather(param bytes of l, g) + reduce_scatter(grad bytes of l, g)
       exposed_i = sum_{l in stage} max(0, comm_l - c (fwd_l + bwd_l))
@@ -75,9 +76,10 @@ with equality when every stage has one device:
           + k * c * (sum activation_bytes + out_i)           per microbatch in flight
           + c * (out_i + in_i)                               the boundary buffers of one backward
           + c * max workspace_bytes                          one layer's forward or backward at work
-          + 2 * max param bytes + max grad_bytes             (g > 1, resharded) a layer's gathered
+          + 2 * max param bytes + 2 * max grad_bytes         (g > 1, resharded) a layer's gathered
                                                              parameters and the next one's prefetch; a
-                                                             layer's whole gradient before its scatter
+                                                             layer's whole gradient, and the previous
+                                                             layer's while its scatter runs behind it
           + sum param bytes + sum grad bytes                 (g > 1, kept) the stage's gathered
                                                              parameters and whole gradients
             <= USABLE_MEMORY_FRACTION * device_memory_bytes
@@ -263,8 +265,8 @@ def stage_memory_terms(profile: Profile, start: int, stop: int, devices: int,
     if devices > 1 and keep:
         gather = sum(gathered_bytes(profile, layer) + layer.grad_bytes for layer in layers)
     elif devices > 1:
-        gather = (2 * max(gathered_bytes(profile, layer) for layer in layers)
-                  + max(layer.grad_bytes for layer in layers))
+        gather = 2 * (max(gathered_bytes(profile, layer) for layer in layers)
+                      + max(layer.grad_bytes for layer in layers))
     return {
         "parameters": sum(layer.param_bytes for layer in layers) / devices,
         "gradients": sum(layer.grad_bytes for layer in layers) / devices,

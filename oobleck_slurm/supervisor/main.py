@@ -258,7 +258,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     from oobleck_slurm.engine.faults import load_faults
     from oobleck_slurm.engine.from_recipe import job_from_recipe, token_file_for, validation_file_for
     from oobleck_slurm.engine.worker import check_supported
-    from oobleck_slurm.models import FactoryError
+    from oobleck_slurm.models import FactoryError, check_stage_widths
     from oobleck_slurm.planning import Plan, instantiate
     from oobleck_slurm.planning.pregenerate import pregenerate
     from oobleck_slurm.protocol import keys
@@ -304,6 +304,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     token_file = token_file_for(recipe, job.data)
     try:  # `submit` checked a factory; a job started otherwise is told here
         spec = job_from_recipe(recipe, token_file, validation_file_for(recipe, job.data))
+        check_stage_widths(spec.model.config, cluster.max_stage_devices)
     except FactoryError as problem:  # still a FactoryError (bad input: exit 2), naming the recipe file
         raise FactoryError(problem.key, f"{recipe.source}: {problem.key}: {problem}") from problem
     check_supported(spec)

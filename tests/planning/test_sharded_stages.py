@@ -33,15 +33,16 @@ def test_state_is_divided_by_the_width_and_activations_by_the_share_of_the_sampl
             assert math.isclose(terms[key], one[key] / g)
         for key in ("activations", "stage_outputs", "boundary_gradients", "workspace"):
             assert math.isclose(terms[key], one[key] * c)
-        layer = profile.layers[1]  # resharded: two layers' parameters and one gradient, gathered as held
-        assert terms["gather_buffers"] == 2 * layer.param_bytes + layer.grad_bytes
+        # resharded: two layers' parameters, and two whole gradients (one scattered behind the next's backward)
+        layer = profile.layers[1]
+        assert terms["gather_buffers"] == 2 * layer.param_bytes + 2 * layer.grad_bytes
         kept = cost.stage_memory_terms(profile, 1, 3, g, 3, keep=True)  # kept: every layer's, whole
         assert kept["gather_buffers"] == 2 * (layer.param_bytes + layer.grad_bytes)
         assert {k: v for k, v in kept.items() if k != "gather_buffers"} == {k: v for k, v in terms.items()
                                                                             if k != "gather_buffers"}
     assert one["gather_buffers"] == 0
     bf16 = replace(profile, dtype="bf16")  # the engine gathers the fp32 master weights as they are
-    assert cost.stage_memory_terms(bf16, 1, 3, 2, 3)["gather_buffers"] == 2 * layer.param_bytes + layer.grad_bytes
+    assert cost.stage_memory_terms(bf16, 1, 3, 2, 3)["gather_buffers"] == 2 * layer.param_bytes + 2 * layer.grad_bytes
 
 
 def test_free_collectives_leave_the_share_of_the_compute():
@@ -76,13 +77,16 @@ def test_a_kept_stage_gathers_once_per_step_and_only_where_it_fits():
     assert cost.stage_once_time(profile, 0, 2, 2, keep=False) == 0.0
     (t,) = [template_from_stages(profile, 1, [(0, 2, 0, 2)], 4)]
     assert t.stages[0].keep and math.isclose(t.iteration_time_s, 4 * (0.3 + 3.0) / 2 + once)
-    # Memory for one layer's gathered parameters and gradient less than kept needs: resharded
-    kept = cost.stage_memory(profile, 0, 2, 2, 1, keep=True)
-    resharded = cost.stage_memory(profile, 0, 2, 2, 1, keep=False)
+    # Memory for two layers' gathered parameters and gradients (one scattered behind the next's backward)
+    # less than a 3-layer stage kept needs: resharded. A 2-layer stage holds as much either way: kept
+    three = replace(make_profile([0.3, 3.0, 3.0], devices_per_node=2, state=[4000] * 3), microbatch_size=2)
+    kept = cost.stage_memory(three, 0, 3, 2, 1, keep=True)
+    resharded = cost.stage_memory(three, 0, 3, 2, 1, keep=False)
     assert resharded < kept
-    tight = replace(profile, device_memory_bytes=(kept + resharded) / 2 / cost.USABLE_MEMORY_FRACTION)
-    (t,) = [template_from_stages(tight, 1, [(0, 2, 0, 2)], 4)]
-    assert not t.stages[0].keep and math.isclose(t.stages[0].time_s, cost.stage_time(tight, 0, 2, 2, 0))
+    assert cost.stage_memory(profile, 0, 2, 2, 1, keep=False) == cost.stage_memory(profile, 0, 2, 2, 1, keep=True)
+    tight = replace(three, device_memory_bytes=(kept + resharded) / 2 / cost.USABLE_MEMORY_FRACTION)
+    (t,) = [template_from_stages(tight, 1, [(0, 3, 0, 2)], 4)]
+    assert not t.stages[0].keep and math.isclose(t.stages[0].time_s, cost.stage_time(tight, 0, 3, 2, 0))
     assert not cost.choose_keep(profile, 0, 2, 1, 1)  # one device: nothing to keep
 
 
