@@ -290,7 +290,7 @@ def build_generation(store: dist.Store, number: int, rank: int, world_size: int,
     An abandoned build is cancelled: its helper stops at its next group and aborts what it built, and
     the next build first aborts the groups every abandoned build has formed so far, so that no helper
     warms up communicators of a dead generation while the next one's form on the same device."""
-    for cancelled, built in _abandoned:
+    for _cancelled, built in _abandoned:
         abort_groups(built)  # those its helper formed so far; it aborts the rest itself, at its next group
     _abandoned.clear()
     watch = FailureWatch(store, number, timeouts, superseded)
