@@ -1107,6 +1107,16 @@ def nccl_version() -> tuple[int, ...] | None:
         v = torch.cuda.nccl.version()
     except Exception:  # noqa: BLE001 - a build without NCCL
         return None
+    # torch reports the NCCL it was built with (2.28.9 for 2.11 on the first H200 run, under an
+    # LD_PRELOAD of 2.30.7): ask the library this process loaded (the preloaded one answers first).
+    try:
+        import ctypes
+
+        loaded = ctypes.c_int()
+        if ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(loaded)) == 0:
+            v = loaded.value
+    except OSError:
+        pass
     if isinstance(v, tuple):
         return tuple(int(x) for x in v)
     # Older torch: one integer, major * 1000 + minor * 100 + patch before NCCL 2.9, major * 10000 + ... since.

@@ -196,12 +196,13 @@ def poll_work(work: dist.Work, watch: FailureWatch, timeout_s: float, timeouts: 
             abort()
             raise dist.DistBackendError(f"{what} timed out after {timeout_s:g} s")
         time.sleep(next(pauses))
-    if work.exception() is not None:
-        # Failed: abort every communicator at once before anything touches one (aborting one at a time,
-        # or waiting on this work first, while kernels are queued on the others can hang, docs/nccl.md).
+    try:
+        work.wait()  # completed: raises the work's error, if any (Work.exception() has no Python
+    except Exception as err:  # binding for NCCL's work in torch 2.11: "Unable to convert std::exception_ptr")
+        # Failed: every communicator of the generation is aborted at once before anything else touches
+        # one (aborting one at a time while kernels are queued on the others can hang, docs/nccl.md).
         abort()
-        raise dist.DistBackendError(f"{what} failed: {work.exception()}")
-    work.wait()  # completed and successful: orders the current stream after it
+        raise dist.DistBackendError(f"{what} failed: {type(err).__name__}: {err}") from err
 
 
 class AbortableGeneration(Generation):

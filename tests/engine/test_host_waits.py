@@ -164,9 +164,6 @@ def test_a_polled_wait_returns_when_the_work_completes_and_leaves_on_the_failed_
                 polled.set()
             return self.work.is_completed()
 
-        def exception(self) -> Exception | None:  # poll_work aborts on a work that completed with an error
-            return self.work.exception()
-
         def wait(self) -> bool:
             return self.work.wait()
 
