@@ -26,7 +26,7 @@ import datetime as dt
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -320,11 +320,7 @@ class Generation:
         if isinstance(world, OrderedGroup):
             return [world.exchange(ops)]
         if self.backend == "nccl":
-            pg = cast(dist.ProcessGroup, world)
-            pg._start_coalescing(self.device)  # what batch_isend_irecv does, on a group of our own
-            for op in ops:
-                (pg.send if op.op == "send" else pg.recv)([op.tensor], op.peer, op.tag)
-            return [pg._end_coalescing(self.device)]
+            return [coalesced(world, ops)]
         return [(world.send if op.op == "send" else world.recv)([op.tensor], op.peer, op.tag) for op in ops]
 
     def release(self, wait: bool = False) -> None:
@@ -357,6 +353,18 @@ class Generation:
             groups.clear()
 
         threading.Thread(target=reap, daemon=True, name=f"release:gen{self.number}").start()
+
+
+def coalesced(pg: Group, ops: Sequence[P2POp]) -> dist.Work:
+    """Post `ops` as one batch on a backend group (ProcessGroupNCCL: one ncclGroupStart/ncclGroupEnd),
+    what batch_isend_irecv does through a ProcessGroup. A backend's own `_start_coalescing` and
+    `_end_coalescing` take no device (the ProcessGroup wrapper's do): passing one was a TypeError on
+    torch 2.11, found on the first multi-rank H200 run."""
+    backend = cast(Any, pg)
+    backend._start_coalescing()
+    for op in ops:
+        (pg.send if op.op == "send" else pg.recv)([op.tensor], op.peer, op.tag)
+    return cast(dist.Work, backend._end_coalescing())
 
 
 def plan_groups(plan: ExecPlan, world_size: int) -> dict[str, tuple[int, ...]]:
