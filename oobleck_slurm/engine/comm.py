@@ -51,7 +51,7 @@ COLLECTIVE_ERROR_MARKERS = ("gloo/", "Connection closed by peer", "Connection re
                             "ncclCommAbort", "aborted")
 
 
-class BuildCancelled(RuntimeError):
+class BuildCancelled(InfrastructureError, RuntimeError):
     """A generation's build that its worker abandoned (the generation failed while its groups formed)
     stopped at its next group, its groups aborted."""
 
