@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oobleck_slurm.errors import BadInputError
+
 _MASK = 2**63 - 1
 _LOCK = threading.Lock()
 
@@ -49,7 +51,7 @@ def draw_seed(key: int, microbatch: int, layer: int) -> int:
     return _mix(key ^ ((microbatch << 24) | layer)) & _MASK
 
 
-class LayerDrawError(NotImplementedError):
+class LayerDrawError(BadInputError, NotImplementedError):
     """A layer drew random numbers on a stage that splits microbatches between ranks."""
 
 
