@@ -193,6 +193,8 @@ class Generation:
         for members in by_members:
             wanted["layers/" + "-".join(map(str, members))] = members
         ordered = backend == "gloo" and nccl_order.enabled()
+        # the ordering mode's device: one per rank and generation (an aborted generation's kernels leave it)
+        self.slots = nccl_order.Slots(nccl_order.slot_limit()) if ordered else None
         self.groups: dict[str, Group] = {}
         self._members: dict[str, tuple[int, ...]] = {}
         for name in sorted(wanted):
@@ -200,7 +202,7 @@ class Generation:
             if rank in members:
                 pg = make_group(store, keys.group_prefix(number, name), members.index(rank), len(members),
                                 timeout, backend, timeouts.td("connect_timeout"), device)
-                self.groups[name] = OrderedGroup(pg, name) if ordered else cast(Group, pg)
+                self.groups[name] = OrderedGroup(pg, name, self.slots) if ordered else cast(Group, pg)
                 self._members[name] = members
         self.world = self.groups["world"]
         role = plan.role(rank)
@@ -290,11 +292,15 @@ class Generation:
         self.piece_group.clear()
         self.pipeline = self.stage = None
 
+        slots = self.slots
+
         def reap() -> None:
             abort_groups(groups)
             for group in groups:
                 if isinstance(group, OrderedGroup):
                     group.close()
+            if slots is not None:
+                slots.close()  # operations still waiting for a slot fail, and their executors end
             groups.clear()
 
         threading.Thread(target=reap, daemon=True, name=f"release:gen{self.number}").start()
