@@ -12,8 +12,8 @@ rules out a cycle of ranks waiting on each other.
 
 What differs between the backends stays here (docs/nccl.md): NCCL groups are connected eagerly on the
 worker's device and warmed up, so no communicator connects in the middle of a step; stage-to-stage
-traffic uses one 2-rank group per edge and direction; plan-change copies are one batch; a generation's
-communicators are aborted together. gloo groups cannot be aborted, so they are left to their timeouts
+traffic uses one 2-rank group per edge, its crossing send and receive posted as one batch (`batch`);
+plan-change copies are one batch; a generation's communicators are aborted together. gloo groups cannot be aborted, so they are left to their timeouts
 and dropped by a reaper thread. With OOBLECK_NCCL_ORDER=1 the gloo groups keep NCCL's ordering rules
 (nccl_order.py), so that the CPU tests catch what would deadlock on a GPU.
 """
@@ -139,13 +139,15 @@ class Generation:
     """The groups of generation `number` for worker `rank` of `world_size` under `plan`.
 
     world:      all workers: step metrics, and the batched state copies of a plan change (`exchange`)
-    act/a-b:    per pipeline edge, stage a's activations to stage b; grad/a-b: b's gradients back to a.
-                One communicator per direction: each carries its transfers in one order that both ends
-                share, so 1F1B's crossing sends (a sends activation m+k while b sends gradient m)
-                cannot wait on each other on NCCL, where a communicator runs its operations in order
-                and a large send completes only once the peer has posted its receive (docs/nccl.md).
-                Between wide stages: one pair per overlap of the two stages' sample ranges
-                (layout.edge_pieces).
+    p2p/a-b:    per pipeline edge, stage a's activations to stage b and b's gradients back to a, on one
+                communicator. 1F1B's crossing transfers (a sends activation m+k and then receives
+                gradient m, while b sends gradient m and then receives activation m+k) are posted as
+                one batch at each end (`batch`), one kernel that progresses both: on NCCL, where a
+                communicator runs its operations in order, a large send completes only once the peer
+                has posted its receive, and a device runs a limited number of kernels at once, two
+                sends waiting for receives posted behind them (on one communicator, or on two that
+                hold the device) would deadlock (docs/nccl.md). Between wide stages: one pair per
+                overlap of the two stages' sample ranges (layout.edge_pieces).
     stage:      this rank's stage, if wider than one rank (parameter all-gathers, gradient
                 reduce-scatters, checkpoint gathers)
     pipeline:   every rank of this rank's pipeline, if more than one (gradient-norm sum)
@@ -187,8 +189,7 @@ class Generation:
                     # which ranks' sample ranges overlap is the same for every microbatch size both
                     # widths divide, the largest width included
                     for a, b, _, _ in edge_pieces(max(len(sender), len(receiver)), sender, receiver):
-                        wanted[edge_name("act", a, b)] = (a, b)
-                        wanted[edge_name("grad", a, b)] = (a, b)
+                        wanted[edge_name(a, b)] = (a, b)
         by_members = reduce_groups(plan)
         for members in by_members:
             wanted["layers/" + "-".join(map(str, members))] = members
@@ -226,8 +227,8 @@ class Generation:
         """One small operation on every group, in the build order (module doc of the class)."""
         for name in sorted(self.groups):
             group, members = self.groups[name], self._members[name]
-            if name.startswith(("act/", "grad/")):
-                src, dst = (members[0], members[1]) if name.startswith("act/") else (members[1], members[0])
+            if name.startswith("p2p/"):  # what the edge carries: sends from its first member
+                src, dst = members
                 probe = torch.zeros(1, device=self.device)
                 peer = dst if self.rank == src else src
                 work = (group.send if self.rank == src else group.recv)([probe], members.index(peer), 0)
@@ -259,26 +260,34 @@ class Generation:
 
     def _p2p(self, src: int, dst: int) -> tuple[Group, int]:
         """The group carrying traffic from `src` to `dst` (pipeline neighbours), and the peer's rank in it."""
-        for name in (edge_name("act", src, dst), edge_name("grad", dst, src)):
+        for name in (edge_name(src, dst), edge_name(dst, src)):
             if name in self.groups:
                 peer = dst if src == self.rank else src
                 return self.groups[name], self._members[name].index(peer)
         raise RuntimeError(f"ranks {src} and {dst} are not neighbours in a pipeline of generation {self.number}")
 
+    def batch(self, peer: int, ops: Sequence[P2POp]) -> list[dist.Work]:
+        """Post sends to and receives from pipeline neighbour `peer` (world ranks in `ops`) on their edge's
+        group as one batch whose operations start together (NCCL: one kernel): 1F1B's crossing transfers."""
+        group, index = self._p2p(self.rank, peer)
+        return self._batch(group, [dataclasses.replace(op, peer=index) for op in ops])
+
     def exchange(self, ops: Sequence[P2POp]) -> list[dist.Work]:
         """Post sends and receives between any ranks (world ranks) as one batch whose operations start
         together, on NCCL one `ncclGroupStart`/`ncclGroupEnd` on the world's eagerly connected
         communicator: no order between the batch's operations can deadlock it."""
-        world = self.world
-        if isinstance(world, OrderedGroup):
-            return [world.exchange(ops)]
+        return self._batch(self.world, ops)
+
+    def _batch(self, group: Group, ops: Sequence[P2POp]) -> list[dist.Work]:
+        if isinstance(group, OrderedGroup):
+            return [group.exchange(ops)]
         if self.backend == "nccl":
-            pg = cast(dist.ProcessGroup, world)
+            pg = cast(dist.ProcessGroup, group)
             pg._start_coalescing(self.device)  # what batch_isend_irecv does, on a group of our own
             for op in ops:
                 (pg.send if op.op == "send" else pg.recv)([op.tensor], op.peer, op.tag)
             return [pg._end_coalescing(self.device)]
-        return [(world.send if op.op == "send" else world.recv)([op.tensor], op.peer, op.tag) for op in ops]
+        return [(group.send if op.op == "send" else group.recv)([op.tensor], op.peer, op.tag) for op in ops]
 
     def release(self) -> None:
         """Free this generation's groups once no member needs them any more (the next generation has
@@ -306,10 +315,9 @@ class Generation:
         threading.Thread(target=reap, daemon=True, name=f"release:gen{self.number}").start()
 
 
-def edge_name(direction: str, a: int, b: int) -> str:
-    """The group of the pipeline edge from stage rank a to its next stage's rank b, one per direction
-    ("act": a to b, "grad": b to a)."""
-    return f"{direction}/{a}-{b}"
+def edge_name(a: int, b: int) -> str:
+    """The group of the pipeline edge from stage rank a to its next stage's rank b (both directions)."""
+    return f"p2p/{a}-{b}"
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ posting order, which only a schedule consistent with one global order of operati
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import os
 import queue
@@ -77,10 +78,11 @@ class P2POp:
 
 
 class Slots:
-    """The operations one rank's device runs at once: at most `limit` (None: no bound). An operation
-    asks for a slot when its group's previous operation is done and holds it until it completes; the
-    waiting operations get free slots in posting order (`ticket`). `close()` fails those still waiting
-    (their generation was released)."""
+    """The operations one rank's device runs at once: at most `limit` (None: no bound). Each group is a
+    stream: its operations are registered in posting order (`post`), and one is ready once the one before
+    it on its group is done. A ready operation takes a free slot only when no ready operation posted
+    before it (on any group) is still waiting, as a device dispatches kernels in launch order; it holds
+    the slot until it completes (`done`). `close()` fails those still waiting (a released generation)."""
 
     def __init__(self, limit: int | None) -> None:
         if limit is not None and limit < 1:
@@ -88,33 +90,47 @@ class Slots:
         self.limit = limit
         self._cond = threading.Condition()
         self._tickets = 0
-        self._waiting: dict[int, str] = {}  # ticket -> what, for operations ready to start
-        self._running: dict[int, str] = {}
+        self._streams: dict[int, collections.deque[int]] = {}  # group -> its posted, unfinished tickets
+        self._stream_of: dict[int, int] = {}  # ticket -> its group
+        self._what: dict[int, str] = {}
+        self._running: set[int] = set()
         self._closed = False
 
-    def ticket(self) -> int:
-        """The next posting number of this rank (the order in which waiting operations start)."""
+    def post(self, stream: object, what: str) -> int:
+        """Register an operation of `stream` (its group), posted now; its ticket."""
         with self._cond:
             self._tickets += 1
-            return self._tickets
+            ticket, key = self._tickets, id(stream)
+            self._streams.setdefault(key, collections.deque()).append(ticket)
+            self._stream_of[ticket] = key
+            self._what[ticket] = what
+            return ticket
 
-    def acquire(self, ticket: int, what: str) -> None:
-        with self._cond:
-            self._waiting[ticket] = what
-            try:
-                while not self._closed and (min(self._waiting) != ticket or
-                                            (self.limit is not None and len(self._running) >= self.limit)):
-                    self._cond.wait()
-                if self._closed:
-                    raise RuntimeError(f"{what}: its generation was released before the operation could start")
-                self._running[ticket] = what
-            finally:
-                del self._waiting[ticket]
-                self._cond.notify_all()  # the next waiting operation may fit too
+    def _ready(self) -> list[int]:
+        """The operations that could start now: the first unfinished one of each group, if not running."""
+        return [q[0] for q in self._streams.values() if q and q[0] not in self._running]
 
-    def release(self, ticket: int) -> None:
+    def acquire(self, ticket: int) -> None:
+        """Wait until operation `ticket` (ready: its group's previous one is done) may take a slot."""
         with self._cond:
-            self._running.pop(ticket, None)
+            while not self._closed and (min(self._ready()) != ticket or
+                                        (self.limit is not None and len(self._running) >= self.limit)):
+                self._cond.wait()
+            if self._closed:
+                raise RuntimeError(f"{self._what[ticket]}: its generation was released before it could start")
+            self._running.add(ticket)
+            self._cond.notify_all()  # the next ready operation may fit too
+
+    def done(self, ticket: int) -> None:
+        """Operation `ticket` completed, failed, or was skipped: its slot and its group's turn pass on."""
+        with self._cond:
+            self._running.discard(ticket)
+            stream = self._streams[self._stream_of.pop(ticket)]
+            if stream and stream[0] == ticket:
+                stream.popleft()
+            else:  # never: a group's operations end in order
+                stream.remove(ticket)
+            del self._what[ticket]
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -126,9 +142,9 @@ class Slots:
         """What holds and what waits for this rank's slots, for an error message."""
         with self._cond:
             bound = "no bound" if self.limit is None else f"{self.limit}"
-            running = ", ".join(f"#{t} {w}" for t, w in sorted(self._running.items())) or "none"
-            waiting = ", ".join(f"#{t} {w}" for t, w in sorted(self._waiting.items())) or "none"
-        return f"this rank's operation slots ({bound}): running {running}; waiting to start {waiting}"
+            running = ", ".join(f"#{t} {self._what[t]}" for t in sorted(self._running)) or "none"
+            waiting = ", ".join(f"#{t} {self._what[t]}" for t in sorted(self._ready())) or "none"
+        return f"this rank's operation slots ({bound}): running {running}; ready to start {waiting}"
 
 
 class UnitWork(dist.Work):
@@ -223,30 +239,31 @@ class OrderedGroup:
 
     def _post(self, what: str, run: Callable[[], None]) -> dist.Work:
         work = UnitWork(f"{what} on group {self.name}", self.slots)
-        self._units.put((run, work, self.slots.ticket()))
+        self._units.put((run, work, self.slots.post(self, work.what)))
         return work
 
     def _run(self) -> None:
         while (unit := self._units.get()) is not None:
             run, work, ticket = unit
-            if self._broken is not None:
-                work.finish(self._broken)
-                continue
             try:
-                self.slots.acquire(ticket, work.what)
-            except RuntimeError as e:
-                self._broken = e
-                work.finish(e)
-                continue
-            try:
-                run()
-                work.finish()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter; the group is broken
-                # what held the rank's slots when it failed: a timeout here may be a slot deadlock
-                self._broken = RuntimeError(f"{e}; {self.slots.describe()}")
-                work.finish(self._broken)
+                if self._broken is not None:
+                    work.finish(self._broken)
+                    continue
+                try:
+                    self.slots.acquire(ticket)
+                except RuntimeError as e:
+                    self._broken = e
+                    work.finish(e)
+                    continue
+                try:
+                    run()
+                    work.finish()
+                except BaseException as e:  # noqa: BLE001 - handed to the waiter; the group is broken
+                    # what held the rank's slots when it failed: a timeout here may be a slot deadlock
+                    self._broken = RuntimeError(f"{e}; {self.slots.describe()}")
+                    work.finish(self._broken)
             finally:
-                self.slots.release(ticket)
+                self.slots.done(ticket)
 
     def _p2p(self, ops: list[P2POp]) -> None:
         """One batch. The k-th send to a peer meets the peer's k-th receive from this rank (gloo tags

@@ -599,6 +599,36 @@ class Worker:
             for work in works:
                 gen.wait(work)
 
+        # A crossing: a send to the neighbour stage that the next action receives from. Both are posted
+        # as one batch per neighbour rank (comm.Generation.batch), the receive's buffer allocated early,
+        # and the next action waits for the batch instead of receiving: the neighbour's matching crossing
+        # sends first too, and two sends waiting for receives posted behind them deadlock on NCCL.
+        # (action, microbatch) -> (its buffer, the batches' works, their operations: they hold the buffers)
+        crossed: dict[tuple[str, int], tuple[torch.Tensor, list[torch.distributed.Work], list[P2POp]]] = {}
+
+        def cross(action: tuple[str, int], tensor: torch.Tensor, send_tag: int, buf: torch.Tensor, recv_tag: int,
+                  peers: tuple[int, ...]) -> None:
+            """Send this rank's slice of `tensor` to the overlapping ranks of the neighbour stage on
+            `peers` and receive theirs into `buf` (for `action`), one batch per peer, in the edge's order."""
+            by_peer: dict[int, list[P2POp]] = {}
+            for _, dst, lo, hi in self._edge(b, role.stage_ranks, peers, sender=True):  # type: ignore[union-attr]
+                piece = tensor[lo - my_lo : hi - my_lo].contiguous()
+                by_peer.setdefault(dst, []).append(P2POp("send", piece, dst, send_tag))
+            for src, _, lo, hi in self._edge(b, peers, role.stage_ranks, sender=False):  # type: ignore[union-attr]
+                by_peer.setdefault(src, []).append(P2POp("recv", buf[lo - my_lo : hi - my_lo], src, recv_tag))
+            works = [work for peer_rank, ops in by_peer.items() for work in gen.batch(peer_rank, ops)]
+            crossed[action] = (buf, works, [op for ops in by_peer.values() for op in ops])
+
+        def take_crossed(op: str, m: int) -> torch.Tensor | None:
+            """The buffer of action (op, m) if a crossing received it, once its batches are done."""
+            entry = crossed.pop((op, m), None)
+            if entry is None:
+                return None
+            read_ahead()
+            for work in entry[1]:
+                gen.wait(work)
+            return entry[0]
+
         reductions: list[torch.distributed.Work] = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         clock = ComputeClock(self.device)
@@ -661,14 +691,17 @@ class Worker:
             stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
                           bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute,
                           params=gather)
-            for op, m in one_f_one_b(role.stage, role.num_stages, len(passes)):
+            actions = [a for a in one_f_one_b(role.stage, role.num_stages, len(passes))
+                       if sum(hi - lo for _, lo, hi in passes[a.microbatch])]
+            for k, (op, m) in enumerate(actions):
                 samples = sum(hi - lo for _, lo, hi in passes[m])
-                if not samples:
-                    continue
+                following = actions[k + 1] if k + 1 < len(actions) else None
                 if op == "F":
                     y = windows[m][:, 1:].contiguous() if role.is_last else None
                     if role.is_first:
                         x = windows[m][:, :-1].contiguous()
+                    elif (got := take_crossed("F", m)) is not None:
+                        x = got
                     else:
                         x = self._boundary_buffer(role.layers.start, samples)
                         receive(x, role.prev_ranks, 2 * m)
@@ -680,19 +713,30 @@ class Worker:
                         out = stage.forward(m, x, y, scale, split=m == last_pass, documents=documents)
                     if role.is_last:
                         loss_sum += out.double()  # on the device: no host sync per microbatch
+                    elif following is not None and following.op == "B":  # its gradient comes from next_ranks
+                        n = following.microbatch
+                        buf = self._boundary_buffer(role.layers.stop, sum(hi - lo for _, lo, hi in passes[n]))
+                        cross(("B", n), out, 2 * m, buf, 2 * n + 1, role.next_ranks)
                     else:
                         post_send("act", out, role.next_ranks, 2 * m)
                 else:
                     grad = None
                     if not role.is_last:
-                        grad = self._boundary_buffer(role.layers.stop, samples)
-                        receive(grad, role.next_ranks, 2 * m + 1)
+                        grad = take_crossed("B", m)
+                        if grad is None:
+                            grad = self._boundary_buffer(role.layers.stop, samples)
+                            receive(grad, role.next_ranks, 2 * m + 1)
                     with clock.span():
                         grad_in = stage.backward(m, grad, reduce_layer if m == last_pass else None)
                     if not role.is_first:
                         if grad_in is None:
                             raise RuntimeError("a stage after the first returned no input gradient")
-                        post_send("grad", grad_in, role.prev_ranks, 2 * m + 1)
+                        if following is not None and following.op == "F":  # its input comes from prev_ranks
+                            n = following.microbatch
+                            buf = self._boundary_buffer(role.layers.start, sum(hi - lo for _, lo, hi in passes[n]))
+                            cross(("F", n), grad_in, 2 * m + 1, buf, 2 * n, role.prev_ranks)
+                        else:
+                            post_send("grad", grad_in, role.prev_ranks, 2 * m + 1)
             read_ahead()
             if gather is not None:
                 if last_pass < 0 and role.keep and role.mb_count:
