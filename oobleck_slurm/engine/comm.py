@@ -118,8 +118,11 @@ def abort_groups(groups: list[Group]) -> None:
 
 
 # gloo's reduce-scatter costs about twice an all-reduce of its whole input on CPUs (4 ranks, 6.8 MB:
-# 7.3 against 3.4 ms of CPU a call, 29 against 14 ms): where the input may be overwritten (a kept
-# stage's final gradients, shard.py) gloo all-reduces it in place instead. NCCL's is the cheaper one.
+# 7.3 against 3.4 ms of CPU a call, 29 against 14 ms), and its flat form (reduce_scatter_tensor) is an
+# all-reduce of a copy of the input: where the input may be overwritten (a stage's gradients, shard.py)
+# gloo all-reduces it in place instead, the same bits without the copy. NCCL's is the cheaper one. The
+# NCCL ordering mode takes NCCL's branch on gloo (`Generation.scatter_by_allreduce`), so that the CPU
+# tests run it.
 SCATTER_BY_ALLREDUCE = {"gloo": True, "nccl": False}
 
 
@@ -130,6 +133,10 @@ class Group(Protocol):
     def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work: ...
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]]) -> dist.Work: ...
+    # the flat forms (all_gather_into_tensor, reduce_scatter_tensor): no flat copy of the whole buffer
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work: ...
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: dist.ReduceScatterOptions) -> dist.Work: ...
     def barrier(self) -> dist.Work: ...
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
@@ -196,6 +203,8 @@ class Generation:
         ordered = backend == "gloo" and nccl_order.enabled()
         # the ordering mode's device: one per rank and generation (an aborted generation's kernels leave it)
         self.slots = nccl_order.Slots(nccl_order.slot_limit()) if ordered else None
+        # how a stage's gradients are reduce-scattered (shard.py): NCCL's way in the mode that imitates it
+        self.scatter_by_allreduce = SCATTER_BY_ALLREDUCE[backend] and not ordered
         self.groups: dict[str, Group] = {}
         self._members: dict[str, tuple[int, ...]] = {}
         for name in sorted(wanted):

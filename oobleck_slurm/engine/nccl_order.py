@@ -212,8 +212,10 @@ class OrderedGroup:
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]]) -> dist.Work:
         return self._post("reduce_scatter", lambda: _done(self.pg.reduce_scatter(outputs, inputs)))
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work:
-        return self._post("reduce_scatter_tensor", lambda: _done(self.pg._reduce_scatter_base(output, input, dist.ReduceScatterOptions())))
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: dist.ReduceScatterOptions | None = None) -> dist.Work:
+        options = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._post("reduce_scatter_tensor", lambda: _done(self.pg._reduce_scatter_base(output, input, options)))
 
     def barrier(self) -> dist.Work:
         return self._post("barrier", lambda: _done(self.pg.barrier()))

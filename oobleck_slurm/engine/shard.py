@@ -287,9 +287,11 @@ class ShardedLayer:
         self.gathered = True
 
     def gather(self, group: Group) -> dist.Work:
-        """Post the all-gather of the shards into the full buffer (allocated again first)."""
+        """Post the all-gather of the shards into the full buffer (allocated again first). The flat form
+        (all_gather_into_tensor) writes the buffer itself: the list form made torch allocate a flat copy
+        of the whole output for as long as the collective was in flight (NCCL: from its posting)."""
         self.allocate()
-        return group.allgather([self._chunks(self.full)], [self.shard])
+        return group._allgather_base(self.full, self.shard)
 
     def release(self) -> None:
         """Free the gathered parameters (the module's views stay, pointing at an empty storage)."""
@@ -320,13 +322,20 @@ class ShardedLayer:
 
     def reduce_scatter(self, group: Group) -> dist.Work:
         """Post the SUM reduce-scatter of the stage's full gradients into this rank's shard (kept: once
-        per step)."""
-        return group.reduce_scatter([self.grad_shard], [self._chunks(self.grad_full)])
+        per step), in the flat form (reduce_scatter_tensor): the list form copies the input into a flat
+        buffer of its own first."""
+        return group._reduce_scatter_base(self.grad_shard, self.grad_full, dist.ReduceScatterOptions())
 
-    def scatter_microbatch(self, group: Group, wait: Callable[[dist.Work], None]) -> None:
-        """Resharded: reduce-scatter one microbatch's whole gradient, add it to the shard, free it."""
-        wait(group.reduce_scatter([self.scattered], [self._chunks(self.grad_full)]))
-        self.grad_shard += self.scattered
+    def scatter_microbatch(self, group: Group, wait: Callable[[dist.Work], None], by_allreduce: bool) -> None:
+        """Resharded: reduce-scatter one microbatch's whole gradient, add it to the shard, free it.
+        `by_allreduce` (comm.SCATTER_BY_ALLREDUCE): as an all-reduce of the whole gradient in place, of
+        which the rank keeps its chunk (it is freed right after)."""
+        if by_allreduce:
+            wait(group.allreduce([self.grad_full]))
+            self.grad_shard += self._chunks(self.grad_full)[self.index]
+        else:
+            wait(group._reduce_scatter_base(self.scattered, self.grad_full, dist.ReduceScatterOptions()))
+            self.grad_shard += self.scattered
         self.release_grad()
 
     def grad_view(self, lo: int, hi: int) -> torch.Tensor:
@@ -417,20 +426,23 @@ class BucketWork:
 
 
 def gather_bucket(layers: list[ShardedLayer], positions: list[int], group: Group) -> BucketWork:
-    """Post one all-gather of the layers' shards into their full buffers (allocated first)."""
+    """Post one all-gather of the layers' shards into their full buffers. A bucket of several layers
+    gathers into a buffer of its own; the layers' full buffers are allocated only as it is unpacked, so
+    a kept stage that posts all its buckets at once holds its gathered layers once, plus one bucket."""
     if len(positions) == 1:
         return BucketWork(positions, layers[positions[0]].gather(group), None)
     members = [layers[p] for p in positions]
-    width = members[0].width
-    send = torch.cat([layer.shard for layer in members])
-    recv = send.new_empty(width * send.numel())
-    for layer in members:
-        layer.allocate()
-    work = group.allgather([list(recv.chunk(width))], [send])
+    width, index = members[0].width, members[0].index
+    total = sum(layer.size for layer in members)
+    recv = members[0].shard.new_empty(width * total)
+    send = recv[index * total : (index + 1) * total]  # in place: this rank's chunk is its input
+    torch.cat([layer.shard for layer in members], out=send)
+    work = group._allgather_base(recv, send)
 
     def unpack() -> None:
         rows, offset = recv.view(width, -1), 0
         for layer in members:
+            layer.allocate()
             layer.full.view(width, layer.size).copy_(rows[:, offset : offset + layer.size])
             offset += layer.size
 
@@ -451,7 +463,8 @@ def reduce_scatter_bucket(layers: list[ShardedLayer], positions: list[int], grou
     else:
         flat = torch.cat([layer.grad_full.view(width, layer.size) for layer in members], dim=1)  # rank-major
     mine = flat[index] if by_allreduce else flat.new_empty(flat.shape[1])
-    work = group.allreduce([flat]) if by_allreduce else group.reduce_scatter([mine], [list(flat)])
+    work = (group.allreduce([flat]) if by_allreduce
+            else group._reduce_scatter_base(mine, flat.view(-1), dist.ReduceScatterOptions()))
 
     def unpack() -> None:
         offset = 0
@@ -512,7 +525,7 @@ class StageParams:
         if self.keep:
             return
         if direction < 0:
-            self.layers[i].scatter_microbatch(self.group, self.wait)
+            self.layers[i].scatter_microbatch(self.group, self.wait, self.scatter_by_allreduce)
         if i not in self.pending:  # a prefetched gather is kept
             self.layers[i].release()
 

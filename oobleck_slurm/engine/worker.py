@@ -32,7 +32,7 @@ from torch import nn
 
 from oobleck_slurm.engine.batches import Reads, StepBatches, open_dataset, open_validation
 from oobleck_slurm.engine.checkpoint import layer_payload, load_layer
-from oobleck_slurm.engine.comm import SCATTER_BY_ALLREDUCE, Generation, step_timeout_waits
+from oobleck_slurm.engine.comm import Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
 from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, pass_slices, reduce_pieces, sample_range
 from oobleck_slurm.engine.lr import lr_at
@@ -687,7 +687,7 @@ class Worker:
                 if gen.stage is None:
                     raise RuntimeError(f"rank {self.rank}: a stage of {role.width} ranks without its group")
                 gather = StageParams([self.shards[i] for i in role.layers], gen.stage, gen.wait, role.keep,
-                                     self.job.train.bucket_mb * 2**20, SCATTER_BY_ALLREDUCE[gen.backend])
+                                     self.job.train.bucket_mb * 2**20, gen.scatter_by_allreduce)
             stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
                           bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute,
                           params=gather)
@@ -896,8 +896,7 @@ class Worker:
         whole = {}
         for key, t in moments.items():
             full = torch.empty(sharded.size * sharded.width, dtype=t.dtype, device=t.device)
-            gen.wait(gen.stage.allgather([[full[j * sharded.size : (j + 1) * sharded.size]
-                                           for j in range(sharded.width)]], [t]))
+            gen.wait(gen.stage._allgather_base(full, t))
             whole[key] = full
         payload = None
         if sharded.index == 0:

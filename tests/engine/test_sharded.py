@@ -71,12 +71,13 @@ def warm() -> Iterator[WarmServer]:
 
 
 def run_plans(warm: WarmServer, tmp_path: Path, job: JobSpec, plans: list[tuple[int, ExecPlan]],
-              kill: dict | None = None, checkpoints: tuple[int, ...] = ()) -> tuple[dict[int, float], dict]:
+              kill: dict | None = None, checkpoints: tuple[int, ...] = (), ordered: str = "1") -> tuple[dict[int, float], dict]:
     """Run `plans` [(first step, plan)] on 8 worker processes. With `kill` {"ranks", "step", "wait"}
     those ranks kill -9 themselves inside that step of the first plan; this process then plays the
     coordinator: it sets the failed key once they are gone, collects the survivors' steps and names
     the step to resume at (recovery.py), and the survivors go on with the second plan. The plans
-    numbered in `checkpoints` start from a checkpoint the plan before writes (sharded_run.py)."""
+    numbered in `checkpoints` start from a checkpoint the plan before writes (sharded_run.py). `ordered`
+    "0": plain gloo instead of NCCL's ordering rules (gloo's own way of reduce-scattering, comm.py)."""
     (tmp_path / "job.json").write_text(job.to_json())
     entries = [{"step": s, "plan": p.to_json(), "checkpoint": k in checkpoints} for k, (s, p) in enumerate(plans)]
     if kill is not None:
@@ -84,7 +85,7 @@ def run_plans(warm: WarmServer, tmp_path: Path, job: JobSpec, plans: list[tuple[
         entries[1]["world"] = WORLD - len(kill["ranks"])
     (tmp_path / "plans.json").write_text(json.dumps(entries))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_NCCL_ORDER": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_NCCL_ORDER": ordered}
     logs = [tmp_path / f"rank{r}.log" for r in range(WORLD)]
     procs = [warm.spawn(RUN.stem, [str(tmp_path), str(store.port), str(r), str(WORLD)], env, str(logs[r]))
              for r in range(WORLD)]
@@ -161,12 +162,16 @@ def assert_exact(job: JobSpec, losses: dict[int, float], layers: dict, rtol: flo
 
 # bucket_mb 0.7 (the tiny model's layers are 0.16, 0.38 x 4 and 0.13 MB in fp64): the kept 4-wide
 # stage gathers [0] [1 2] [3 4] [5] and reduce-scatters [5 4 3] [2 1] [0], while the other pipeline's
-# stages reduce each layer alone; by default each collective takes all the stage's layers but the first
-@pytest.mark.parametrize(("plan", "bucket_mb"), [(WIDE_AND_MIXED, 25.0), (WIDE_AND_MIXED, 0.7), (TWO_WIDE_AND_NARROW, 25.0)],
-                         ids=["w4+w2-1-1", "w4+w2-1-1-buckets", "w2-2+w1x4"])
-def test_sharded_stages_match_the_reference(warm, tmp_path, plan, bucket_mb):
+# stages reduce each layer alone; by default each collective takes all the stage's layers but the first.
+# Under NCCL's ordering rules the stages reduce-scatter as on NCCL; on plain gloo ("0") by an all-reduce
+# in place (comm.SCATTER_BY_ALLREDUCE), what a CPU job runs
+@pytest.mark.parametrize(("plan", "bucket_mb", "ordered"),
+                         [(WIDE_AND_MIXED, 25.0, "1"), (WIDE_AND_MIXED, 0.7, "1"), (TWO_WIDE_AND_NARROW, 25.0, "1"),
+                          (WIDE_AND_MIXED, 0.7, "0")],
+                         ids=["w4+w2-1-1", "w4+w2-1-1-buckets", "w2-2+w1x4", "w4+w2-1-1-buckets-plain-gloo"])
+def test_sharded_stages_match_the_reference(warm, tmp_path, plan, bucket_mb, ordered):
     job = dataclasses.replace(tiny_job(), train=dataclasses.replace(tiny_job().train, bucket_mb=bucket_mb))
-    losses, layers = run_plans(warm, tmp_path, job, [(0, plan)])
+    losses, layers = run_plans(warm, tmp_path, job, [(0, plan)], ordered=ordered)
     assert_exact(job, losses, layers)
 
 
