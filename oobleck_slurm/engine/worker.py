@@ -59,6 +59,7 @@ from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
 from oobleck_slurm.models.documents import Documents, run_layer
 from oobleck_slurm.optim.came_sharded import ShardedCAME
+from oobleck_slurm.peak_memory import StepPeak
 from oobleck_slurm.planning.cost import stage_fold
 from oobleck_slurm.protocol.records import StepResult
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
@@ -180,6 +181,7 @@ class Worker:
         self.job = job
         self.rank = rank
         self.device = device or torch.device("cpu")
+        self.peak = StepPeak(self.device)
         self.keys = job.model.keys()
         self.step = 0
         self.layers: dict[int, nn.Module] = {}
@@ -554,6 +556,7 @@ class Worker:
         if plan is None or gen is None:
             raise RuntimeError("Worker.train_step: no plan/generation; call adopt() first")
         t0 = time.perf_counter()
+        self.peak.start()  # the step's own peak, not the process's (an evaluation's, an earlier step's)
         self.pending = None
         for flat in self.grads.values():
             flat.zero_()
@@ -789,8 +792,8 @@ class Worker:
                 metrics[1 + role.pipeline] = schedule_s
         compute, memory, data = (1 + num_p + k * world for k in range(3))  # where each per-rank row starts
         metrics[compute + self.rank] = clock.seconds()
-        if self.device.type == "cuda":  # what the planner's memory model is checked against
-            metrics[memory + self.rank] = torch.cuda.max_memory_allocated(self.device)
+        if (peak := self.peak.peak()) is not None:  # what the planner's memory model is checked against
+            metrics[memory + self.rank] = peak
         metrics[data + self.rank] = data_s
         gen.wait(gen.world.allreduce([metrics]))  # the commit point
         metrics = metrics.cpu()
