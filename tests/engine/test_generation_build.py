@@ -16,11 +16,11 @@ import pytest
 import torch.distributed as dist
 from exec_plans import make_plan
 
-from oobleck_slurm.engine.comm import BuildCancelled, Generation
+from oobleck_slurm.engine.comm import BuildCancelled, Generation, communicators_per_rank, plan_groups
 from oobleck_slurm.timeouts import JobTimeouts
 
 TIMEOUTS = JobTimeouts(collective_timeout=30.0, step_timeout=60.0, connect_timeout=60.0)
-PLAN = make_plan(6, [[0, 3, 6]], [2])  # one pipeline of 2 stages: world, pipe, act/grad edges, layers
+PLAN = make_plan(6, [[0, 3, 6]], [2])  # one pipeline of 2 stages: world, pipe, the p2p edge, layers
 
 
 def _on_both_ranks(build) -> list:
@@ -64,3 +64,9 @@ def test_an_abandoned_build_stops_at_its_next_group_and_keeps_nothing():
     with pytest.raises(BuildCancelled):
         Generation(store, 0, 0, 1, make_plan(6, [[0, 6]], [2]), TIMEOUTS, cancelled=cancelled, built=built)
     assert built == []
+
+
+def test_plan_groups_name_one_p2p_group_per_edge_pair():
+    """One communicator per pipeline edge pair, for both directions (was act/ and grad/ ones)."""
+    assert plan_groups(PLAN, 2) == {"world": (0, 1), "pipe/0-1": (0, 1), "p2p/0-1": (0, 1)}
+    assert communicators_per_rank(PLAN, 2) == [3, 3]
