@@ -206,6 +206,26 @@ class PeakMemory:
         return anon_bytes() if self.method == "clear_refs" else rss_bytes()
 
 
+class StepPeak:
+    """The device's peak bytes allocated during one step, for the worker's step report
+    (`StepResult.peak_memory`): absolute bytes, as the planner's memory model counts them, but each step's
+    own. CUDA only (None elsewhere): `torch.cuda.max_memory_allocated` is the process's peak since the last
+    `reset_peak_memory_stats`, so without a reset at each step's start every step reported the highest
+    point of any earlier one (a first step's, an evaluation's, a checkpoint's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> None:
+        """A step starts: the peak restarts from what is allocated now."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int | None:
+        """The highest bytes allocated since `start()`; None where the device keeps no such count."""
+        return int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else None
+
+
 def malloc_configured() -> bool:
     """True when this process was started with `MALLOC_ENV` (so its RSS tracks live tensors)."""
     return os.environ.get("MALLOC_MMAP_THRESHOLD_") == str(MMAP_THRESHOLD_BYTES)

@@ -23,8 +23,10 @@ SLURM_DIR = Path(__file__).resolve().parent / "slurm"
 
 # Every job of the suite runs its gloo groups under NCCL's ordering rules (engine/nccl_order.py), in
 # this process and in every worker it starts (they inherit the environment, through Slurm too): a
-# schedule that would deadlock on a GPU then fails here.
+# schedule that would deadlock on a GPU then fails here. One operation at a time per rank: a posting
+# order that differs between ranks across groups deadlocks, as kernels that fill a device would.
 os.environ.setdefault("OOBLECK_NCCL_ORDER", "1")
+os.environ.setdefault("OOBLECK_NCCL_ORDER_SLOTS", "1")
 
 
 def _slurm_module(stem: str) -> ModuleType:

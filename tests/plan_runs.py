@@ -42,7 +42,7 @@ def warm_server() -> Iterator[WarmServer]:
 
 def run_plans(warm: WarmServer, tmp_path: Path, job: JobSpec, plans: list[tuple[int, ExecPlan]],
               kill: dict | None = None, checkpoints: tuple[int, ...] = (),
-              world: int = WORLD, reports: dict[int, tuple[int, bool]] | None = None
+              world: int = WORLD, reports: dict[int, tuple[int, bool]] | None = None, ordered: str = "1"
               ) -> tuple[dict[int, float], dict]:
     """Run `plans` [(first step, plan)] on `world` worker processes. With `kill` {"ranks", "step", "wait"}
     those ranks kill -9 themselves inside that step of the first plan; with `kill` {"ranks", "faults"}
@@ -50,7 +50,8 @@ def run_plans(warm: WarmServer, tmp_path: Path, job: JobSpec, plans: list[tuple[
     kills the others, as their node's agent does. It then plays the coordinator: it sets the failed key
     once they are gone, collects the survivors' steps (into `reports`: rank -> (step, pending)) and
     names the step to resume at (recovery.py), and the survivors go on with the second plan. The plans
-    numbered in `checkpoints` start from a checkpoint the plan before writes (sharded_run.py)."""
+    numbered in `checkpoints` start from a checkpoint the plan before writes (sharded_run.py). `ordered`
+    "0": plain gloo instead of NCCL's ordering rules (gloo's own way of reduce-scattering, comm.py)."""
     (tmp_path / "job.json").write_text(job.to_json())
     entries = [{"step": s, "plan": p.to_json(), "checkpoint": k in checkpoints} for k, (s, p) in enumerate(plans)]
     if kill is not None:
@@ -58,7 +59,7 @@ def run_plans(warm: WarmServer, tmp_path: Path, job: JobSpec, plans: list[tuple[
         entries[1]["world"] = world - len(kill["ranks"])
     (tmp_path / "plans.json").write_text(json.dumps(entries))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_NCCL_ORDER": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_NCCL_ORDER": ordered}
     logs = [tmp_path / f"rank{r}.log" for r in range(world)]
     procs = [warm.spawn(RUN.stem, [str(tmp_path), str(store.port), str(r), str(world)], env, str(logs[r]))
              for r in range(world)]

@@ -12,8 +12,8 @@ rules out a cycle of ranks waiting on each other.
 
 What differs between the backends stays here (docs/nccl.md): NCCL groups are connected eagerly on the
 worker's device and warmed up, so no communicator connects in the middle of a step; stage-to-stage
-traffic uses one 2-rank group per edge and direction; plan-change copies are one batch; a generation's
-communicators are aborted together. gloo groups cannot be aborted, so they are left to their timeouts
+traffic uses one 2-rank group per edge, its crossing send and receive posted as one batch (`batch`);
+plan-change copies are one batch; a generation's communicators are aborted together. gloo groups cannot be aborted, so they are left to their timeouts
 and dropped by a reaper thread. With OOBLECK_NCCL_ORDER=1 the gloo groups keep NCCL's ordering rules
 (nccl_order.py), so that the CPU tests catch what would deadlock on a GPU.
 """
@@ -123,8 +123,11 @@ def abort_groups(groups: list[Group]) -> None:
 
 
 # gloo's reduce-scatter costs about twice an all-reduce of its whole input on CPUs (4 ranks, 6.8 MB:
-# 7.3 against 3.4 ms of CPU a call, 29 against 14 ms): where the input may be overwritten (a kept
-# stage's final gradients, shard.py) gloo all-reduces it in place instead. NCCL's is the cheaper one.
+# 7.3 against 3.4 ms of CPU a call, 29 against 14 ms), and its flat form (reduce_scatter_tensor) is an
+# all-reduce of a copy of the input: where the input may be overwritten (a stage's gradients, shard.py)
+# gloo all-reduces it in place instead, the same bits without the copy. NCCL's is the cheaper one. The
+# NCCL ordering mode takes NCCL's branch on gloo (`Generation.scatter_by_allreduce`), so that the CPU
+# tests run it.
 SCATTER_BY_ALLREDUCE = {"gloo": True, "nccl": False}
 # NCCL groups are also warmed up with a message of this size (Generation._warm_up): twice NCCL's default
 # buffer (NCCL_BUFFSIZE, 4 MiB), so that the algorithm and protocol of a layer-sized message connect then.
@@ -141,6 +144,10 @@ class Group(Protocol):
     def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work: ...
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]]) -> dist.Work: ...
+    # the flat forms (all_gather_into_tensor, reduce_scatter_tensor): no flat copy of the whole buffer
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work: ...
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: dist.ReduceScatterOptions) -> dist.Work: ...
     def barrier(self) -> dist.Work: ...
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
@@ -150,13 +157,15 @@ class Generation:
     """The groups of generation `number` for worker `rank` of `world_size` under `plan`.
 
     world:      all workers: step metrics, and the batched state copies of a plan change (`exchange`)
-    act/a-b:    per pipeline edge, stage a's activations to stage b; grad/a-b: b's gradients back to a.
-                One communicator per direction: each carries its transfers in one order that both ends
-                share, so 1F1B's crossing sends (a sends activation m+k while b sends gradient m)
-                cannot wait on each other on NCCL, where a communicator runs its operations in order
-                and a large send completes only once the peer has posted its receive (docs/nccl.md).
-                Between wide stages: one pair per overlap of the two stages' sample ranges
-                (layout.edge_pieces).
+    p2p/a-b:    per pipeline edge, stage a's activations to stage b and b's gradients back to a, on one
+                communicator. 1F1B's crossing transfers (a sends activation m+k and then receives
+                gradient m, while b sends gradient m and then receives activation m+k) are posted as
+                one batch at each end (`batch`), one kernel that progresses both: on NCCL, where a
+                communicator runs its operations in order, a large send completes only once the peer
+                has posted its receive, and a device runs a limited number of kernels at once, two
+                sends waiting for receives posted behind them (on one communicator, or on two that
+                hold the device) would deadlock (docs/nccl.md). Between wide stages: one pair per
+                overlap of the two stages' sample ranges (layout.edge_pieces).
     stage:      this rank's stage, if wider than one rank (parameter all-gathers, gradient
                 reduce-scatters, checkpoint gathers)
     pipeline:   every rank of this rank's pipeline, if more than one (gradient-norm sum)
@@ -164,7 +173,8 @@ class Generation:
                 all-reduce); `piece_group[(layer, piece)]` = that group, `layer_group[layer]` the
                 group of the layer's piece this rank holds first
 
-    Every group is warmed up with one small operation when it is built, in the build's common order:
+    Every group is warmed up with one small operation (an edge's: one in each direction) when it is
+    built, in the build's common order:
     NCCL connects its transports at a communicator's first operation, and that must not happen in the
     middle of a step, where a dead peer would block it in a call nothing can interrupt.
     """
@@ -195,6 +205,10 @@ class Generation:
         wanted = plan_groups(plan, world_size)
         by_members = reduce_groups(plan)
         ordered = backend == "gloo" and nccl_order.enabled()
+        # the ordering mode's device: one per rank and generation (an aborted generation's kernels leave it)
+        self.slots = nccl_order.Slots(nccl_order.slot_limit()) if ordered else None
+        # how a stage's gradients are reduce-scattered (shard.py): NCCL's way in the mode that imitates it
+        self.scatter_by_allreduce = SCATTER_BY_ALLREDUCE[backend] and not ordered
         self.groups: dict[str, Group] = {}
         self._members: dict[str, tuple[int, ...]] = {}
         built = built if built is not None else []  # shared with build_generation: aborted if abandoned
@@ -210,7 +224,7 @@ class Generation:
                 pg = make_group(store, keys.group_prefix(number, name), members.index(rank), len(members),
                                 timeout, backend, timeouts.td("connect_timeout"), device)
                 built.append(cast(Group, pg))
-                self.groups[name] = OrderedGroup(pg, name) if ordered else cast(Group, pg)
+                self.groups[name] = OrderedGroup(pg, name, self.slots) if ordered else cast(Group, pg)
                 self._members[name] = members
                 self.build_log.append(f"group {name}")
             if name == "world" and previous is not None:
@@ -248,22 +262,28 @@ class Generation:
 
     def _warm_up_one(self, name: str, probe: torch.Tensor) -> None:
         group, members = self.groups[name], self._members[name]
-        if name.startswith(("act/", "grad/")):
-            src, dst = (members[0], members[1]) if name.startswith("act/") else (members[1], members[0])
-            peer = dst if self.rank == src else src
-            work = (group.send if self.rank == src else group.recv)([probe], members.index(peer), 0)
+        if name.startswith("p2p/"):
+            # what the edge carries, one direction after the other (each completes before the next is
+            # posted, in the same order at both ends): its first member's activations to the second,
+            # then the second's gradients back (NCCL connects each direction of a pair by itself)
+            for src, dst in (members, members[::-1]):
+                peer = dst if self.rank == src else src
+                post = group.send if self.rank == src else group.recv
+                self._warm_up_wait(name, post([probe], members.index(peer), 0))
         else:
-            work = group.allreduce([probe])
+            self._warm_up_wait(name, group.allreduce([probe]))
+
+    def _warm_up_wait(self, name: str, work: dist.Work) -> None:
         if self.backend != "nccl":  # gloo's p2p work only completes through wait()
             work.wait(self.timeouts.td("connect_timeout"))
-        else:
-            deadline = time.monotonic() + self.timeouts.connect_timeout
-            while not work.is_completed():  # NCCL's wait() would only order the streams
-                if time.monotonic() > deadline:
-                    raise CollectiveError(f"generation {self.number}: warming up group {name} took more than "
-                                          f"{self.timeouts.connect_timeout:g} s")
-                time.sleep(self.timeouts.warm_up_poll)
-            work.wait()
+            return
+        deadline = time.monotonic() + self.timeouts.connect_timeout
+        while not work.is_completed():  # NCCL's wait() would only order the streams
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"generation {self.number}: warming up group {name} took more than "
+                                      f"{self.timeouts.connect_timeout:g} s")
+            time.sleep(self.timeouts.warm_up_poll)
+        work.wait()
 
     def wait_timeout(self) -> float:
         """How long one of a step's waits may take before the group is taken for dead.
@@ -306,22 +326,30 @@ class Generation:
 
     def _p2p(self, src: int, dst: int) -> tuple[Group, int]:
         """The group carrying traffic from `src` to `dst` (pipeline neighbours), and the peer's rank in it."""
-        for name in (edge_name("act", src, dst), edge_name("grad", dst, src)):
+        for name in (edge_name(src, dst), edge_name(dst, src)):
             if name in self.groups:
                 peer = dst if src == self.rank else src
                 return self.groups[name], self._members[name].index(peer)
         raise RuntimeError(f"ranks {src} and {dst} are not neighbours in a pipeline of generation {self.number}")
 
+    def batch(self, peer: int, ops: Sequence[P2POp]) -> list[dist.Work]:
+        """Post sends to and receives from pipeline neighbour `peer` (world ranks in `ops`) on their edge's
+        group as one batch whose operations start together (NCCL: one kernel): 1F1B's crossing transfers."""
+        group, index = self._p2p(self.rank, peer)
+        return self._batch(group, [dataclasses.replace(op, peer=index) for op in ops])
+
     def exchange(self, ops: Sequence[P2POp]) -> list[dist.Work]:
         """Post sends and receives between any ranks (world ranks) as one batch whose operations start
         together, on NCCL one `ncclGroupStart`/`ncclGroupEnd` on the world's eagerly connected
         communicator: no order between the batch's operations can deadlock it."""
-        world = self.world
-        if isinstance(world, OrderedGroup):
-            return [world.exchange(ops)]
+        return self._batch(self.world, ops)
+
+    def _batch(self, group: Group, ops: Sequence[P2POp]) -> list[dist.Work]:
+        if isinstance(group, OrderedGroup):
+            return [group.exchange(ops)]
         if self.backend == "nccl":
-            return [coalesced(world, ops)]
-        return [(world.send if op.op == "send" else world.recv)([op.tensor], op.peer, op.tag) for op in ops]
+            return [coalesced(group, ops)]
+        return [(group.send if op.op == "send" else group.recv)([op.tensor], op.peer, op.tag) for op in ops]
 
     def release(self, wait: bool = False) -> None:
         """Free this generation's groups once no member needs them any more (the next generation's
@@ -345,11 +373,15 @@ class Generation:
         self.piece_group.clear()
         self.pipeline = self.stage = None
 
+        slots = self.slots
+
         def reap() -> None:
             abort_groups(groups)
             for group in groups:
                 if isinstance(group, OrderedGroup):
                     group.close()
+            if slots is not None:
+                slots.close()  # operations still waiting for a slot fail, and their executors end
             groups.clear()
 
         threading.Thread(target=reap, daemon=True, name=f"release:gen{self.number}").start()
@@ -382,8 +414,7 @@ def plan_groups(plan: ExecPlan, world_size: int) -> dict[str, tuple[int, ...]]:
                 # which ranks' sample ranges overlap is the same for every microbatch size both
                 # widths divide, the largest width included
                 for a, b, _, _ in edge_pieces(max(len(sender), len(receiver)), sender, receiver):
-                    wanted[edge_name("act", a, b)] = (a, b)
-                    wanted[edge_name("grad", a, b)] = (a, b)
+                    wanted[edge_name(a, b)] = (a, b)
     for members in reduce_groups(plan):
         wanted["layers/" + "-".join(map(str, members))] = members
     return wanted
@@ -398,10 +429,9 @@ def communicators_per_rank(plan: ExecPlan, world_size: int) -> list[int]:
     return counts
 
 
-def edge_name(direction: str, a: int, b: int) -> str:
-    """The group of the pipeline edge from stage rank a to its next stage's rank b, one per direction
-    ("act": a to b, "grad": b to a)."""
-    return f"{direction}/{a}-{b}"
+def edge_name(a: int, b: int) -> str:
+    """The group of the pipeline edge from stage rank a to its next stage's rank b (both directions)."""
+    return f"p2p/{a}-{b}"
 
 
 @contextlib.contextmanager

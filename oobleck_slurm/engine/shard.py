@@ -289,9 +289,11 @@ class ShardedLayer:
         self.gathered = True
 
     def gather(self, group: Group) -> dist.Work:
-        """Post the all-gather of the shards into the full buffer (allocated again first)."""
+        """Post the all-gather of the shards into the full buffer (allocated again first). The flat form
+        (all_gather_into_tensor) writes the buffer itself: the list form made torch allocate a flat copy
+        of the whole output for as long as the collective was in flight (NCCL: from its posting)."""
         self.allocate()
-        return group.allgather([self._chunks(self.full)], [self.shard])
+        return group._allgather_base(self.full, self.shard)
 
     def release(self) -> None:
         """Free the gathered parameters (the module's views stay, pointing at an empty storage)."""
@@ -322,16 +324,22 @@ class ShardedLayer:
 
     def reduce_scatter(self, group: Group) -> dist.Work:
         """Post the SUM reduce-scatter of the stage's full gradients into this rank's shard (kept: once
-        per step)."""
-        return group.reduce_scatter([self.grad_shard], [self._chunks(self.grad_full)])
+        per step), in the flat form (reduce_scatter_tensor): the list form copies the input into a flat
+        buffer of its own first."""
+        return group._reduce_scatter_base(self.grad_shard, self.grad_full, dist.ReduceScatterOptions())
 
-    def scatter_microbatch(self, group: Group) -> tuple[dist.Work, Callable[[], None]]:
+    def scatter_microbatch(self, group: Group, by_allreduce: bool) -> tuple[dist.Work, Callable[[], None]]:
         """Resharded: post the reduce-scatter of one microbatch's whole gradient; the returned function,
-        once the work is done, adds it to the shard and frees the whole gradient."""
-        work = group.reduce_scatter([self.scattered], [self._chunks(self.grad_full)])
+        once the work is done, adds it to the shard and frees the whole gradient. `by_allreduce`
+        (comm.SCATTER_BY_ALLREDUCE): as an all-reduce of the whole gradient in place, of which the rank
+        keeps its chunk (the gradient is freed right after)."""
+        if by_allreduce:
+            work = group.allreduce([self.grad_full])
+        else:
+            work = group._reduce_scatter_base(self.scattered, self.grad_full, dist.ReduceScatterOptions())
 
         def unpack() -> None:
-            self.grad_shard += self.scattered
+            self.grad_shard += self._chunks(self.grad_full)[self.index] if by_allreduce else self.scattered
             self.release_grad()
 
         return work, unpack
@@ -424,20 +432,23 @@ class BucketWork:
 
 
 def gather_bucket(layers: list[ShardedLayer], positions: list[int], group: Group) -> BucketWork:
-    """Post one all-gather of the layers' shards into their full buffers (allocated first)."""
+    """Post one all-gather of the layers' shards into their full buffers. A bucket of several layers
+    gathers into a buffer of its own; the layers' full buffers are allocated only as it is unpacked, so
+    a kept stage that posts all its buckets at once holds its gathered layers once, plus one bucket."""
     if len(positions) == 1:
         return BucketWork(positions, layers[positions[0]].gather(group), None)
     members = [layers[p] for p in positions]
-    width = members[0].width
-    send = torch.cat([layer.shard for layer in members])
-    recv = send.new_empty(width * send.numel())
-    for layer in members:
-        layer.allocate()
-    work = group.allgather([list(recv.chunk(width))], [send])
+    width, index = members[0].width, members[0].index
+    total = sum(layer.size for layer in members)
+    recv = members[0].shard.new_empty(width * total)
+    send = recv[index * total : (index + 1) * total]  # in place: this rank's chunk is its input
+    torch.cat([layer.shard for layer in members], out=send)
+    work = group._allgather_base(recv, send)
 
     def unpack() -> None:
         rows, offset = recv.view(width, -1), 0
         for layer in members:
+            layer.allocate()
             layer.full.view(width, layer.size).copy_(rows[:, offset : offset + layer.size])
             offset += layer.size
 
@@ -458,7 +469,8 @@ def reduce_scatter_bucket(layers: list[ShardedLayer], positions: list[int], grou
     else:
         flat = torch.cat([layer.grad_full.view(width, layer.size) for layer in members], dim=1)  # rank-major
     mine = flat[index] if by_allreduce else flat.new_empty(flat.shape[1])
-    work = group.allreduce([flat]) if by_allreduce else group.reduce_scatter([mine], [list(flat)])
+    work = (group.allreduce([flat]) if by_allreduce
+            else group._reduce_scatter_base(mine, flat.view(-1), dist.ReduceScatterOptions()))
 
     def unpack() -> None:
         offset = 0
@@ -525,7 +537,7 @@ class StageParams:
         if direction < 0:
             # post this layer's scatter, then complete the ones posted before it: they ran behind this
             # layer's backward (one more layer's whole gradient held, planning/cost.py stage_memory)
-            work, unpack = self.layers[i].scatter_microbatch(self.group)
+            work, unpack = self.layers[i].scatter_microbatch(self.group, self.scatter_by_allreduce)
             for j in list(self.scattering):
                 self.complete_scatter(j)
             self.scattering[i] = BucketWork([i], work, unpack)

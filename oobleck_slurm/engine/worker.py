@@ -32,7 +32,7 @@ from torch import nn
 
 from oobleck_slurm.engine.batches import Reads, StepBatches, open_dataset, open_validation
 from oobleck_slurm.engine.checkpoint import layer_payload, load_layer
-from oobleck_slurm.engine.comm import SCATTER_BY_ALLREDUCE, Generation, step_timeout_waits
+from oobleck_slurm.engine.comm import Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
 from oobleck_slurm.engine.layer_rng import LayerDrawError, LayerDraws
 from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, pass_slices, reduce_pieces, sample_range
@@ -60,6 +60,7 @@ from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
 from oobleck_slurm.models.documents import Documents, run_layer
 from oobleck_slurm.optim.came_sharded import ShardedCAME
+from oobleck_slurm.peak_memory import StepPeak
 from oobleck_slurm.planning.cost import stage_fold
 from oobleck_slurm.protocol.records import StepResult
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
@@ -181,6 +182,7 @@ class Worker:
         self.job = job
         self.rank = rank
         self.device = device or torch.device("cpu")
+        self.peak = StepPeak(self.device)
         self.keys = job.model.keys()
         self.step = 0
         self.layers: dict[int, nn.Module] = {}
@@ -588,6 +590,7 @@ class Worker:
         if plan is None or gen is None:
             raise RuntimeError("Worker.train_step: no plan/generation; call adopt() first")
         t0 = time.perf_counter()
+        self.peak.start()  # the step's own peak, not the process's (an evaluation's, an earlier step's)
         self.pending = None
         for flat in self.grads.values():
             flat.zero_()
@@ -632,6 +635,36 @@ class Worker:
             read_ahead()
             for work in works:
                 gen.wait(work)
+
+        # A crossing: a send to the neighbour stage that the next action receives from. Both are posted
+        # as one batch per neighbour rank (comm.Generation.batch), the receive's buffer allocated early,
+        # and the next action waits for the batch instead of receiving: the neighbour's matching crossing
+        # sends first too, and two sends waiting for receives posted behind them deadlock on NCCL.
+        # (action, microbatch) -> (its buffer, the batches' works, their operations: they hold the buffers)
+        crossed: dict[tuple[str, int], tuple[torch.Tensor, list[torch.distributed.Work], list[P2POp]]] = {}
+
+        def cross(action: tuple[str, int], tensor: torch.Tensor, send_tag: int, buf: torch.Tensor, recv_tag: int,
+                  peers: tuple[int, ...]) -> None:
+            """Send this rank's slice of `tensor` to the overlapping ranks of the neighbour stage on
+            `peers` and receive theirs into `buf` (for `action`), one batch per peer, in the edge's order."""
+            by_peer: dict[int, list[P2POp]] = {}
+            for _, dst, lo, hi in self._edge(b, role.stage_ranks, peers, sender=True):  # type: ignore[union-attr]
+                piece = tensor[lo - my_lo : hi - my_lo].contiguous()
+                by_peer.setdefault(dst, []).append(P2POp("send", piece, dst, send_tag))
+            for src, _, lo, hi in self._edge(b, peers, role.stage_ranks, sender=False):  # type: ignore[union-attr]
+                by_peer.setdefault(src, []).append(P2POp("recv", buf[lo - my_lo : hi - my_lo], src, recv_tag))
+            works = [work for peer_rank, ops in by_peer.items() for work in gen.batch(peer_rank, ops)]
+            crossed[action] = (buf, works, [op for ops in by_peer.values() for op in ops])
+
+        def take_crossed(op: str, m: int) -> torch.Tensor | None:
+            """The buffer of action (op, m) if a crossing received it, once its batches are done."""
+            entry = crossed.pop((op, m), None)
+            if entry is None:
+                return None
+            read_ahead()
+            for work in entry[1]:
+                gen.wait(work)
+            return entry[0]
 
         reductions: list[torch.distributed.Work] = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -696,19 +729,22 @@ class Worker:
                 if gen.stage is None:
                     raise RuntimeError(f"rank {self.rank}: a stage of {role.width} ranks without its group")
                 gather = StageParams([self.shards[i] for i in role.layers], gen.stage, gen.wait, role.keep,
-                                     self.job.train.bucket_mb * 2**20, SCATTER_BY_ALLREDUCE[gen.backend])
+                                     self.job.train.bucket_mb * 2**20, gen.scatter_by_allreduce)
             stage = Stage(held, role.layers.start, role.is_last, self.device, self.job.model.config.loss,
                           bf16=self.job.train.precision == "bf16", recompute=self.job.train.recompute,
                           params=gather, draws=LayerDraws(self.job.train.seed, self.step, self.device),
                           names=[self.keys[i] for i in role.layers])
-            for op, m in one_f_one_b(role.stage, role.num_stages, len(passes)):
+            actions = [a for a in one_f_one_b(role.stage, role.num_stages, len(passes))
+                       if sum(hi - lo for _, lo, hi in passes[a.microbatch])]
+            for k, (op, m) in enumerate(actions):
                 samples = sum(hi - lo for _, lo, hi in passes[m])
-                if not samples:
-                    continue
+                following = actions[k + 1] if k + 1 < len(actions) else None
                 if op == "F":
                     y = windows[m][:, 1:].contiguous() if role.is_last else None
                     if role.is_first:
                         x = windows[m][:, :-1].contiguous()
+                    elif (got := take_crossed("F", m)) is not None:
+                        x = got
                     else:
                         x = self._boundary_buffer(role.layers.start, samples)
                         receive(x, role.prev_ranks, 2 * m)
@@ -721,19 +757,30 @@ class Worker:
                                             microbatch=role.mb_start + passes[m][0][0])
                     if role.is_last:
                         loss_sum += out.double()  # on the device: no host sync per microbatch
+                    elif following is not None and following.op == "B":  # its gradient comes from next_ranks
+                        n = following.microbatch
+                        buf = self._boundary_buffer(role.layers.stop, sum(hi - lo for _, lo, hi in passes[n]))
+                        cross(("B", n), out, 2 * m, buf, 2 * n + 1, role.next_ranks)
                     else:
                         post_send("act", out, role.next_ranks, 2 * m)
                 else:
                     grad = None
                     if not role.is_last:
-                        grad = self._boundary_buffer(role.layers.stop, samples)
-                        receive(grad, role.next_ranks, 2 * m + 1)
+                        grad = take_crossed("B", m)
+                        if grad is None:
+                            grad = self._boundary_buffer(role.layers.stop, samples)
+                            receive(grad, role.next_ranks, 2 * m + 1)
                     with clock.span():
                         grad_in = stage.backward(m, grad, reduce_layer if m == last_pass else None)
                     if not role.is_first:
                         if grad_in is None:
                             raise RuntimeError("a stage after the first returned no input gradient")
-                        post_send("grad", grad_in, role.prev_ranks, 2 * m + 1)
+                        if following is not None and following.op == "F":  # its input comes from prev_ranks
+                            n = following.microbatch
+                            buf = self._boundary_buffer(role.layers.start, sum(hi - lo for _, lo, hi in passes[n]))
+                            cross(("F", n), grad_in, 2 * m + 1, buf, 2 * n, role.prev_ranks)
+                        else:
+                            post_send("grad", grad_in, role.prev_ranks, 2 * m + 1)
             read_ahead()
             if gather is not None:
                 if last_pass < 0 and role.keep and role.mb_count:
@@ -786,8 +833,8 @@ class Worker:
                 metrics[1 + role.pipeline] = schedule_s
         compute, memory, data = (1 + num_p + k * world for k in range(3))  # where each per-rank row starts
         metrics[compute + self.rank] = clock.seconds()
-        if self.device.type == "cuda":  # what the planner's memory model is checked against
-            metrics[memory + self.rank] = torch.cuda.max_memory_allocated(self.device)
+        if (peak := self.peak.peak()) is not None:  # what the planner's memory model is checked against
+            metrics[memory + self.rank] = peak
         metrics[data + self.rank] = data_s
         gen.wait(gen.world.allreduce([metrics]))  # the commit point
         gen.step_completed(time.perf_counter() - t0)  # bounds the next steps' waits (Generation.wait_timeout)
@@ -911,8 +958,7 @@ class Worker:
         whole = {}
         for key, t in moments.items():
             full = torch.empty(sharded.size * sharded.width, dtype=t.dtype, device=t.device)
-            gen.wait(gen.stage.allgather([[full[j * sharded.size : (j + 1) * sharded.size]
-                                           for j in range(sharded.width)]], [t]))
+            gen.wait(gen.stage._allgather_base(full, t))
             whole[key] = full
         payload = None
         if sharded.index == 0:

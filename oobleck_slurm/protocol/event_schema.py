@@ -206,7 +206,7 @@ class Step(Event):
     samples_per_s: float | None = optional("global batch / seconds")
     pipeline_seconds: list[float | None] | None = optional("per pipeline id: its first stage's schedule time (s)")
     compute_seconds: list[float | None] | None = optional("per rank: forward and backward only (s)")
-    peak_memory: list[float | None] | None = optional("per rank: peak bytes allocated on its GPU")
+    peak_memory: list[float | None] | None = optional("per rank: peak bytes allocated on its GPU during the step")
     data_s: float | None = optional("the longest any rank waited for its samples in the step (s)")
     generation: int | None = optional("the generation that ran it")
 

@@ -83,7 +83,7 @@ class StepResult:
     seconds: float  # this rank's wall time for the step
     pipeline_seconds: tuple[float, ...] = ()  # per pipeline: its first stage's schedule time
     compute_seconds: tuple[float, ...] = ()  # per rank: forward/backward only
-    peak_memory: tuple[float, ...] = ()  # per rank: peak bytes allocated on its GPU
+    peak_memory: tuple[float, ...] = ()  # per rank: peak bytes allocated on its GPU during the step
     data_s: float = 0.0  # the longest any rank's training loop waited for its samples (engine/prefetch.py)
 
     def event(self, generation: int, global_batch_size: int) -> dict[str, Any]:

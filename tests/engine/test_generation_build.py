@@ -16,11 +16,11 @@ import pytest
 import torch.distributed as dist
 from exec_plans import make_plan
 
-from oobleck_slurm.engine.comm import BuildCancelled, Generation
+from oobleck_slurm.engine.comm import BuildCancelled, Generation, communicators_per_rank, plan_groups
 from oobleck_slurm.timeouts import JobTimeouts
 
 TIMEOUTS = JobTimeouts(collective_timeout=30.0, step_timeout=60.0, connect_timeout=60.0)
-PLAN = make_plan(6, [[0, 3, 6]], [2])  # one pipeline of 2 stages: world, pipe, act/grad edges, layers
+PLAN = make_plan(6, [[0, 3, 6]], [2])  # one pipeline of 2 stages: world, pipe, the p2p edge, layers
 
 
 def _on_both_ranks(build) -> list:
@@ -79,3 +79,9 @@ def test_a_batch_of_copies_is_posted_through_the_backends_own_coalescing_calls()
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, dt.timedelta(seconds=5))
     with pytest.raises(RuntimeError, match="does not implement startCoalescing"):
         coalesced(pg, [P2POp("send", torch.zeros(1), 0, 0)])
+
+
+def test_plan_groups_name_one_p2p_group_per_edge_pair():
+    """One communicator per pipeline edge pair, for both directions (was act/ and grad/ ones)."""
+    assert plan_groups(PLAN, 2) == {"world": (0, 1), "pipe/0-1": (0, 1), "p2p/0-1": (0, 1)}
+    assert communicators_per_rank(PLAN, 2) == [3, 3]

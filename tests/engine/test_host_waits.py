@@ -52,6 +52,17 @@ class LoggedGroup:
         self.log.append(("scatter", work))
         return work
 
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work:
+        work = self.pg._allgather_base(output, input)
+        self.log.append(("gather", work))
+        return work
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: dist.ReduceScatterOptions) -> dist.Work:
+        work = self.pg._reduce_scatter_base(output, input, opts)
+        self.log.append(("scatter", work))
+        return work
+
     def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work:
         work = self.pg.allreduce(tensors)
         self.log.append(("allreduce", work))
@@ -76,9 +87,11 @@ def loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean()
 
 
-def resharded_backward(rank: int, store: dist.Store, logs: dict[int, list], shards: dict[int, list]) -> None:
+def resharded_backward(rank: int, store: dist.Store, logs: dict[int, list], shards: dict[int, list],
+                       by_allreduce: bool) -> None:
     """One rank of a resharded stage of WIDTH: MICROBATCHES forwards and backwards (1F1B's order on the
-    last stage), logging posts, waits and each layer's end of backward."""
+    last stage), logging posts, waits and each layer's end of backward. `by_allreduce`: gloo's way of
+    reduce-scattering (comm.SCATTER_BY_ALLREDUCE), else NCCL's."""
     log: list[tuple[str, Any]] = []
     group = LoggedGroup(make_group(store, "stage", rank, WIDTH, TIMEOUT, "gloo", TIMEOUT), log)
 
@@ -89,7 +102,7 @@ def resharded_backward(rank: int, store: dist.Store, logs: dict[int, list], shar
     sharded = [ShardedLayer(layer, WIDTH, rank, OptimSpec("adamw")) for layer in layers()]
     for layer in sharded:
         layer.begin_step(keep=False)
-    params = StageParams(sharded, group, wait, keep=False, bucket_bytes=25 * 2**20, scatter_by_allreduce=True)
+    params = StageParams(sharded, group, wait, keep=False, bucket_bytes=25 * 2**20, scatter_by_allreduce=by_allreduce)
     stage = Stage([s.module for s in sharded], 0, True, torch.device("cpu"), loss, params=params)
     for mb in range(MICROBATCHES):
         stage.forward(mb, inputs(rank, mb), torch.zeros(1), 1.0)
@@ -99,11 +112,12 @@ def resharded_backward(rank: int, store: dist.Store, logs: dict[int, list], shar
     shards[rank] = [s.grad_shard.clone() for s in sharded]
 
 
-def test_a_resharded_stage_waits_for_a_layers_scatter_behind_the_next_layers_backward() -> None:
+@pytest.mark.parametrize("by_allreduce", [False, True], ids=["nccl-way", "gloo-way"])
+def test_a_resharded_stage_waits_for_a_layers_scatter_behind_the_next_layers_backward(by_allreduce: bool) -> None:
     store = dist.HashStore()
     logs: dict[int, list] = {}
     shards: dict[int, list] = {}
-    threads = [threading.Thread(target=resharded_backward, args=(r, store, logs, shards), daemon=True)
+    threads = [threading.Thread(target=resharded_backward, args=(r, store, logs, shards, by_allreduce), daemon=True)
                for r in range(WIDTH)]
     for t in threads:
         t.start()
@@ -111,9 +125,10 @@ def test_a_resharded_stage_waits_for_a_layers_scatter_behind_the_next_layers_bac
         t.join(JOIN_S)
     assert sorted(logs) == list(range(WIDTH)), "a rank failed or hung"
     for log in logs.values():
-        scatters = [work for kind, work in log if kind == "scatter"]  # layers 2, 1, 0 of each microbatch
+        scatter = "allreduce" if by_allreduce else "scatter"  # a resharded stage all-reduces nothing else
+        scatters = [work for kind, work in log if kind == scatter]  # layers 2, 1, 0 of each microbatch
         assert len(scatters) == LAYERS * MICROBATCHES
-        posted_at = {id(work): i for i, (kind, work) in enumerate(log) if kind == "scatter"}
+        posted_at = {id(work): i for i, (kind, work) in enumerate(log) if kind == scatter}
         waited = {id(work): i for i, (kind, work) in enumerate(log) if kind == "wait"}
         for mb in range(MICROBATCHES):
             posted = scatters[mb * LAYERS : (mb + 1) * LAYERS]

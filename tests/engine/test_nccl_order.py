@@ -96,6 +96,79 @@ def test_a_batch_that_sends_and_receives_starts_together() -> None:
     assert [float(t[0]) for t in run_ranks(2, batch)] == [1.0, 0.0]
 
 
+def test_a_pair_posted_in_different_orders_fails_at_both_ends() -> None:
+    """NCCL pairs a pair's sends and receives by posting order (it has no tags): rank 1 receiving tag 1
+    first would get tag 0's tensor there. gloo matches by tag, so the mode must check the order itself."""
+    s = store()
+    x, y = torch.full((BIG,), 1.0), torch.full((BIG,), 2.0)
+
+    def swapped(rank: int) -> Any:
+        group = pair(s, "swapped", rank, ordered=True)
+        if rank == 0:
+            work = group.exchange([P2POp("send", x, 1, 0), P2POp("send", y, 1, 1)])
+        else:
+            b0, b1 = torch.empty(BIG), torch.empty(BIG)
+            work = group.exchange([P2POp("recv", b1, 0, 1), P2POp("recv", b0, 0, 0)])
+        work.wait(SHORT)
+        return "completed"
+
+    results = run_ranks(2, swapped)
+    for r in results:
+        assert isinstance(r, RuntimeError) and "point-to-point order differs" in str(r), results
+    assert "receive #1 tag 1" in str(results[0]) and "send #1 tag 0" in str(results[1]), results
+
+
+def test_a_pair_posted_in_the_same_order_matches_by_order() -> None:
+    """Several sends between one pair, in a batch and one by one: each meets the receive posted in the same
+    place at the other end."""
+    s = store()
+
+    def in_order(rank: int) -> list[float]:
+        group = pair(s, "in-order", rank, ordered=True)
+        if rank == 0:
+            group.exchange([P2POp("send", torch.full((BIG,), float(k)), 1, k) for k in range(3)]).wait(SHORT)
+            group.send([torch.full((8,), 7.0)], 1, 9).wait(SHORT)
+            return []
+        bufs = [torch.empty(BIG) for _ in range(3)]
+        group.exchange([P2POp("recv", b, 0, k) for k, b in enumerate(bufs)]).wait(SHORT)
+        last = torch.empty(8)
+        group.recv([last], 0, 9).wait(SHORT)
+        return [float(b[0]) for b in bufs] + [float(last[0])]
+
+    assert run_ranks(2, in_order)[1] == [0.0, 1.0, 2.0, 7.0]
+
+
+def crossed_groups(s: dist.Store, rank: int, limit: int | None, prefix: str) -> str:
+    """Two groups of the same two ranks sharing each rank's slots; rank 0 posts an all-reduce on a then on
+    b, rank 1 on b then on a, then each waits for both."""
+    slots = nccl_order.Slots(limit)
+    groups = {name: OrderedGroup(make_group(client(s), f"{prefix}/{name}", rank, 2, SHORT, "gloo",
+                                            dt.timedelta(seconds=30)), name, slots) for name in ("a", "b")}
+    order = ["a", "b"] if rank == 0 else ["b", "a"]
+    works = [groups[name].allreduce([torch.ones(BIG)]) for name in order]
+    for work in works:
+        work.wait(dt.timedelta(seconds=60))
+    return "completed"
+
+
+def test_rank_dependent_orders_on_two_groups_deadlock_under_one_slot_and_say_so() -> None:
+    """Rule 4 of nccl_order.py: with one operation at a time per rank (a device full of kernels that wait
+    for their peers), rank 0's all-reduce on a waits for rank 1's, which cannot start behind rank 1's
+    all-reduce on b, which waits for rank 0's. The groups' timeout ends it, and the error names what held
+    the slot and what waited for it. Without a bound, or with two slots, the same posting completes."""
+    s = store()
+    assert run_ranks(2, lambda r: crossed_groups(s, r, None, "unbounded")) == ["completed"] * 2
+    assert run_ranks(2, lambda r: crossed_groups(s, r, 2, "two")) == ["completed"] * 2
+    results = run_ranks(2, lambda r: crossed_groups(s, r, 1, "one"))
+    first = {0: "a", 1: "b"}
+    for rank, r in enumerate(results):
+        assert isinstance(r, RuntimeError), results
+        text = str(r)
+        assert "operation slots (1): running" in text, text
+        assert f"allreduce on group {first[rank]}" in text.split("running")[1].split(";")[0], text
+        assert f"allreduce on group {first[1 - rank]}" in text.split("ready to start")[1], text
+
+
 def test_a_failed_operation_breaks_the_group_for_every_later_one() -> None:
     s = store()
     # One member only: its peer never comes, so its receive times out, and what follows fails too.
@@ -118,12 +191,14 @@ def tiny_job(microbatches: int) -> JobSpec:
     )
 
 
-@pytest.mark.parametrize("stages,ordered", [(2, "1"), (3, "1"), (2, "0")])
-def test_1f1b_and_state_copies_run_under_nccl_order_and_match_one_rank(monkeypatch, stages, ordered) -> None:
+@pytest.mark.parametrize("stages,ordered,slots", [(2, "1", "1"), (3, "1", "1"), (3, "1", "0"), (2, "0", "0")])
+def test_1f1b_and_state_copies_run_under_nccl_order_and_match_one_rank(monkeypatch, stages, ordered, slots) -> None:
     """A pipeline of 2-3 stages with more microbatches than stages (steady 1F1B, where sends cross),
     then a plan change that copies every layer to other ranks; the losses equal a one-rank run's.
-    Also on plain gloo (ordered "0"), which the rest of the suite does not run."""
+    Under one operation slot per rank (what the suite runs), without a bound, and on plain gloo
+    (ordered "0"), which the rest of the suite does not run."""
     monkeypatch.setenv(nccl_order.ENV, ordered)
+    monkeypatch.setenv(nccl_order.SLOTS_ENV, slots)
     torch.set_num_threads(1)
     job = tiny_job(microbatches=6)
     bounds = {2: [0, 3, 6], 3: [0, 2, 4, 6]}[stages]

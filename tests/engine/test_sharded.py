@@ -74,12 +74,16 @@ def assert_replicas_agree(tmp_path: Path, rtol: float = 1e-5) -> int:
 
 # bucket_mb 0.7 (the tiny model's layers are 0.16, 0.38 x 4 and 0.13 MB in fp64): the kept 4-wide
 # stage gathers [0] [1 2] [3 4] [5] and reduce-scatters [5 4 3] [2 1] [0], while the other pipeline's
-# stages reduce each layer alone; by default each collective takes all the stage's layers but the first
-@pytest.mark.parametrize(("plan", "bucket_mb"), [(WIDE_AND_MIXED, 25.0), (WIDE_AND_MIXED, 0.7), (TWO_WIDE_AND_NARROW, 25.0)],
-                         ids=["w4+w2-1-1", "w4+w2-1-1-buckets", "w2-2+w1x4"])
-def test_sharded_stages_match_the_reference(warm, tmp_path, plan, bucket_mb):
+# stages reduce each layer alone; by default each collective takes all the stage's layers but the first.
+# Under NCCL's ordering rules the stages reduce-scatter as on NCCL; on plain gloo ("0") by an all-reduce
+# in place (comm.SCATTER_BY_ALLREDUCE), what a CPU job runs
+@pytest.mark.parametrize(("plan", "bucket_mb", "ordered"),
+                         [(WIDE_AND_MIXED, 25.0, "1"), (WIDE_AND_MIXED, 0.7, "1"), (TWO_WIDE_AND_NARROW, 25.0, "1"),
+                          (WIDE_AND_MIXED, 0.7, "0")],
+                         ids=["w4+w2-1-1", "w4+w2-1-1-buckets", "w2-2+w1x4", "w4+w2-1-1-buckets-plain-gloo"])
+def test_sharded_stages_match_the_reference(warm, tmp_path, plan, bucket_mb, ordered):
     job = dataclasses.replace(tiny_job(), train=dataclasses.replace(tiny_job().train, bucket_mb=bucket_mb))
-    losses, layers = run_plans(warm, tmp_path, job, [(0, plan)])
+    losses, layers = run_plans(warm, tmp_path, job, [(0, plan)], ordered=ordered)
     assert_exact(job, losses, layers)
 
 
