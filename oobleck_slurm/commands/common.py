@@ -50,7 +50,7 @@ def model_factory_issues(recipe: Recipe) -> list[RecipeIssue]:
     from oobleck_slurm.recipe.source import read_source
 
     try:
-        check_stage_widths(with_layers(recipe.model.resolve(), recipe.training.seed), recipe.cluster.max_stage_devices)
+        check_stage_widths(with_layers(recipe.model.resolve(), recipe.training.seed), recipe.cluster.stage_devices(factory_model=True))
     except FactoryError as problem:
         return [read_source(Path(recipe.source)).issue(tuple(problem.key.split(".")), str(problem))]
     return []

@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_source_arguments(parser)
     parser.add_argument("--max-stage-devices", type=int, metavar="G",
                         help="devices one (sharded) stage may span inside a node, a divisor of the devices per "
-                             "node (default: the recipe's cluster.max_stage_devices, 1: what the engine runs)")
+                             "node (default: the recipe's cluster.max_stage_devices; unset: the node's GPUs, 1 on CPU workers)")
     parser.add_argument("--json", action="store_true", help="print templates and plan as JSON")
 
 

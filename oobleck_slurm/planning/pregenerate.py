@@ -75,7 +75,7 @@ def plan_request(recipe: Any, *, nodes: int | None = None, failures: int | None 
         failures=failures if failures is not None else recipe.fault_tolerance.f,
         global_microbatches=training.global_microbatches,
         microbatch_size=training.microbatch_size,
-        max_stage_devices=recipe.cluster.max_stage_devices,
+        max_stage_devices=recipe.cluster.stage_devices(factory_model=recipe.model.factory is not None),
         use_all_nodes=recipe.cluster.use_all_nodes,
     )
 

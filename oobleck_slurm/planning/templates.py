@@ -27,7 +27,7 @@ brute-force enumeration.
 Device assignment: each stage runs on g consecutive devices of one node, every device of the pipeline
 holding one stage. g is what the engine can run (`allowed_stage_devices`): a power of two dividing
 devices_per_node and the microbatch size (a stage splits each microbatch's samples evenly), at most
-`max_stage_devices` (`cluster.max_stage_devices`, default 1). A stage of g > 1 devices is sharded
+`max_stage_devices` (`cluster.max_stage_devices`: by default the node's GPUs, 1 on CPU workers). A stage of g > 1 devices is sharded
 inside the stage, kept or resharded (see `cost`). Whether a stage of g devices fits in the current
 node, and its in-flight bound min(N_b, r - g + 1), depend only on r, so the DP stays exact over widths.
 

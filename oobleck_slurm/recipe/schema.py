@@ -193,7 +193,10 @@ class ClusterConfig:
     use_all_nodes: bool = False
     # Devices one pipeline stage may span inside a node, its layers' state sharded across them
     # (planning/cost.py, engine/shard.py); a divisor of the devices per node and of the microbatch size.
-    max_stage_devices: int = field(default=1, metadata=check(positive))
+    # Unset: every GPU of the node, the planner choosing each stage's width (a power of two that divides
+    # the microbatch size); 1 on CPU workers, and for a model factory's layers, which may draw random
+    # numbers that a wide stage would split (`stage_devices`).
+    max_stage_devices: int | None = field(default=None, metadata=check(optional(positive)))
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -222,6 +225,12 @@ class ClusterConfig:
     def devices_per_node(self) -> int:
         """Workers (devices) per node: workers_per_node, else one per GPU, else 1."""
         return self.workers_per_node or self.gpus_per_node or 1
+
+    def stage_devices(self, factory_model: bool = False) -> int:
+        """The bound the planner works with (`max_stage_devices`, or its default when unset)."""
+        if self.max_stage_devices is not None:
+            return self.max_stage_devices
+        return 1 if factory_model else max(1, self.gpus_per_node)
 
     @property
     def threads_per_worker(self) -> int:

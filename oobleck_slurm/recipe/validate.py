@@ -199,7 +199,9 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
         add(("cluster", "workers_per_node"),
             f"one worker runs per GPU: with gpus_per_node {c.gpus_per_node}, workers_per_node must be "
             f"{c.gpus_per_node} or left out, got {c.workers_per_node}")
-    if c.devices_per_node % c.max_stage_devices:
+    if c.max_stage_devices is None:
+        pass  # the default: the planner picks widths that divide the node's devices and the microbatch
+    elif c.devices_per_node % c.max_stage_devices:
         add(("cluster", "max_stage_devices"),
             f"must divide the devices per node ({c.devices_per_node}), got {c.max_stage_devices}")
     else:

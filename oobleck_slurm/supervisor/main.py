@@ -304,7 +304,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     token_file = token_file_for(recipe, job.data)
     try:  # `submit` checked a factory; a job started otherwise is told here
         spec = job_from_recipe(recipe, token_file, validation_file_for(recipe, job.data))
-        check_stage_widths(spec.model.config, cluster.max_stage_devices)
+        check_stage_widths(spec.model.config, cluster.stage_devices(factory_model=recipe.model.factory is not None))
     except FactoryError as problem:  # still a FactoryError (bad input: exit 2), naming the recipe file
         raise FactoryError(problem.key, f"{recipe.source}: {problem.key}: {problem}") from problem
     check_supported(spec)

@@ -150,14 +150,19 @@ def test_data_parallel_bound():
         cost.data_parallel_step(profile, 0, 16)
 
 
-def test_recipe_key_keeps_submit_at_width_one_and_must_divide_the_node(tmp_path):
+def test_recipe_key_defaults_to_the_nodes_gpus_and_must_divide_the_node(tmp_path):
     from oobleck_slurm.planning.pregenerate import plan_request
     from oobleck_slurm.recipe import RecipeError, load_recipe
 
     base = "name: r\ncluster:\n  backend: slurm\n  nodes: 2\n  gpus_per_node: 8\n"
     path = tmp_path / "r.yaml"
     path.write_text(base)
-    assert plan_request(load_recipe(path)).max_stage_devices == 1  # what the engine runs
+    # unset: the planner chooses widths up to the node's GPUs (multi-rank NCCL ran them: docs/engine.md)
+    assert plan_request(load_recipe(path)).max_stage_devices == 8
+    path.write_text(base.replace("  gpus_per_node: 8\n", "  workers_per_node: 4\n"))
+    assert plan_request(load_recipe(path)).max_stage_devices == 1  # CPU workers: width 1 unless asked
+    path.write_text(base + "model:\n  factory: tests.factory_model:build\n  seq_len: 64\n  vocab_size: 256\n")
+    assert plan_request(load_recipe(path)).max_stage_devices == 1  # a factory's layers may draw random numbers
     path.write_text(base + "  max_stage_devices: 4\n")
     assert plan_request(load_recipe(path)).max_stage_devices == 4
     path.write_text(base + "  max_stage_devices: 3\n")
