@@ -55,6 +55,10 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             out["replacements"].append({"kind": kind, **{k: v for k, v in e.items() if k not in ("t", "kind")}})
         elif kind == "job_finished":
             out.update(state=e["status"], exit_code=e.get("exit_code"), error=e.get("error"))
+            for node in out["nodes"].values():  # the last samples were taken while it ran: not now
+                if node.get("state") not in ("lost", "evicted"):
+                    node["state"] = "ended"
+                node.pop("workers", None)
     return out
 
 

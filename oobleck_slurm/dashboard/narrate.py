@@ -58,6 +58,7 @@ class Narrator:
     total_steps: int | None = None
     lost: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> its node_lost, until the failure
     reasons: dict[int, str] = field(default_factory=dict)  # generation -> its plan's reason
+    spares: frozenset[str] = frozenset()  # the latest plan's nodes in no pipeline
     copied: int = 0  # bytes copied by the change in progress
     last_step: int | None = None
 
@@ -73,6 +74,7 @@ class Narrator:
                     f"({e.get('backend') or '?'} backend): {self.total_steps} steps, surviving "
                     f"{e.get('f')} failure(s) at a time"]
         if kind == "plan":
+            self.spares = frozenset(map(str, e.get("spares") or ()))
             if e.get("generation") is not None:
                 self.reasons[int(e["generation"])] = str(e.get("reason"))
             return [f"plan: {_pipelines(e)}"] if e.get("reason") in ("initial", "requeue", None) else []
@@ -116,6 +118,9 @@ class Narrator:
             return [f"asked for a replacement node ({e.get('node') or e.get('slurm_job') or '?'}, {e.get('how')})"]
         if kind == "node_joined":
             self.copied = 0
+            if str(e.get("node")) in self.spares:  # the plan kept its pipelines: the newcomer waits
+                return [f"replacement {e.get('node')} joined as a spare (the plan keeps its pipelines), the change "
+                        f"took {seconds(e.get('seconds'))}"]
             return [f"replacement {e.get('node')} joined: training goes on with it, the change took "
                     f"{seconds(e.get('seconds'))}"]
         if kind == "checkpoint_fallback":

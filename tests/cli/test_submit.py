@@ -82,7 +82,12 @@ def test_default_submit_drills_a_failure_recovers_joins_and_summarises(tmp_path:
     out = " ".join(plain(result.stdout).split())  # sentences, one per event that matters
     assert re.search(r"node2 lost at step \d+: its worker process exited, detected in [\d.]+ s", out), out
     assert re.search(r"training resumed at step \d+, [\d.]+ s after the fault", out), out
-    assert re.search(r"replacement r1 joined: training goes on with it, the change took [\d.]+ s", out), out
+    # the default's replacement joins as a spare when the replan keeps the pipelines it has (issue: the
+    # narration said "training goes on with it" for a node that trained nothing)
+    spare = "r1" in (read_events(events, "plan")[-1].get("spares") or [])
+    joined = ("joined as a spare \\(the plan keeps its pipelines\\), the change took" if spare
+              else "joined: training goes on with it, the change took")
+    assert re.search(rf"replacement r1 {joined} [\d.]+ s", out), out
     assert re.search(r"summary: completed in [\d.]+ s; 100 of 100 steps; 1 failure node2 lost at step \d+, "
                      r"detected in [\d.]+ s; training resumed [\d.]+ s after the fault replacement r1 joined", out), out
     assert "the trajectory went on unchanged: every step trained" in out and "no checkpoint loaded" in out

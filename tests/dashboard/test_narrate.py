@@ -32,6 +32,15 @@ def test_a_failure_and_a_join_read_as_sentences() -> None:
     assert not [line for line in lines if "=" in line or "{" in line]  # no field dumps
 
 
+def test_a_replacement_that_joins_as_a_spare_is_not_said_to_train() -> None:
+    narrator = Narrator()
+    narrator.lines({"t": 1.0, "kind": "plan", "generation": 2, "reason": "join",
+                    "pipelines": [{"id": 0, "nodes": ["node1", "node3"], "microbatches": 8, "stages": []}],
+                    "spares": ["r1"]})
+    (line,) = narrator.lines({"t": 2.0, "kind": "node_joined", "node": "r1", "generation": 2, "seconds": 0.5})
+    assert line.startswith("replacement r1 joined as a spare (the plan keeps its pipelines)"), line
+
+
 def test_step_lines_every_few_steps_and_the_last() -> None:
     events, lines = narrate("healthy")
     total = next(e["steps"] for e in events if e["kind"] == "job_started")
