@@ -82,6 +82,9 @@ class Narrator:
             step = int(e["step"])
             self.last_step = step
             last = self.total_steps is not None and step == self.total_steps - 1
+            if e.get("skipped"):  # said whatever the step's number: a run's numerics went wrong
+                return [f"step {step} skipped: gradient norm {e.get('grad_norm')} (not finite); parameters and "
+                        f"optimizer state unchanged"]
             if step % self._every() and not last:
                 return []
             of = f"/{self.total_steps}" if self.total_steps else ""

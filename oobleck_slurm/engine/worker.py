@@ -187,6 +187,7 @@ class Worker:
         self.step = 0
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.skipped = False  # the last completed step's update was skipped (its gradients were not finite)
         self.grads: dict[int, torch.Tensor] = {}  # layer -> the flat buffer its parameters' .grad view
         self.shards: dict[int, ShardedLayer] = {}  # layer -> this rank's shard, on a stage wider than one rank
         self.pending: PendingStep | None = None  # a step finished everywhere but not yet applied here
@@ -854,6 +855,7 @@ class Worker:
             compute_seconds=tuple(float(v) for v in metrics[compute:memory]),
             peak_memory=tuple(float(v) for v in metrics[memory:data]) if self.device.type == "cuda" else (),
             data_s=float(metrics[data:].max()),  # the longest wait: a pipeline's ranks wait for each other
+            skipped=role is not None and self.skipped,
         )
 
     def _prepare_stage_updates(self, gen: Generation, role: Role, total_sq: float) -> None:
@@ -976,10 +978,20 @@ class Worker:
 
     def complete_step(self) -> float:
         """Apply the pending step: clip the reduced gradients to the global norm, update every layer,
-        advance `step`. Returns the step's learning rate. Needs no peer (recovery.py)."""
+        advance `step`. Returns the step's learning rate. Needs no peer (recovery.py). A step whose
+        global gradient norm is not finite is skipped (`skipped`): parameters and optimizer state stay
+        as they were, and the step is consumed (the next reads the next samples)."""
         if self.pending is None or self.pending.step != self.step:
             raise RuntimeError(f"no pending step {self.step} to complete (pending: {self.pending})")
         lr = self.lr()
+        self.skipped = not math.isfinite(self.pending.total_sq)
+        if self.skipped:
+            # A NaN or Inf in any rank's gradient reaches every replica's all-reduce, and every rank holds
+            # this global norm with the same bits (also one that completes the step alone, recovery.py):
+            # every rank skips the update, so no replica takes in the non-finite values.
+            self.step += 1
+            self.pending = None
+            return lr
         coef = clip_coefficient(self.pending.total_sq, self.job.train.grad_clip)
         for index in sorted(self.optimizers):
             if self.before_update is not None:

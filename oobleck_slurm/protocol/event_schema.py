@@ -209,6 +209,9 @@ class Step(Event):
     peak_memory: list[float | None] | None = optional("per rank: peak bytes allocated on its GPU during the step")
     data_s: float | None = optional("the longest any rank waited for its samples in the step (s)")
     generation: int | None = optional("the generation that ran it")
+    skipped: bool | None = optional("true when the step's global gradient norm was not finite (a NaN or Inf on "
+                                    "any rank): every rank skipped its update, parameters and optimizer state "
+                                    "unchanged, and the next step reads the next samples")
 
 
 @dataclass(frozen=True, kw_only=True)

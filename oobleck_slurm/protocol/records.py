@@ -85,6 +85,7 @@ class StepResult:
     compute_seconds: tuple[float, ...] = ()  # per rank: forward/backward only
     peak_memory: tuple[float, ...] = ()  # per rank: peak bytes allocated on its GPU during the step
     data_s: float = 0.0  # the longest any rank's training loop waited for its samples (engine/prefetch.py)
+    skipped: bool = False  # the gradients were not finite: no rank applied the update (engine/worker.py)
 
     def event(self, generation: int, global_batch_size: int) -> dict[str, Any]:
         """The `step` event rank 0 writes to the job's log."""
@@ -94,6 +95,7 @@ class StepResult:
             "samples_per_s": global_batch_size / self.seconds if self.seconds > 0 else 0.0,
             "pipeline_seconds": list(self.pipeline_seconds), "compute_seconds": list(self.compute_seconds),
             "peak_memory": list(self.peak_memory), "data_s": self.data_s, "generation": generation,
+            **({"skipped": True} if self.skipped else {}),
         }
 
 

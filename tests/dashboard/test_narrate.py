@@ -41,6 +41,12 @@ def test_a_replacement_that_joins_as_a_spare_is_not_said_to_train() -> None:
     assert line.startswith("replacement r1 joined as a spare (the plan keeps its pipelines)"), line
 
 
+def test_a_skipped_step_is_said_whatever_its_number() -> None:
+    (line,) = Narrator().lines({"t": 1.0, "kind": "step", "step": 7, "loss": float("nan"),
+                                "grad_norm": float("nan"), "skipped": True})
+    assert line == "step 7 skipped: gradient norm nan (not finite); parameters and optimizer state unchanged"
+
+
 def test_step_lines_every_few_steps_and_the_last() -> None:
     events, lines = narrate("healthy")
     total = next(e["steps"] for e in events if e["kind"] == "job_started")
