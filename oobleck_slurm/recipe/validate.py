@@ -285,8 +285,12 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
         add(("data", "text"), "give data.path (a prepared token file) or data.text (a text file), not both")
     for key in ("path", "text", "validation"):
         value = getattr(d, key)
-        if value and not _data_file(source, key, value).is_file():
-            add(("data", key), f"file not found: {_data_file(source, key, value)}")
+        found = _data_file(source, key, value) if value else None
+        # data.path may also name a prepared set: a Megatron prefix (PREFIX.idx beside PREFIX.bin), a folder
+        # or a glob of shards (data/dataset.py is_prepared_set)
+        if found is not None and not (found.is_file() or (key == "path" and _source_exists(found))):
+            add(("data", key), f"file not found: {found}" + (" (nor a prepared set: PREFIX.idx/.bin, a folder "
+                                                             "or a glob of shards)" if key == "path" else ""))
     issues += _source_issues(recipe, source)
     if _is_tokenizer_path(d.tokenizer):
         found = Path(d.tokenizer)
@@ -351,7 +355,7 @@ def _source_issues(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
 def _source_exists(path: Path) -> bool:
     import glob
 
-    return path.exists() or bool(glob.glob(str(path)))
+    return path.exists() or Path(f"{path}.idx").is_file() or bool(glob.glob(str(path)))
 
 
 def data_issues(recipe: schema.Recipe) -> list[RecipeIssue]:
