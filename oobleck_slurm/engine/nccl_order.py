@@ -137,6 +137,9 @@ class OrderedGroup:
             except BaseException as e:  # noqa: BLE001 - handed to the waiter; the group is broken
                 self._broken = e
                 work.finish(e)
+            # The unit's closure holds its tensors (a plan change's send and receive buffers): drop it
+            # now, not when the next unit comes, or they outlive their use (as NCCL's would not).
+            unit = run = work = None  # type: ignore[assignment]
 
     def _p2p(self, ops: list[P2POp]) -> None:
         """One batch: every receive announces itself first, then each send waits for its receiver's
