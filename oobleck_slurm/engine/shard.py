@@ -294,7 +294,6 @@ class ShardedLayer:
                 offset += k
         self.shard = self.full[self.base : self.base + self.size].clone()
         self.grad_shard = torch.zeros_like(self.shard)
-        self.scattered = torch.zeros_like(self.shard)  # one microbatch's reduce-scatter, resharded
         # AdamW: one optimizer parameter per overlap of an original parameter with the shard
         self.segments: list[tuple[int, int, nn.Parameter]] = []  # (logical lo, hi, parameter)
         # CAME: one piece per original parameter, in module order, with the parameter's flat offset
@@ -401,9 +400,12 @@ class ShardedLayer:
         return group.reduce_scatter([self.grad_shard], [self._chunks(self.grad_full)])
 
     def scatter_microbatch(self, group: Group, wait: Callable[[dist.Work], None]) -> None:
-        """Resharded: reduce-scatter one microbatch's whole gradient, add it to the shard, free it."""
-        wait(group.reduce_scatter([self.scattered], [self._chunks(self.grad_full)]))
-        self.grad_shard += self.scattered
+        """Resharded: reduce-scatter one microbatch's whole gradient, add it to the shard, free it. The
+        scatter's own buffer lives for this call only: a layer's whole gradient is freed right after it
+        (kept stages never scatter this way, and the planner counts one gradient shard per layer)."""
+        scattered = torch.empty_like(self.grad_shard)
+        wait(group.reduce_scatter([scattered], [self._chunks(self.grad_full)]))
+        self.grad_shard += scattered
         self.release_grad()
 
     def grad_view(self, lo: int, hi: int) -> torch.Tensor:

@@ -138,3 +138,13 @@ def test_a_plan_change_holds_the_old_state_the_new_holdings_and_one_layer_built(
         assert held <= bound, (f"rank {r}: the plan change held {held / MIB:.1f} MiB beyond the old state of "
                                f"{adopt['state'] / MIB:.1f} MiB (new state: {adopt['state_after'] / MIB:.1f} MiB)")
         assert adopt["after"] - adopt["before"] <= adopt["state_after"] - adopt["state"] + SLACK  # nothing kept
+
+
+def test_a_wide_stage_holds_its_shards_state_and_nothing_more(measured):
+    # between steps: the parameters, gradient and AdamW's two moments of its shard of each layer, what
+    # the planner counts (cost.stage_memory_terms: parameters, gradients and optimizer over g)
+    for r in (1, 2):
+        rank = measured["ranks"][r]
+        shard = sum(e["full_bytes"] for e in rank["payload"]) / 2
+        state = rank["evaluate"]["state"]
+        assert state <= 4 * shard + 2**16, f"rank {r}: holds {state / shard:.2f} x its parameters' shard"

@@ -62,7 +62,7 @@ def held_bytes(worker: Worker) -> int:
             add(t)
             add(t.grad)
     for sharded in worker.shards.values():
-        for t in (sharded.shard, sharded.grad_shard, sharded.scattered, sharded.full, sharded.grad_full):
+        for t in (sharded.shard, sharded.grad_shard, sharded.full, sharded.grad_full):
             add(t)
     for opt in worker.optimizers.values():
         for state in opt.state.values():
