@@ -4,7 +4,7 @@ The job folder's faults.json (copied into the job spec as `extra["faults"]` by t
 list of faults:
 
     {"node": N, "worker": i (default 0), "step": S, "generation": G, "at": POINT (default "start"),
-     "do": "kill" (default) | "hang" | "pause" | "slow", "seconds": T (pause and slow)}
+     "do": "kill" (default) | "hang" | "pause" | "slow" | "oom", "seconds": T (pause and slow)}
 
 POINT is where in step S (and, if given, generation G; one of the two is needed) the fault strikes
 worker i of node N:
@@ -22,7 +22,9 @@ worker i of node N:
 and what it does: "kill" sends this process SIGKILL, "hang" sleeps forever (a deadlocked worker that
 stays runnable), "pause" sleeps T seconds and goes on (a transient stall that makes its peers'
 collectives time out), "slow" sleeps T seconds at that point of step S and of every later step, in every
-generation (a slow stage or straggler: its peers legitimately wait for it). Each other fault strikes
+generation (a slow stage or straggler: its peers legitimately wait for it), "oom" raises
+torch.OutOfMemoryError there, as the CUDA caching allocator does when the device is full (the CPU has
+no such error: this is how the worker's handling of one is tested without a GPU). Each other fault strikes
 once, even across restarts (a store counter per fault), and a kill or hang writes its time to the store
 for the detection figures.
 """
@@ -39,12 +41,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from oobleck_slurm.protocol import keys
 
 FAULT_POINTS = ("start", "wait:last", "optimizer", "report", "groups", "adopt", "replay")  # and "wait:K"
-FAULT_ACTIONS = ("kill", "hang", "pause", "slow")
+FAULT_ACTIONS = ("kill", "hang", "pause", "slow", "oom")
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 
 
@@ -156,6 +159,10 @@ class FaultHooks:
             if f.get("do") == "pause":  # no loss follows: no fault time for a detection figure
                 time.sleep(float(f["seconds"]))
                 return
+            if f.get("do") == "oom":  # the worker's own handling follows (elastic_process)
+                self.store.set(keys.fault_time(self._node), repr(time.time()))
+                raise torch.OutOfMemoryError(f"emulated out of memory (fault {i}: at {point} of step {step}, "
+                                             f"generation {self.generation})")
             self.store.set(keys.fault_time(self._node), repr(time.time()))
             if f.get("do", "kill") == "hang":
                 while True:  # not stopped: its agent sees a live, sleeping process
