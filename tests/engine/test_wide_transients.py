@@ -129,8 +129,10 @@ def test_a_checkpoint_of_a_wide_layer_holds_one_whole_tensor_beyond_its_payload(
 
 
 def test_a_plan_change_holds_the_old_state_the_new_holdings_and_one_layer_built(measured):
-    # before: the old state and what the new plan's holdings are received into (parameters and moments of
-    # the new shards); then the old state is freed and each layer installed, built whole from the seed once
+    # while the copies run: the old state and the new holdings (parameters and moments of the new shards,
+    # read and received in place); then the old state is freed and each layer installed: the new state,
+    # one layer's holding and that layer built whole twice (from the seed, then its full buffer); here
+    # within the new state and two whole blocks (a block's holding of 18 MiB overlaps its build)
     for r, rank in enumerate(measured["ranks"]):
         adopt = rank["adopt"]
         held = transient(adopt)
