@@ -376,6 +376,10 @@ class DashboardState:
         where = f" at step {e.step}" if e.step is not None else " during recovery" if during else ""
         self._log(e.t, e.kind, f"{', '.join(e.nodes) or 'node'} lost ({e.cause or '?'}){where}")
 
+    def _out_of_memory(self, e: ev.OutOfMemory) -> None:
+        held = f": {_bytes(e.allocated)} of {_bytes(e.capacity)}" if e.capacity is not None else ""
+        self._log(e.t, e.kind, f"{e.node}:{e.worker} ran out of device memory ({e.phase}, step {e.step}){held}")
+
     def _collective_error(self, e: ev.CollectiveError) -> None:
         rec = self._recovery_of(e)
         if rec is not None:
@@ -533,6 +537,7 @@ _HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {
     "takeover": DashboardState._takeover,
     "node": DashboardState._node_event,
     "failure": DashboardState._failure,
+    "out_of_memory": DashboardState._out_of_memory,
     "collective_error": DashboardState._collective_error,
     "reform": DashboardState._reform,
     **{phase: DashboardState._phase for phase in PHASES},

@@ -48,6 +48,7 @@ from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.recovery import can_complete, reach_step
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
+from oobleck_slurm.errors import OobleckError
 from oobleck_slurm.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED
 from oobleck_slurm.protocol import keys, records
 from oobleck_slurm.protocol.events import EventLog, events_path
@@ -55,6 +56,7 @@ from oobleck_slurm.protocol.records import (
     FirstStep,
     GenerationConfig,
     LastStep,
+    OutOfMemory,
     Rebuilt,
     StepCompute,
     WorkerError,
@@ -111,6 +113,24 @@ ERROR_CHARS = 400  # a reported collective error is cut to this length (the even
 FOLLOW_POLL_S = 0.05  # elastic.json is read this often while a new supervisor is awaited
 
 
+class WorkerOutOfMemory(OobleckError, RuntimeError):
+    """A worker ran out of device memory (reported first: `_report_out_of_memory`); it exits with
+    EXIT_FAILED like any failed worker, its node is lost, and the coordinator reads the report."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's out-of-memory error (the CUDA caching allocator's, or a fault drill's on the CPU),
+    raised directly or as the cause of the error that ends the worker."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 class ElasticWorker:
     def __init__(self, job_dir: Path, node: str, local: int) -> None:
         self.job_dir, self.node, self.local = job_dir, node, local
@@ -142,6 +162,7 @@ class ElasticWorker:
         self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
         self.eval_logged: int | None = None  # the step of the last evaluation this worker logged (as rank 0)
+        self.phase = "groups"  # what it does now, for a report of running out of device memory
 
     def _on_wait(self) -> None:
         self.faults.before_wait(self.worker.step)
@@ -160,6 +181,27 @@ class ElasticWorker:
             time.sleep(self.timeouts.epoch_poll)
             if published.read() > self.launch.epoch:
                 self.superseded.set()
+
+    def _report_out_of_memory(self, g: int, error: BaseException) -> None:
+        """Name the failure before this worker exits: an `out_of_memory` event with what it was doing
+        and its device's bytes, and the store record the coordinator reads when its node is lost (it
+        then runs no plan that would fail the same way: supervisor/decisions.py). Best effort: the
+        worker exits anyway, and its exit alone is a node loss."""
+        device = self.worker.device
+        allocated = peak = capacity = -1  # no device: the CPU
+        if device.type == "cuda":
+            allocated, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+            capacity = torch.cuda.get_device_properties(device).total_memory
+        message = f"{type(error).__name__}: {error}"[:ERROR_CHARS]
+        try:
+            self.log.emit("out_of_memory", node=self.node, worker=self.local, generation=g, step=self.worker.step,
+                          phase=self.phase, error=message, allocated=allocated if allocated >= 0 else None,
+                          peak=peak if peak >= 0 else None, capacity=capacity if capacity >= 0 else None)
+            records.put(self.store, OutOfMemory(step=self.worker.step, phase=self.phase, error=message,
+                                                allocated=allocated, peak=peak, capacity=capacity, t=time.time()),
+                        g, self.name)
+        except Exception:  # noqa: BLE001 - the store or the log went away: the exit still reports the loss
+            traceback.print_exc()
 
     def _report_error(self, g: int, error: BaseException) -> None:
         """Tell the coordinator that a collective of generation g failed here (see coordinator.py)."""
@@ -183,6 +225,10 @@ class ElasticWorker:
             try:
                 g = self._next(g)
             except Exception as e:  # noqa: BLE001 - sorted below: the store's loss, or not ours to handle
+                if is_out_of_memory(e):
+                    self._report_out_of_memory(g, e)
+                    raise WorkerOutOfMemory(f"worker {self.name} ran out of device memory ({self.phase} at step "
+                                            f"{self.worker.step}, generation {g})") from e
                 if self._store_alive():
                     raise
                 g = self._follow_new_supervisor(e)
@@ -199,7 +245,9 @@ class ElasticWorker:
         cfg = records.get(self.store, GenerationConfig, g)
         if cfg.stop:
             if cfg.save is not None:
+                self.phase = "groups"
                 self._groups_to_save(g, cfg)
+                self.phase = "checkpoint"
                 self.save_checkpoint(cfg.save.root, cfg.save.step)
             return -1
         if self.node not in cfg.members:
@@ -211,8 +259,8 @@ class ElasticWorker:
             if not self._store_alive():
                 raise
             if not isinstance(e, GenerationAborted):
-                if not is_collective_error(e):
-                    raise  # a bug, not a peer's failure: fail loudly with the traceback
+                if is_out_of_memory(e) or not is_collective_error(e):
+                    raise  # a bug or this device full, not a peer's failure: fail loudly (run() names it)
                 # A peer's death shows up as a gloo error before the coordinator's key: report the
                 # error (with no loss to explain it the coordinator re-forms the members) and wait.
                 self._report_error(g, e)
@@ -309,8 +357,10 @@ class ElasticWorker:
         plan = ExecPlan.from_json(cfg.plan)
         w.rank = cfg.members.index(self.node) * self.per_node + self.local
         world_size = len(cfg.members) * self.per_node
+        self.phase = "step"  # a pending step completed here is the previous generation's
         reach_step(w, cfg.resume_step)
         self.faults.generation = g
+        self.phase = "groups"
         self.faults.before_groups(w.step)
         t0 = time.perf_counter()
         gen = build_generation(self.store, g, w.rank, world_size, plan, self.timeouts,
@@ -320,6 +370,7 @@ class ElasticWorker:
             self.gen.release()
         self.gen = gen
         t1 = time.perf_counter()
+        self.phase = f"adopt:{cfg.source}"
         self.faults.at_adopt(w.step)  # a failure during recovery: groups built, copies not done
         ckpt = cfg.checkpoint
         received = w.adopt(plan, gen, cfg.source, list(cfg.transfers), (ckpt.root, ckpt.step) if ckpt else None)
@@ -340,6 +391,7 @@ class ElasticWorker:
             self._complete_checkpoint(gen)
         first = True
         while w.step < self.job.train.steps:
+            self.phase = "step"
             if first and g > 0:
                 self.faults.before_replay(w.step)
             self.faults.at_step_start(w.step)
@@ -370,6 +422,7 @@ class ElasticWorker:
         return t.eval_interval > 0 and step > 0 and (step % t.eval_interval == 0 or step == t.steps)
 
     def _evaluate(self, g: int) -> None:
+        self.phase = "evaluate"
         t0 = time.perf_counter()
         loss, samples = self.worker.evaluate()
         if self.worker.rank == 0:
@@ -396,6 +449,7 @@ class ElasticWorker:
         """Write this worker's share of the checkpoint of `step` (layers it holds first) and wait for it."""
         w = self.worker
         reach_step(w, step)
+        self.phase = "checkpoint"
         if w.plan is None or not w.layers:
             return
         if self.writer is None or str(self.writer.root) != root:
@@ -421,6 +475,7 @@ class ElasticWorker:
 
     def _maybe_checkpoint(self) -> None:
         if self._checkpoint_due(self.worker.step):
+            self.phase = "checkpoint"
             self._submit_layers(self._first_held(self.worker))
 
     def _submit_layers(self, layers: list[int]) -> None:
@@ -444,6 +499,7 @@ class ElasticWorker:
         w = self.worker
         if not self._checkpoint_due(w.step):
             return
+        self.phase = "checkpoint"
         mine = self._first_held(w)
         seen = torch.zeros(len(w.keys), dtype=torch.int64, device=w.device)
         queued = self.writer.submitted if self.writer is not None else set()

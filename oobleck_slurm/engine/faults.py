@@ -4,7 +4,7 @@ The job folder's faults.json (copied into the job spec as `extra["faults"]` by t
 list of faults:
 
     {"node": N, "worker": i (default 0), "step": S, "generation": G, "at": POINT (default "start"),
-     "do": "kill" (default) | "hang" | "pause" | "slow" | "hold", "seconds": T (pause and slow),
+     "do": "kill" (default) | "hang" | "pause" | "slow" | "hold" | "oom", "seconds": T (pause and slow),
      "after": ["NODE" or "NODE:i", ...] (optional)}
 
 POINT is where in step S (and, if given, generation G; one of the two is needed) the fault strikes
@@ -27,7 +27,9 @@ stays runnable), "pause" sleeps T seconds and goes on (a transient stall that ma
 collectives time out), "slow" sleeps T seconds at that point of step S and of every later step, in every
 generation (a slow stage or straggler: its peers legitimately wait for it), "hold" blocks until the
 worker's generation is declared failed and goes on (at `wait:last`, the commit point: the worker then
-holds its step pending while peers that were not held applied it, engine/recovery.py). Each fault but
+holds its step pending while peers that were not held applied it, engine/recovery.py), "oom" raises
+torch.OutOfMemoryError there, as the CUDA caching allocator does when the device is full (the CPU has
+no such error: this is how the worker's handling of one is tested without a GPU). Each fault but
 "slow" strikes once, even across restarts (a store counter per fault), and a kill or hang writes its
 time to the store for the detection figures.
 
@@ -49,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from oobleck_slurm.engine.abort import FailureWatch
@@ -56,7 +59,7 @@ from oobleck_slurm.protocol import keys
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 FAULT_POINTS = ("start", "wait:last", "scatter", "optimizer", "report", "groups", "adopt", "replay")  # and "wait:K"
-FAULT_ACTIONS = ("kill", "hang", "pause", "slow", "hold")
+FAULT_ACTIONS = ("kill", "hang", "pause", "slow", "hold", "oom")
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 
 
@@ -193,6 +196,10 @@ class FaultHooks:
             if f.get("do") == "hold":
                 self._hold()
                 return
+            if f.get("do") == "oom":  # the worker's own handling follows (elastic_process)
+                self.store.set(keys.fault_time(self._node), repr(time.time()))
+                raise torch.OutOfMemoryError(f"emulated out of memory (fault {i}: at {point} of step {step}, "
+                                             f"generation {self.generation})")
             self.store.set(keys.fault_time(self._node), repr(time.time()))
             if f.get("do", "kill") == "hang":
                 while True:  # not stopped: its agent sees a live, sleeping process

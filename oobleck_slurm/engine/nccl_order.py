@@ -266,6 +266,9 @@ class OrderedGroup:
                     work.finish(self._broken)
             finally:
                 self.slots.done(ticket)
+                # The unit's closure holds its tensors (a plan change's send and receive buffers): drop
+                # it now, not when the next unit comes, or they outlive their use (as NCCL's would not).
+                unit = run = work = None  # type: ignore[assignment]
 
     def _p2p(self, ops: list[P2POp]) -> None:
         """One batch. The k-th send to a peer meets the peer's k-th receive from this rank (gloo tags

@@ -120,16 +120,53 @@ def factored_numel(shapes: list[tuple[int, ...]]) -> int:
     return sum(2 * sum(factored_sizes(shape)) for shape in shapes if len(shape) >= 2)
 
 
-def vector_spans(shapes: list[tuple[int, ...]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The logical elements of [lo, hi) that belong to parameters of fewer than two dimensions, as
-    ranges: where CAME keeps an elementwise second moment (a copy moves no zeros of the matrices')."""
+def param_spans(shapes: list[tuple[int, ...]], lo: int, hi: int, vectors_only: bool = False) -> list[tuple[int, int]]:
+    """The logical elements [lo, hi) of a layer whose parameters have `shapes`, cut at its parameters'
+    boundaries (only those of fewer than two dimensions with `vectors_only`): what a plan change sends
+    as one message each, so that every piece is a view of one live tensor on both ends."""
     out, offset = [], 0
     for shape in shapes:
         k = math.prod(shape)
         a, b = max(lo, offset), min(hi, offset + k)
-        if len(shape) < 2 and a < b:
+        if a < b and (len(shape) < 2 or not vectors_only):
             out.append((a, b))
         offset += k
+    return out
+
+
+def vector_spans(shapes: list[tuple[int, ...]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The logical elements of [lo, hi) that belong to parameters of fewer than two dimensions, as
+    ranges: where CAME keeps an elementwise second moment (a copy moves no zeros of the matrices')."""
+    return param_spans(shapes, lo, hi, vectors_only=True)
+
+
+# A holding's tensors as views of the live ones, for a plan change's sends: by key ("params", then the
+# MOMENTS), (first logical element, end, flat view) pieces, none crossing a parameter's boundary.
+FlatViews = dict[str, list[tuple[int, int, torch.Tensor]]]
+
+
+def view_of(views: FlatViews, key: str, lo: int, hi: int) -> torch.Tensor:
+    """Logical elements [lo, hi) of `key` (within one parameter) as a view of the tensor holding them."""
+    for a, b, t in views[key]:
+        if a <= lo and hi <= b:
+            return t[lo - a : hi - a]
+    raise RuntimeError(f"no held {key} covers the elements [{lo}, {hi})")
+
+
+def layer_views(module: nn.Module, opt: torch.optim.Optimizer) -> FlatViews:
+    """A whole layer's parameters and elementwise moments as views of its live tensors (FlatViews);
+    a moment the optimizer keeps none of (CAME's matrices' second moment) has no piece there."""
+    offsets = param_offsets(module)
+    named = optimizer_state_tensors(opt)
+    out: FlatViews = {"params": [], **{key: [] for key in MOMENTS}}
+    for p in module.parameters():
+        off, k = offsets[id(p)]
+        out["params"].append((off, off + k, p.detach().reshape(-1)))  # a view: parameters are contiguous
+    for i, q in enumerate(_optimizer_params(opt)):
+        off, k = offsets[id(q)]
+        for key in MOMENTS:
+            if (name := f"{i}.{key}") in named:
+                out[key].append((off, off + k, named[name].reshape(-1)))
     return out
 
 
@@ -152,42 +189,76 @@ def flat_state(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str,
         for key in MOMENTS:
             if f"{i}.{key}" in named:  # CAME: no second moment of a matrix
                 out[key][off : off + k] = named[f"{i}.{key}"].reshape(-1)
+    return out, step, layer_factored(module, opt)
+
+
+def layer_factored(module: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """A whole layer's CAME row/column statistics as one buffer (module doc); empty for AdamW."""
+    named = optimizer_state_tensors(opt)
+    params = _optimizer_params(opt)
     index = {id(p): i for i, p in enumerate(params)}
     factored = [named[name].reshape(-1) for p in module.parameters() for key in FACTORED_KEYS
                 if (name := f"{index[id(p)]}.{key}") in named]
     empty = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
-    return out, step, torch.cat(factored) if factored else empty
+    return torch.cat(factored) if factored else empty
+
+
+# Where each state tensor of a whole layer's optimizer lies in flat form: name -> (source, offset, shape),
+# the source "step", a MOMENTS key (offset in the layer's flat buffer) or "factored" (offset in the
+# row/column statistics), in the optimizer's order of names.
+StateLayout = dict[str, tuple[str, int, tuple[int, ...]]]
+
+
+def state_layout(module: nn.Module, opt: torch.optim.Optimizer) -> StateLayout:
+    """The flat form's map of a whole layer's optimizer `opt` (StateLayout), from its parameters alone:
+    the optimizer needs no state yet."""
+    offsets = param_offsets(module)
+    spec = optimizer_state_spec(opt)
+    params = _optimizer_params(opt)
+    where: StateLayout = {}
+    for i, p in enumerate(params):
+        off, _ = offsets[id(p)]
+        where[f"{i}.step"] = ("step", 0, spec[f"{i}.step"][0])
+        for key in MOMENTS:
+            if (name := f"{i}.{key}") in spec:
+                where[name] = (key, off, tuple(p.shape))
+    index, pos = {id(p): i for i, p in enumerate(params)}, 0
+    for p in module.parameters():
+        for key in FACTORED_KEYS:
+            if (name := f"{index[id(p)]}.{key}") in spec:
+                shape = spec[name][0]
+                where[name] = ("factored", pos, shape)
+                pos += math.prod(shape)
+    if unknown := [name for name in spec if name not in where]:
+        raise RuntimeError(f"optimizer state {unknown[:5]} has no flat form (shard.py MOMENTS, FACTORED_KEYS)")
+    return {name: where[name] for name in spec}
+
+
+def factored_count(layout: StateLayout) -> int:
+    """Entries of the row/column statistics a StateLayout names."""
+    return sum(math.prod(shape) for source, _, shape in layout.values() if source == "factored")
 
 
 def load_flat_state(module: nn.Module, opt: torch.optim.Optimizer, moments: dict[str, torch.Tensor],
                     step: torch.Tensor, factored: torch.Tensor) -> None:
     """The inverse of `flat_state`: a whole layer's optimizer from flat moments (length >= n), a step
     and CAME's row/column statistics (empty for AdamW)."""
-    offsets = param_offsets(module)
-    spec = optimizer_state_spec(opt)
-    params = _optimizer_params(opt)
-    tensors: dict[str, torch.Tensor] = {}
-    step = _step_like(opt, step)
-    for i, p in enumerate(params):
-        off, k = offsets[id(p)]
-        tensors[f"{i}.step"] = step
-        for key in MOMENTS:
-            if f"{i}.{key}" in spec:
-                tensors[f"{i}.{key}"] = moments[key][off : off + k].view_as(p)
-    index, pos = {id(p): i for i, p in enumerate(params)}, 0
-    for p in module.parameters():
-        for key in FACTORED_KEYS:
-            if (name := f"{index[id(p)]}.{key}") in spec:
-                shape = spec[name][0]
-                tensors[name] = factored[pos : pos + math.prod(shape)].view(shape)
-                pos += math.prod(shape)
-    if pos != factored.numel():
+    layout = state_layout(module, opt)
+    if (need := factored_count(layout)) != factored.numel():
         raise ValueError(f"CAME's row/column statistics: got {factored.numel()} values, the layer's "
-                         f"matrices have {pos}")
+                         f"matrices have {need}")
+    step = step_like(opt, step)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (source, offset, shape) in layout.items():
+        if source == "step":
+            tensors[name] = step
+        else:
+            flat = factored if source == "factored" else moments[source]
+            tensors[name] = flat[offset : offset + math.prod(shape)].view(shape)
     load_optimizer_state_tensors(opt, tensors)
 
 
-def _step_like(opt: torch.optim.Optimizer, step: torch.Tensor) -> torch.Tensor:
+def step_like(opt: torch.optim.Optimizer, step: torch.Tensor) -> torch.Tensor:
     """A step counter in the dtype, shape and device the optimizer keeps it in (it crosses processes
     as a 1-element tensor of the parameters' dtype)."""
     shape, dtype, device = optimizer_state_spec(opt)["0.step"]
@@ -206,19 +277,25 @@ class ShardedLayer:
         self.base = index * self.size  # the shard's first element, padded coordinates
         self.lo, self.hi = shard_range(self.n, width, index)
         dtype, device = params[0].dtype, params[0].device
+        # The `.grad` views first, their storage freed at once (a step allocates it, open_grad): the
+        # layer as built and its full buffer are then the only whole copies at a time (a plan change
+        # installs layers beside the old state).
+        self.grad_full = torch.empty(padded(self.n), dtype=dtype, device=device)
+        offset = 0
+        for p in params:
+            p.grad = self.grad_full[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.release_grad()
         self.full = torch.zeros(padded(self.n), dtype=dtype, device=device)
-        self.grad_full = torch.zeros_like(self.full)
         offset = 0
         with torch.no_grad():
             for p in params:
                 k = p.numel()
                 self.full[offset : offset + k].copy_(p.reshape(-1))
                 p.data = self.full[offset : offset + k].view_as(p)
-                p.grad = self.grad_full[offset : offset + k].view_as(p)
                 offset += k
         self.shard = self.full[self.base : self.base + self.size].clone()
         self.grad_shard = torch.zeros_like(self.shard)
-        self.scattered = torch.zeros_like(self.shard)  # one microbatch's reduce-scatter, resharded
         # AdamW: one optimizer parameter per overlap of an original parameter with the shard
         self.segments: list[tuple[int, int, nn.Parameter]] = []  # (logical lo, hi, parameter)
         # CAME: one piece per original parameter, in module order, with the parameter's flat offset
@@ -226,7 +303,6 @@ class ShardedLayer:
         self.opt = self._came(params, spec) if spec.name == "came" else self._adamw(params, spec)
         self.gathered = True
         self.release()
-        self.release_grad()
 
     def _view(self, lo: int, hi: int) -> nn.Parameter:
         """An optimizer parameter over the shard's logical elements [lo, hi), its gradient the same
@@ -332,14 +408,25 @@ class ShardedLayer:
         """Resharded: post the reduce-scatter of one microbatch's whole gradient; the returned function,
         once the work is done, adds it to the shard and frees the whole gradient. `by_allreduce`
         (comm.SCATTER_BY_ALLREDUCE): as an all-reduce of the whole gradient in place, of which the rank
-        keeps its chunk (the gradient is freed right after)."""
+        keeps its chunk (the gradient is freed right after). The scatter's own buffer (one gradient
+        shard) lives only while it is in flight: the function frees it with the whole gradient (kept
+        stages never scatter this way, and the planner counts one gradient shard per layer, besides the
+        whole gradients of the scatters in flight)."""
+        scattered: torch.Tensor | None = None
         if by_allreduce:
             work = group.allreduce([self.grad_full])
         else:
-            work = group._reduce_scatter_base(self.scattered, self.grad_full, dist.ReduceScatterOptions())
+            scattered = torch.empty_like(self.grad_shard)
+            work = group._reduce_scatter_base(scattered, self.grad_full, dist.ReduceScatterOptions())
 
         def unpack() -> None:
-            self.grad_shard += self._chunks(self.grad_full)[self.index] if by_allreduce else self.scattered
+            nonlocal scattered
+            if by_allreduce:
+                self.grad_shard += self._chunks(self.grad_full)[self.index]
+            else:
+                assert scattered is not None, "a microbatch's scatter unpacked twice"
+                self.grad_shard += scattered
+                scattered = None
             self.release_grad()
 
         return work, unpack
@@ -354,24 +441,46 @@ class ShardedLayer:
         """The shard's optimizer state in flat form (module doc): the moments as buffers of the shard's
         size (zero where there is none: padding, CAME's matrices' second moment), the step, and CAME's
         row/column statistics (whole; empty for AdamW)."""
-        out = {key: torch.zeros_like(self.shard) for key in MOMENTS}
+        return {key: self.state_shard(key) for key in MOMENTS}, self.state_step(), self.state_factored()
+
+    def state_shard(self, key: str) -> torch.Tensor:
+        """Moment `key` (of MOMENTS) of the shard in flat form: a buffer of the shard's size."""
+        out = torch.zeros_like(self.shard)
+        for lo, hi, t in self.state_views()[key]:
+            out[lo - self.base : hi - self.base] = t
+        return out
+
+    def state_step(self) -> torch.Tensor:
+        """The optimizer's step counter (a copy)."""
         if isinstance(self.opt, ShardedCAME):
-            factored = []
+            return self.opt.state[self.pieces[0][1].param]["step"].clone()
+        return optimizer_state_tensors(self.opt)["0.step"].clone()
+
+    def state_factored(self) -> torch.Tensor:
+        """CAME's row/column statistics of the layer's matrices, whole, as one buffer; empty for AdamW."""
+        if not isinstance(self.opt, ShardedCAME):
+            return self.shard.new_zeros(0)
+        factored = [state[key] for _, piece in self.pieces
+                    for key in FACTORED_KEYS if key in (state := self.opt.state[piece.param])]
+        return torch.cat(factored) if factored else self.shard.new_zeros(0)
+
+    def state_views(self) -> FlatViews:
+        """The shard's parameters and elementwise moments as views of its live tensors (FlatViews)."""
+        out: FlatViews = {"params": [(self.lo, self.hi, self.shard[: self.hi - self.lo])],
+                          **{key: [] for key in MOMENTS}}
+        if isinstance(self.opt, ShardedCAME):
             for offset, piece in self.pieces:
                 state = self.opt.state[piece.param]
                 for key in MOMENTS:
                     if key in state and piece.lo < piece.hi:
-                        out[key][offset + piece.lo - self.base : offset + piece.hi - self.base] = state[key]
-                factored += [state[key] for key in FACTORED_KEYS if key in state]
-            step = self.opt.state[self.pieces[0][1].param]["step"].clone()
-            return out, step, torch.cat(factored) if factored else self.shard.new_zeros(0)
+                        out[key].append((offset + piece.lo, offset + piece.hi, state[key].reshape(-1)))
+            return out
         named = optimizer_state_tensors(self.opt)
-        step = named["0.step"].clone()
         for i, p in enumerate(_optimizer_params(self.opt)):
             lo, hi = self._segment_range(p)
             for key in MOMENTS:
-                out[key][lo - self.base : hi - self.base] = named[f"{i}.{key}"]
-        return out, step, self.shard.new_zeros(0)
+                out[key].append((lo, hi, named[f"{i}.{key}"].reshape(-1)))
+        return out
 
     def load_state_shards(self, moments: dict[str, torch.Tensor], step: torch.Tensor, factored: torch.Tensor) -> None:
         """The inverse of `state_shards` (moments of at least the shard's size)."""
@@ -379,7 +488,7 @@ class ShardedLayer:
             self._load_came(moments, step, factored)
             return
         tensors: dict[str, torch.Tensor] = {}
-        step = _step_like(self.opt, step)
+        step = step_like(self.opt, step)
         for i, p in enumerate(_optimizer_params(self.opt)):
             lo, hi = self._segment_range(p)
             tensors[f"{i}.step"] = step

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from oobleck_slurm.engine.batches import Reads, StepBatches, open_dataset, open_validation
-from oobleck_slurm.engine.checkpoint import layer_payload, load_layer
+from oobleck_slurm.engine.checkpoint import layer_payload, load_layer, persistent_buffers
 from oobleck_slurm.engine.comm import Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
 from oobleck_slurm.engine.layer_rng import LayerDrawError, LayerDraws
@@ -43,22 +43,30 @@ from oobleck_slurm.engine.schedule import one_f_one_b
 from oobleck_slurm.engine.shard import (
     MOMENTS,
     BucketWork,
+    FlatViews,
     ShardedLayer,
     StageParams,
+    factored_count,
     factored_moves,
     factored_numel,
     flat_state,
+    layer_factored,
+    layer_views,
     load_flat_state,
+    param_spans,
     parts_to_elements,
     piece_range,
     shard_range,
     slice_moves,
-    vector_spans,
+    state_layout,
+    step_like,
+    view_of,
 )
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.stage import Stage
 from oobleck_slurm.engine.transfer import run_transfers
 from oobleck_slurm.models.documents import Documents, run_layer
+from oobleck_slurm.optim import optimizer_state_tensors
 from oobleck_slurm.optim.came_sharded import ShardedCAME
 from oobleck_slurm.peak_memory import StepPeak
 from oobleck_slurm.planning.cost import stage_fold
@@ -78,14 +86,6 @@ def attach_grad_buffer(layer: nn.Module) -> torch.Tensor:
         p.grad = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
     return flat
-
-
-def _padded_slice(flat: torch.Tensor, base: int, size: int) -> torch.Tensor:
-    """Elements [base, base + size) of `flat`, zeros past its end (a shard of a padded buffer)."""
-    out = torch.zeros(size, dtype=flat.dtype, device=flat.device)
-    part = flat[base : base + size]
-    out[: part.numel()] = part
-    return out
 
 
 def peer(rank: int | None) -> int:
@@ -115,6 +115,18 @@ class PendingStep:
 
     step: int
     total_sq: float
+
+
+@dataclass
+class _EvalMicrobatch:
+    """A validation microbatch on its way through a stage: its index, samples, hidden state (token ids
+    on a first stage), targets (last stage) and documents (document masking)."""
+
+    index: int
+    samples: int
+    hidden: torch.Tensor
+    targets: torch.Tensor | None
+    documents: Documents | None
 
 
 # cuBLAS's deterministic workspace (the CUDA docs' "Results reproducibility"); PyTorch reads it when its
@@ -265,7 +277,7 @@ class Worker:
         if whole is not None:
             moments, step, factored = whole
             base, size = sharded.base, sharded.size
-            sharded.load_state_shards({k: _padded_slice(v, base, size) for k, v in moments.items()}, step, factored)
+            sharded.load_state_shards({k: v[base : base + size] for k, v in moments.items()}, step, factored)
         self.shards[index] = sharded
         self.optimizers[index] = sharded.opt
         self.grads[index] = sharded.grad_shard
@@ -371,15 +383,24 @@ class Worker:
         rows = table.cpu().tolist()
         return {r: {i: (w, k - 1) for i, (w, k) in enumerate(row) if w > 0} for r, row in enumerate(rows)}
 
-    def _flat_source(self, index: int) -> FlatHolding:
-        """This rank's holding of layer `index` in flat form."""
+    def _state_views(self, index: int) -> FlatViews:
+        """This rank's holding of layer `index` as views of its live tensors (shard.FlatViews)."""
         sharded = self.shards.get(index)
         if sharded is not None:
-            moments, step, factored = sharded.state_shards()
-            return FlatHolding(sharded.shard, moments, step, factored, sharded.base)
-        layer = self.layers[index]
-        moments, step, factored = flat_state(layer, self.optimizers[index])
-        return FlatHolding(torch.cat([q.detach().reshape(-1) for q in layer.parameters()]), moments, step, factored, 0)
+            return sharded.state_views()
+        return layer_views(self.layers[index], self.optimizers[index])
+
+    def _state_step(self, index: int) -> torch.Tensor:
+        sharded = self.shards.get(index)
+        if sharded is not None:
+            return sharded.state_step()
+        return optimizer_state_tensors(self.optimizers[index])["0.step"]
+
+    def _state_factored(self, index: int) -> torch.Tensor:
+        sharded = self.shards.get(index)
+        if sharded is not None:
+            return sharded.state_factored()
+        return layer_factored(self.layers[index], self.optimizers[index])
 
     def _adopt_slices(self, plan: ExecPlan, gen: Generation, role: Role | None,
                       transfers: list[tuple[int, int, int]], held: dict[int, dict[int, tuple[int, int]]]) -> int:
@@ -388,7 +409,13 @@ class Worker:
         element ranges of parameters and optimizer moments from one whole replica (shard.slice_moves),
         with CAME also the layer's row/column statistics, whole, from one rank of that replica
         (shard.factored_moves); all posted as one batch, then the old holdings are replaced. `held`:
-        what every rank holds now (`_holdings`, read in this adopt). Returns the bytes received."""
+        what every rank holds now (`_holdings`, read in this adopt). Returns the bytes received.
+
+        Memory (docs/engine.md, plan changes): what is sent or kept is read in place, as views of the
+        live tensors, one message per parameter's piece (`shard.param_spans`: both ends cut a range
+        alike); what is received lands in the new holdings' flat buffers. So the rank holds its old
+        state and the new holdings' parameters and moments until the batch completes; then the old
+        state goes, and each layer is installed in turn, its flat holding freed as it is."""
         stages = [(p.stage_ranks(s), p.stage_layers(s)) for p in plan.pipelines for s in range(p.num_stages)]
         moves = slice_moves(stages, held, transfers)
         came = self.job.optim.name == "came"
@@ -406,13 +433,13 @@ class Worker:
         def n_of(layer: int) -> int:
             return sum(math.prod(shape) for shape in shapes_of(layer))
 
-        sources: dict[int, FlatHolding] = {}
+        views: dict[int, FlatViews] = {}  # the old holdings read in place: dropped before they are
         targets: dict[int, FlatHolding] = {}
 
-        def source(layer: int) -> FlatHolding:
-            if layer not in sources:
-                sources[layer] = self._flat_source(layer)
-            return sources[layer]
+        def source(layer: int) -> FlatViews:
+            if layer not in views:
+                views[layer] = self._state_views(layer)
+            return views[layer]
 
         def target(layer: int) -> FlatHolding:
             if layer not in targets:
@@ -426,12 +453,21 @@ class Worker:
                     tlo)
             return targets[layer]
 
+        def spans(layer: int, key: str, lo: int, hi: int) -> list[tuple[int, int]]:
+            # CAME keeps no elementwise second moment of a matrix: only its vectors' elements move
+            return param_spans(shapes_of(layer), lo, hi, vectors_only=came and key == "exp_avg_sq")
+
         p2p = None if gen.backend == "gloo" else self.device  # NCCL moves the CPU step counter on the device
         ops: list[P2POp] = []
         step_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        scatters: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (received buffer, its destinations)
+        tags: dict[tuple[int, int], int] = collections.defaultdict(int)  # per (src, dst): both ends count alike
+
+        def tag(src: int, dst: int) -> int:
+            tags[(src, dst)] += 1
+            return tags[(src, dst)]
+
         received = 0
-        for k, (layer, src, dst, part_lo, part_hi) in enumerate(moves):
+        for layer, src, dst, part_lo, part_hi in moves:
             if self.rank not in (src, dst):
                 continue
             if self.rank == dst:
@@ -439,64 +475,62 @@ class Worker:
             lo, hi = parts_to_elements(n_of(layer), part_lo, part_hi)
             if lo >= hi:
                 continue  # padding only
-            # CAME keeps no elementwise second moment of a matrix: only its vectors' elements move
-            spans = vector_spans(shapes_of(layer), lo, hi) if came else [(lo, hi)]
             if src == dst:  # kept: from the old holding to the new one
                 s, t = source(layer), targets[layer]
-                t.params[lo - t.base : hi - t.base] = s.params[lo - s.base : hi - s.base]
-                for key in MOMENTS:
-                    t.moments[key][lo - t.base : hi - t.base] = s.moments[key][lo - s.base : hi - s.base]
-                t.step.copy_(s.step.reshape(1))
+                for key in ("params", *MOMENTS):
+                    flat = t.params if key == "params" else t.moments[key]
+                    for a, b in spans(layer, key, lo, hi):
+                        flat[a - t.base : b - t.base] = view_of(s, key, a, b)
+                t.step.copy_(self._state_step(layer).reshape(1))
                 continue
-            tag = 4 * k  # parameters, first moment, second moment, step
             if self.rank == src:
                 s = source(layer)
-                ops += [P2POp("send", s.params[lo - s.base : hi - s.base].clone(), dst, tag),
-                        P2POp("send", s.moments["exp_avg"][lo - s.base : hi - s.base].clone(), dst, tag + 1)]
-                if spans:
-                    sq = torch.cat([s.moments["exp_avg_sq"][a - s.base : b - s.base] for a, b in spans])
-                    ops.append(P2POp("send", sq, dst, tag + 2))
-                ops.append(P2POp("send", s.step.reshape(1).to(dtype).to(p2p or "cpu"), dst, tag + 3))
+                for key in ("params", *MOMENTS):
+                    ops += [P2POp("send", view_of(s, key, a, b), dst, tag(src, dst))
+                            for a, b in spans(layer, key, lo, hi)]
+                step = self._state_step(layer).reshape(1).to(dtype).to(p2p or "cpu")
+                ops.append(P2POp("send", step, dst, tag(src, dst)))
             else:
                 t = targets[layer]
-                bufs = [t.params[lo - t.base : hi - t.base], t.moments["exp_avg"][lo - t.base : hi - t.base]]
-                ops += [P2POp("recv", bufs[0], src, tag), P2POp("recv", bufs[1], src, tag + 1)]
-                views = [t.moments["exp_avg_sq"][a - t.base : b - t.base] for a, b in spans]
-                if views:
-                    sq = views[0] if len(views) == 1 else torch.empty(sum(v.numel() for v in views), dtype=dtype,
-                                                                     device=self.device)
-                    if len(views) > 1:
-                        scatters.append((sq, views))
-                    ops.append(P2POp("recv", sq, src, tag + 2))
-                    bufs.append(sq)
+                for key in ("params", *MOMENTS):
+                    flat = t.params if key == "params" else t.moments[key]
+                    for a, b in spans(layer, key, lo, hi):
+                        buf = flat[a - t.base : b - t.base]
+                        ops.append(P2POp("recv", buf, src, tag(src, dst)))
+                        received += buf.numel() * buf.element_size()
                 step_buf = torch.zeros(1, dtype=dtype, device=p2p or "cpu")
                 step_copies.append((t.step, step_buf))
-                ops.append(P2POp("recv", step_buf, src, tag + 3))
-                received += sum(b.numel() * b.element_size() for b in bufs)
+                ops.append(P2POp("recv", step_buf, src, tag(src, dst)))
         if came:  # after every move, in the same order on both ends (NCCL matches a pair's operations in order)
-            for j, (layer, src, dst) in enumerate(factored_moves(moves, held)):
+            for layer, src, dst in factored_moves(moves, held):
                 if self.rank not in (src, dst) or not factored_numel(shapes_of(layer)):
                     continue
                 if src == dst:
-                    targets[layer].factored.copy_(source(layer).factored)
+                    targets[layer].factored.copy_(self._state_factored(layer))
                 elif self.rank == src:
-                    ops.append(P2POp("send", source(layer).factored, dst, 4 * len(moves) + j))
+                    ops.append(P2POp("send", self._state_factored(layer), dst, tag(src, dst)))
                 else:
                     buf = targets[layer].factored
-                    ops.append(P2POp("recv", buf, src, 4 * len(moves) + j))
+                    ops.append(P2POp("recv", buf, src, tag(src, dst)))
                     received += buf.numel() * buf.element_size()
-        with step_timeout_waits(gen):
-            for work in gen.exchange(ops) if ops else []:
-                gen.wait(work)
+        views.clear()  # the sends hold what they read
+        self._run_batch(gen, ops)
+        ops.clear()  # nothing may keep the old state alive once its layers go
         for tstep, buf in step_copies:
             tstep.copy_(buf.cpu())
-        for buf, views in scatters:
-            for view, part in zip(views, buf.split([v.numel() for v in views])):
-                view.copy_(part)
         self._clear_layers()
-        for layer, holding in sorted(targets.items()):
-            self._install(layer, role, holding)
+        for layer in sorted(targets):
+            self._install(layer, role, targets.pop(layer))
         return received
+
+    @staticmethod
+    def _run_batch(gen: Generation, ops: list[P2POp]) -> None:
+        """Post `ops` as one batch and wait for it (its works, which hold the tensors, end here)."""
+        if not ops:
+            return
+        with step_timeout_waits(gen):
+            for work in gen.exchange(ops):
+                gen.wait(work)
 
     def _install(self, index: int, role: Role | None, holding: FlatHolding) -> None:
         """Layer `index` from its new shard's flat holding (the whole layer on a stage of one). Built from
@@ -508,8 +542,8 @@ class Worker:
             if sharded is not None:
                 sharded.shard.zero_()
                 sharded.shard[: holding.params.numel()] = holding.params
-                sharded.load_state_shards({k: _padded_slice(v, 0, sharded.size) for k, v in holding.moments.items()},
-                                          step, holding.factored)
+                # moments of the holding's logical size: the shard's optimizer reads no padding
+                sharded.load_state_shards(holding.moments, step, holding.factored)
                 return
             offset = 0
             for q in self.layers[index].parameters():
@@ -882,7 +916,11 @@ class Worker:
         """The mean loss over the job's validation samples with the current parameters, and their count:
         forward only, every pipeline taking its share of the validation microbatches (in proportion to
         its share of a training step's), each microbatch the same samples whatever the plan. Every rank
-        of the generation calls it (the loss is summed over the world)."""
+        of the generation calls it (the loss is summed over the world).
+
+        A wide stage runs on its first rank alone (validation microbatches need not split evenly); the
+        others take part in its gathers. Kept, the stage gathers its layers once (they fit, as in a step);
+        resharded, one layer at a time (`_evaluate_resharded`), as its step does."""
         plan, gen, role = self.plan, self.gen, self.role
         if plan is None or gen is None:
             raise RuntimeError("Worker.evaluate: no plan/generation; call adopt() first")
@@ -890,13 +928,6 @@ class Worker:
             raise RuntimeError("Worker.evaluate: the job has no validation samples (training.eval_interval 0)")
         n = self.validation.num_samples
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if role is not None and role.width > 1 and gen.stage is not None:
-            # A wide stage gathers its layers whole and its first rank alone evaluates (validation
-            # microbatches need not split evenly); the others take part in the gathers only.
-            for index in role.layers:
-                gen.wait(self.shards[index].gather(gen.stage))
-            if role.index > 0:
-                role = None
         if role is not None:
             self._evaluate_share(role, gen, total)
         for sharded in self.shards.values():
@@ -906,68 +937,152 @@ class Worker:
 
     def _evaluate_share(self, role: Role, gen: Generation, total: torch.Tensor) -> None:
         """This stage's part of `evaluate`, its layers in eval mode (no dropout) for the time being: the
-        loss summed over its pipeline's validation microbatches is added to `total` on the last stage."""
+        loss summed over its pipeline's validation microbatches is added to `total` on the last stage.
+        A wide stage runs on its first rank alone, the others taking part in its gathers: kept, it
+        gathers its layers once; resharded, one layer at a time (`_evaluate_resharded`)."""
         plan, validation = self.plan, self.validation
         if plan is None or validation is None:
             raise RuntimeError("Worker.evaluate: no plan or no validation samples")
         n, b = validation.num_samples, self.job.train.microbatch_size
-        pin = self.device.type == "cuda"  # pinned host buffers: the copies to the device do not block
         layers = [self.layers[i] for i in role.layers]
         for layer in layers:
             layer.eval()
         try:
             count = -(-n // b)  # validation microbatches, the last one possibly smaller
-            lo = count * role.mb_start // plan.num_microbatches
-            hi = count * (role.mb_start + role.mb_count) // plan.num_microbatches
-            bf16 = self.job.train.precision == "bf16"
-            autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-            for m in range(lo, hi):
-                ids = list(range(m * b, min(n, (m + 1) * b)))
-                documents = None
-                if role.is_first or role.is_last or self.eos_id is not None:
-                    tokens, y = (t.pin_memory().to(self.device, non_blocking=True) if pin else t
-                                 for t in validation.batch(ids))
-                    documents = self._documents(tokens)
-                if role.is_first:
-                    h = tokens
-                else:
-                    h = self._boundary_buffer(role.layers.start)[: len(ids)].contiguous()
-                    gen.wait(gen.recv(h, peer(role.prev_rank), 2 * m))
-                with torch.no_grad(), autocast:
-                    for layer in layers:
-                        h = run_layer(layer, h, documents)
-                    if role.is_last:
-                        total += self.job.model.config.loss(h, y).double() * len(ids)
-                if not role.is_last:
-                    gen.wait(gen.send(h.to(self.job.train.param_dtype).contiguous(), peer(role.next_rank), 2 * m))
+            microbatches = range(count * role.mb_start // plan.num_microbatches,
+                                 count * (role.mb_start + role.mb_count) // plan.num_microbatches)
+            if role.width > 1 and gen.stage is None:
+                raise RuntimeError(f"rank {self.rank}: a stage of {role.width} ranks without its group")
+            if role.width > 1 and not role.keep:
+                self._evaluate_resharded(role, microbatches, total)
+                return
+            if role.width > 1:
+                for index in role.layers:
+                    gen.wait(self.shards[index].gather(gen.stage))  # type: ignore[arg-type]
+            if role.index == 0:
+                for m in microbatches:
+                    h = self._eval_input(role, m)
+                    with torch.no_grad(), self._eval_autocast():
+                        for layer in layers:
+                            h.hidden = run_layer(layer, h.hidden, h.documents)
+                    self._eval_output(role, h, total)
         finally:
             for layer in layers:
                 layer.train()
+
+    def _evaluate_resharded(self, role: Role, microbatches: range, total: torch.Tensor) -> None:
+        """Evaluate a resharded stage's share of the validation microbatches layer by layer: the stage's
+        first rank takes the hidden states of a group of microbatches (as many as 1F1B keeps in flight
+        at this stage), then each layer is gathered (the next one's gather posted first, as in a step:
+        two layers whole at most, what the planner counts), applied to every hidden state of the group
+        and freed. Each microbatch meets the same operations in the same order as through a whole
+        forward: the same loss, bit for bit. The group's inputs are all received before its first
+        gather and its outputs sent after its last layer: a neighbour's sends and receives go in
+        microbatch order, so NCCL's in-order rules hold."""
+        gen = self.gen
+        assert gen is not None and gen.stage is not None
+        shards = [self.shards[i] for i in role.layers]
+        group = max(1, min(role.num_stages - role.stage, role.mb_count))
+        for first in range(microbatches.start, microbatches.stop, group):
+            held = ([self._eval_input(role, m) for m in range(first, min(first + group, microbatches.stop))]
+                    if role.index == 0 else [])
+            pending: torch.distributed.Work | None = shards[0].gather(gen.stage)
+            for k, sharded in enumerate(shards):
+                assert pending is not None
+                gen.wait(pending)
+                pending = shards[k + 1].gather(gen.stage) if k + 1 < len(shards) else None
+                with torch.no_grad(), self._eval_autocast():
+                    for h in held:
+                        h.hidden = run_layer(sharded.module, h.hidden, h.documents)
+                sharded.release()
+            for h in held:
+                self._eval_output(role, h, total)
+
+    def _eval_autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.job.train.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _eval_input(self, role: Role, m: int) -> _EvalMicrobatch:
+        """Validation microbatch `m` entering this stage: its token ids on a first stage, else the
+        hidden state received from the previous stage; its targets on a last stage."""
+        assert self.validation is not None and self.gen is not None
+        n, b = self.validation.num_samples, self.job.train.microbatch_size
+        ids = list(range(m * b, min(n, (m + 1) * b)))
+        tokens: torch.Tensor | None = None
+        y = documents = None
+        if role.is_first or role.is_last or self.eos_id is not None:
+            pin = self.device.type == "cuda"  # pinned host buffers: the copies to the device do not block
+            tokens, y = (t.pin_memory().to(self.device, non_blocking=True) if pin else t
+                         for t in self.validation.batch(ids))
+            documents = self._documents(tokens)
+        if tokens is not None and role.is_first:
+            h = tokens
+        else:
+            h = self._boundary_buffer(role.layers.start)[: len(ids)].contiguous()
+            self.gen.wait(self.gen.recv(h, peer(role.prev_rank), 2 * m))
+        return _EvalMicrobatch(m, len(ids), h, y, documents)
+
+    def _eval_output(self, role: Role, h: _EvalMicrobatch, total: torch.Tensor) -> None:
+        """A validation microbatch leaving this stage: its loss added (last stage), else sent on."""
+        assert self.gen is not None
+        if role.is_last:
+            assert h.targets is not None  # a last stage reads them
+            with torch.no_grad(), self._eval_autocast():
+                total += self.job.model.config.loss(h.hidden, h.targets).double() * h.samples
+        else:
+            self.gen.wait(self.gen.send(h.hidden.to(self.job.train.param_dtype).contiguous(),
+                                        peer(role.next_rank), 2 * h.index))
 
     def layer_payload(self, index: int) -> dict[str, torch.Tensor] | None:
         """The whole of layer `index` (checkpoint.layer_payload: parameters, buffers, optimizer
         state), as CPU copies. A layer sharded over a wide stage is gathered first: every rank of the
         stage must call this for the same layers in the same order; its first rank gets the payload,
-        the others None."""
+        the others None.
+
+        Gathered one tensor at a time (the parameters, then each moment), each cut into the payload's
+        CPU copies and freed before the next gather: beyond the payload, a rank holds one whole-layer
+        buffer and its own shard of one moment (docs/engine.md, checkpoints)."""
         sharded = self.shards.get(index)
         if sharded is None:
             return layer_payload(self.layers[index], self.optimizers[index], self.step)
         gen = self.gen
         if gen is None or gen.stage is None:
             raise RuntimeError(f"rank {self.rank}: layer {index} is sharded but the stage has no group")
+        first = sharded.index == 0
+        module = sharded.module
+        payload: dict[str, torch.Tensor] = {}
         gen.wait(sharded.gather(gen.stage))
-        moments, step, factored = sharded.state_shards()  # CAME's row/column statistics: whole on every rank
-        whole = {}
-        for key, t in moments.items():
-            full = torch.empty(sharded.size * sharded.width, dtype=t.dtype, device=t.device)
-            gen.wait(gen.stage._allgather_base(full, t))
-            whole[key] = full
-        payload = None
-        if sharded.index == 0:
-            opt = make_layer_optimizer(sharded.module, self.job.optim)
-            load_flat_state(sharded.module, opt, whole, step, factored)
-            payload = layer_payload(sharded.module, opt, self.step)
+        if first:
+            payload.update({f"param.{n}": p.detach().to("cpu", copy=True) for n, p in module.named_parameters()})
+            payload.update({f"buffer.{n}": b.detach().to("cpu", copy=True)
+                            for n, b in persistent_buffers(module).items()})
         sharded.release()
+        opt = make_layer_optimizer(module, self.job.optim)  # the whole layer's state names: it allocates none
+        layout = state_layout(module, opt)
+        state: dict[str, torch.Tensor] = {}
+        for key in MOMENTS:
+            mine = sharded.state_shard(key)
+            whole = torch.empty(sharded.size * sharded.width, dtype=mine.dtype, device=mine.device)
+            gen.wait(gen.stage._allgather_base(whole, mine))  # flat: no copy of the output of its own
+            del mine
+            if first:
+                for name, (source, offset, shape) in layout.items():
+                    if source == key:
+                        state[name] = whole[offset : offset + math.prod(shape)].view(shape).to("cpu", copy=True)
+            del whole
+        if not first:
+            return None
+        factored = sharded.state_factored()  # CAME's row/column statistics: whole on every rank
+        if (need := factored_count(layout)) != factored.numel():
+            raise RuntimeError(f"layer {index}: {factored.numel()} row/column statistics held, {need} expected")
+        step = step_like(opt, sharded.state_step())
+        for name, (source, offset, shape) in layout.items():
+            if source == "step":
+                state[name] = step.to("cpu", copy=True)
+            elif source == "factored":
+                state[name] = factored[offset : offset + math.prod(shape)].view(shape).to("cpu", copy=True)
+        payload.update({f"state.{name}": state[name] for name in layout})  # the optimizer's order
         return payload
 
     def lr(self) -> float:

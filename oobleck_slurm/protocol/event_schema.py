@@ -427,9 +427,28 @@ class Failure(RecoveryEvent):
     kind = "failure"
     nodes: list[str] = required("the lost nodes")
     generation: int | None = optional("the generation that failed")
-    cause: str | None = optional("process_exit, agent_lost, heartbeat, slurm_down, hung, ... (comma-separated)")
+    cause: str | None = optional("process_exit, out_of_memory, agent_lost, heartbeat, slurm_down, hung, ... "
+                                 "(comma-separated)")
     detail: str | None = optional("what was seen")
     step: int | None = optional("the interrupted step (discarded and replayed); null if unknown")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutOfMemory(Event):
+    """A worker ran out of device memory (written by the worker, which then exits): the coordinator's
+    `failure` event follows with cause `out_of_memory`, and the job does not run the same plan again."""
+
+    kind = "out_of_memory"
+    node: str = required("the worker's node")
+    worker: int = required("the worker (device) on that node")
+    generation: int = required("the generation it was in")
+    step: int = required("the worker's step")
+    phase: str = required("what it was doing: adopt:memory (copying layers from their holders), adopt:checkpoint, "
+                          "adopt:seed, groups, step, evaluate or checkpoint")
+    error: str = required("the error, as torch raised it")
+    allocated: int | None = optional("bytes its device held then (torch.cuda.memory_allocated); null on the CPU")
+    peak: int | None = optional("the device's peak since the generation started (max_memory_allocated)")
+    capacity: int | None = optional("the device's total memory")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -551,8 +570,8 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Plan and training": (Plan, Step, Eval, Checkpoint, CheckpointRequested, CheckpointFallback),
     "Nodes": (Node, NodeLost, ReplacementRequested, NodeJoined, HealthCheck, FaultInjected, Drill, PreemptNotice,
               SlurmUnreachable, SlurmCalls, Refused, StoreRejected),
-    "Failure and recovery": (CollectiveError, Failure, Detection, Reform, Replan, GroupRebuild, StateCopy, Replay,
-                             Resumed),
+    "Failure and recovery": (CollectiveError, Failure, OutOfMemory, Detection, Reform, Replan, GroupRebuild,
+                             StateCopy, Replay, Resumed),
     "Faulty machines and stragglers": (Health, FaultyNode, Straggler),
 }
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for group in SECTIONS.values() for cls in group}

@@ -14,6 +14,7 @@ node is the unit of membership (a plan places pipelines on nodes; a lost worker 
     gen{g}/compute               that step's compute-only seconds per rank (rank 0; stragglers)
     gen{g}/first_step            the first completed step of g and its time (recovery events)
     gen{g}/errors                count of collective errors in g; gen{g}/error/{worker}: each one
+    gen{g}/oom/{worker}          the worker ran out of device memory in g: what it was doing (it then exits)
     gen{g}/{group}               the prefix under which a process group of g is built
     eval_logged                  the last step whose evaluation rank 0 logged (not repeated at a resume)
     worker/{worker}/step         the last step in which the worker reached a collective (names a hung rank)
@@ -75,6 +76,10 @@ def errors(g: int) -> str:
 
 def error(g: int, worker: str) -> str:
     return f"gen{g}/error/{worker}"
+
+
+def out_of_memory(g: int, worker: str) -> str:
+    return f"gen{g}/oom/{worker}"
 
 
 def group_prefix(g: int, group: str) -> str:

@@ -13,6 +13,7 @@ are checked. Counters and bare integers (`current_gen`, `gen{g}/progress`, `work
     gen{g}/compute          StepCompute        the last step's compute seconds per rank (stragglers)
     gen{g}/first_step       FirstStep          g's first completed step and its time
     gen{g}/error/{worker}   WorkerError        a collective error a worker saw in g
+    gen{g}/oom/{worker}     OutOfMemory        the worker ran out of device memory in g, doing what
 """
 
 from __future__ import annotations
@@ -151,6 +152,22 @@ class WorkerError(Record):
     KEY = staticmethod(keys.error)
     step: int
     error: str
+    t: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutOfMemory(Record):
+    """A worker ran out of device memory in generation g (it exits next): its step, what it was doing
+    (`phase`: "adopt:memory", "adopt:checkpoint", "adopt:seed", "groups", "step", "evaluate",
+    "checkpoint"), the error, and its device's bytes then (-1 where there is no device: the CPU)."""
+
+    KEY = staticmethod(keys.out_of_memory)
+    step: int
+    phase: str
+    error: str
+    allocated: int
+    peak: int
+    capacity: int
     t: float
 
 

@@ -28,6 +28,9 @@ milliseconds): it is lost like a dead one. Every timeout and poll period is the 
 On a preemption notice (see preemption.py) the same abort collects every worker's step; the next
 generation's config says `stop` with `save`: each worker reaches the largest reported step, writes its
 layers as an on-demand checkpoint of that step, and exits 0; a requeued job resumes from it.
+A worker that runs out of device memory reports it before it exits (`gen{g}/oom/{worker}`): its node's
+loss is named `out_of_memory`, and `decide` restarts from a checkpoint (it happened while layers were
+copied in memory) or gives up (CannotContinue): elsewhere the plan does not fit, and would not again.
 Events (events.jsonl): failure, detection, collective_error, reform, node_lost (a hung member named
 here), replan, plan, group_rebuild, state_copy, replay, resumed, node_joined, run_complete,
 checkpoint, checkpoint_fallback, checkpoint_requested, done.
@@ -63,6 +66,7 @@ from oobleck_slurm.protocol.records import (
     CheckpointRef,
     Failed,
     GenerationConfig,
+    OutOfMemory,
     Rebuilt,
     RecoveryState,
     SupervisorState,
@@ -76,6 +80,7 @@ from oobleck_slurm.supervisor.decisions import (
     Complete,
     Fallback,
     Finish,
+    GiveUp,
     Observation,
     Phase,
     Policy,
@@ -86,7 +91,7 @@ from oobleck_slurm.supervisor.decisions import (
     unreachable,
     whole_holders,
 )
-from oobleck_slurm.supervisor.membership import Loss
+from oobleck_slurm.supervisor.membership import Loss, LossCause
 from oobleck_slurm.supervisor.observer import StoreObserver, StoreView
 from oobleck_slurm.supervisor.preemption import Preemption
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
@@ -386,6 +391,22 @@ class Coordinator:
         worker, agent connection, process exit), comma-separated."""
         return ",".join(sorted({str(self.losses[n].cause) for n in lost if n in self.losses})) or "process_exit"
 
+    def _name_out_of_memory(self, g: int, lost: Collection[str]) -> tuple[tuple[str, str], ...]:
+        """(worker, phase) of each worker of the `lost` nodes that reported running out of device memory
+        in generation g before it exited (keys.out_of_memory); their nodes' losses are named so (the
+        `failure` event's cause)."""
+        found = []
+        for node in lost:
+            for worker in keys.node_workers(node, self.cfg.devices_per_node):
+                report = records.get_if(self.store, OutOfMemory, g, worker)
+                if report is None:
+                    continue
+                found.append((worker, report.phase))
+                if node in self.losses and self.losses[node].cause is not LossCause.OUT_OF_MEMORY:
+                    self.losses[node] = replace(self.losses[node], cause=LossCause.OUT_OF_MEMORY,
+                                                detail=f"{worker}: {report.error} ({report.phase}, step {report.step})")
+        return tuple(found)
+
     def _workers_keys(self, node: str, key: Callable[[str], str]) -> list[str]:
         """`key(worker)` for every worker of `node`."""
         return [key(w) for w in keys.node_workers(node, self.cfg.devices_per_node)]
@@ -438,6 +459,7 @@ class Coordinator:
             self._supersedes = self.recovery.id
         self._to(Phase.COLLECTING)
         lost, joined = list(change.lost), list(change.joined)
+        self._name_out_of_memory(g, lost)
         cause = self._cause(lost) if lost else change.trigger
         records.put(self.store, Failed(lost=tuple(lost), joined=tuple(joined), cause=cause), g)
         progress = self._progress()
@@ -470,8 +492,11 @@ class Coordinator:
                               finished=bool(self.finished),
                               checkpoint_mode=self.cfg.mode == "checkpoint",
                               reforms_at_resume=self.reforms.get(resume_step(steps.values()), 0),
-                              trained=self.trained, slowdown=change.slowdown)
+                              trained=self.trained, slowdown=change.slowdown,
+                              out_of_memory=self._name_out_of_memory(g, sorted(lost_set)))
         action = decide(collected, self.policy, g, cause)
+        if isinstance(action, GiveUp):
+            raise CannotContinue(f"cannot continue: {action.reason}")
         recovery_id = g + 1
         self.gen = g + 1
         if isinstance(action, Complete):
@@ -511,7 +536,11 @@ class Coordinator:
 
     def _failure_events(self, g: int, nodes: list[str], cause: str, step: int | None, t_detect: float) -> None:
         t_kill = self._killed_at(nodes)
-        self.log.emit("failure", generation=g, nodes=nodes, cause=cause, step=step, **self._recovery_fields())
+        # what a named cause saw (a worker's out-of-memory error); other losses are told by their cause
+        detail = "; ".join(loss.detail for n in nodes if (loss := self.losses.get(n)) is not None
+                           and loss.cause is LossCause.OUT_OF_MEMORY) or None
+        self.log.emit("failure", generation=g, nodes=nodes, cause=cause, step=step, detail=detail,
+                      **self._recovery_fields())
         self.log.emit("detection", generation=g, seconds=(t_detect - t_kill) if t_kill else 0.0,
                       known_kill_time=t_kill is not None, **self._recovery_fields())
 

@@ -24,6 +24,10 @@ Phases of a job (`Phase`, protocol/phases.py: the events carry them) and their t
     CHECKPOINTING  preemption: workers save the largest reported step and stop  -> DONE
     DONE           terminal
 
+A worker that ran out of device memory is a loss whose cause is named (`out_of_memory_action`): the
+change restarts from a checkpoint if it happened while layers were copied in memory, and otherwise stops
+the job (`GiveUp`): the same plan would fail the same way, however often it is recovered.
+
 A new loss during REBUILDING, RESTARTING or REPLAYING starts the next recovery at once (-> COLLECTING),
 superseding the unfinished one: failures during a recovery are the norm at scale, not an edge case.
 A loss during COLLECTING joins the lost set of the change being collected.
@@ -161,6 +165,8 @@ class Collected:
     reforms_at_resume: int = 0  # re-forms that already resumed at this change's resume step
     trained: bool = True  # a step completed, or the job started from a checkpoint: state is not the seed's
     slowdown: tuple[tuple[str, float], ...] = ()  # a rebalance: stragglers' compute time over their peers'
+    # (worker, phase) of each lost worker that reported running out of device memory (keys.out_of_memory)
+    out_of_memory: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,7 +202,34 @@ class Publish:
     source: str = "memory"  # where the layers come from: "memory" (copies) or "seed" (nothing trained yet)
 
 
-ChangeAction = Complete | Fallback | Publish
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop the job, unrecoverable: going on would fail the same way."""
+
+    reason: str
+
+
+ChangeAction = Complete | Fallback | Publish | GiveUp
+
+
+# Where running out of device memory says only that two states were held at once: copying layers from
+# their holders keeps the old state until the new one is complete (docs/engine.md, plan changes).
+COPY_PHASE = "adopt:memory"
+
+
+def out_of_memory_action(ooms: Sequence[tuple[str, str]]) -> Fallback | GiveUp:
+    """What a worker's running out of device memory calls for. While layers were copied in memory:
+    restart from the last checkpoint, which holds no old state beside the new. Anywhere else (a step,
+    an evaluation, a checkpoint's gathers, an adopt from a checkpoint or the seed, group building): the
+    plan does not fit its devices, and running it, or a plan on fewer nodes, again would fail the same
+    way: stop, naming it."""
+    named = ", ".join(f"{worker} ({phase})" for worker, phase in ooms)
+    if all(phase == COPY_PHASE for _, phase in ooms):
+        return Fallback(f"{named} ran out of device memory while copying layers from their holders (the old "
+                        f"and the new state at once): restarting from the last complete checkpoint")
+    return GiveUp(f"{named} ran out of device memory: the plan does not fit its devices, and running it again "
+                  f"would fail the same way; plan with less memory per device (cluster.memory_per_device), "
+                  f"turn on training.recompute or use smaller microbatches")
 
 
 def resume_step(steps: Collection[int]) -> int:
@@ -243,6 +276,8 @@ def decide(c: Collected, policy: Policy, generation: int, trigger: str) -> Chang
     lost = sorted(c.lost)
     if c.finished:
         return Complete(f"{trigger} as the run ended: no recovery needed")
+    if c.out_of_memory:  # before the checkpoint mode: its restart would run the same plan again
+        return out_of_memory_action(c.out_of_memory)
     if c.checkpoint_mode and c.lost:
         return Fallback(f"checkpoint-restart mode: node(s) {lost} lost at step {resume}")
     if behind := unreachable(c.steps, c.completable):

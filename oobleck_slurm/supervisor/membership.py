@@ -14,6 +14,8 @@ once, with the cause and time of the first evidence, whichever it was:
                   training made no progress within the step timeout and its step is behind its peers'
                   (it never reached the all-reduce they wait in)
     process_exit  the node's worker exited non-zero (reported by its live agent)
+    out_of_memory a process_exit whose worker first reported running out of device memory (the
+                  coordinator reads the report, keys.out_of_memory, and names the loss so)
     faulty_metrics  the health monitor flagged its metrics (Minder-style: far from its peers', lasting)
     straggler     the health monitor found it computing slower than its peers (`detection.stragglers: evict`)
 
@@ -43,6 +45,7 @@ class LossCause(StrEnum):
     SLURM_DOWN = "slurm_down"
     HUNG = "hung"
     PROCESS_EXIT = "process_exit"
+    OUT_OF_MEMORY = "out_of_memory"  # a process exit that its worker reported as device memory exhausted
     JOIN_FAILED = "join_failed"  # a joining node failed its health check; it never became a member
     FAULTY_METRICS = "faulty_metrics"  # evicted: its monitoring metrics stood out (supervisor/health_monitor.py)
     STRAGGLER = "straggler"  # evicted: its compute was slower than its peers' (detection.stragglers: evict)

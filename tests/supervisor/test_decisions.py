@@ -22,6 +22,7 @@ from oobleck_slurm.supervisor.decisions import (
     Complete,
     Fallback,
     Finish,
+    GiveUp,
     IllegalTransition,
     Observation,
     Phase,
@@ -144,6 +145,30 @@ def test_a_loss_with_replicas_publishes_a_new_plan_and_asks_for_replacements(set
     used = {n for p in action.change.plan.pipelines for n in p.nodes} | set(action.change.plan.spare_nodes)
     assert not used & set(lost)
     assert decide(collected(plan, lost), Policy(templates, 1), 4, "x").replacements == 0
+
+
+def test_running_out_of_device_memory_never_runs_the_same_plan_again(setup):
+    templates, plan = setup
+    lost = plan.pipelines[0].nodes[:1]
+    worker = f"{lost[0]}:0"
+    # a loss that replicas would recover from in memory, or (checkpoint mode) from the checkpoint, on the
+    # same plan's shape: the worker said its device was full in a step, so neither is tried
+    for mode in (False, True):
+        action = decide(collected(plan, lost, out_of_memory=((worker, "step"),), checkpoint_mode=mode),
+                        Policy(templates, 1, replacement=True), 4, "out_of_memory")
+        assert isinstance(action, GiveUp) and f"{worker} (step) ran out of device memory" in action.reason
+    for phase in ("evaluate", "checkpoint", "adopt:checkpoint", "adopt:seed", "groups"):
+        action = decide(collected(plan, lost, out_of_memory=((worker, phase),)), Policy(templates, 1), 4, "x")
+        assert isinstance(action, GiveUp), phase
+    # while layers were copied from their holders: the old and new state together; a checkpoint restart
+    # holds the new one only
+    action = decide(collected(plan, lost, out_of_memory=((worker, "adopt:memory"),)), Policy(templates, 1), 4, "x")
+    assert isinstance(action, Fallback) and "while copying layers" in action.reason
+    both = ((worker, "adopt:memory"), (f"{lost[0]}:1", "step"))
+    assert isinstance(decide(collected(plan, lost, out_of_memory=both), Policy(templates, 1), 4, "x"), GiveUp)
+    # a run that ended meanwhile needs nothing
+    action = decide(collected(plan, lost, out_of_memory=((worker, "step"),), finished=True), Policy(templates, 1), 4, "x")
+    assert isinstance(action, Complete)
 
 
 def test_the_resume_step_is_the_largest_reported():
