@@ -149,7 +149,8 @@ def test_a_read_made_for_another_plan_is_never_used_even_with_the_same_slices(ba
     assert old.passes == new.passes and old != new  # rank 0 reads the same rows in both plans
     reads.ahead(old)
     within(HANG_S, lambda: reads.take(new))
-    assert reads.misses == 1 and reader.keys[-1] == new  # read again, for the new plan
+    # read again, for the new plan (the read made ahead for the old one may end before or after it)
+    assert reads.misses == 1 and reader.keys.count(new) == 1
     reads.ahead(replace(new, step=5))
     within(HANG_S, lambda: reads.take(replace(new, step=6)))  # another step: a miss too
     assert reads.misses == 2 and reads.hits == 0
