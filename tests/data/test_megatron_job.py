@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 from jobrun import run_job, tiny_recipe
+
 from .test_indexed import pack
 
 pytestmark = pytest.mark.slow
