@@ -179,7 +179,9 @@ def test_a_time_limit_chain_completes_across_five_allocations(slurm_cluster, tmp
     the notice comes anywhere in the first half): each allocation trains until the notice, checkpoints
     and is requeued by submitit, past submitit's default of 3 timeouts (`cluster.requeues`, 1000 by
     default), until the run completes; every step's loss equals the reference's."""
-    steps = 700
+    # 400 steps: 6-7 one-minute allocations on an idle lab machine (60-70 steps each), 12 when the suite
+    # loads it (35 a step each, and the first allocations spent starting): still within the wait below.
+    steps = 400
     job = submit_lab_job(tmp_path, templates_cache, f"""cluster:
   time: "00:01:00"
   signal_delay_s: 30
