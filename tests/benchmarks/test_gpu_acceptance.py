@@ -5,8 +5,8 @@ skipped with their reason.
 
 torch.compile is left out (`--compile-budget 0`): a cold inductor cache takes 30-90 s to compile on 2
 cores, which would be most of this test; the compiled reference is for the GPU run. The child
-timeout is short so that a hang in the pipeline section fails this test in about a minute, with the
-hung ranks' stacks in the JSON.
+timeout (240 s) bounds a hang in a multi-rank section, whose ranks' stacks then go in the JSON; it is
+well above what the sections take under the whole suite's load.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_acceptance.py"
-TIMEOUT_S = 700  # the run takes 3-4 minutes on 2 cores shared with other work; a bound for an overloaded machine
+# The run takes 3-4 minutes on 2 idle cores; under the whole suite's load section g's 4-rank children
+# (three plans) took longer than a 60 s child bound. Bounds for an overloaded machine:
+TIMEOUT_S = 1200
 
 
 def _failures(out: dict[str, Any]) -> str:
@@ -40,7 +42,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
     out = tmp_path_factory.mktemp("gpu_acceptance") / "result.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out), "--compile-budget", "0",
-         "--child-timeout", "60"],
+         "--child-timeout", "240"],
         capture_output=True, text=True, timeout=TIMEOUT_S, check=False, cwd=SCRIPT.parent.parent,
         env={**os.environ, "COLUMNS": "200"},
     )
