@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch.distributed as dist
 from exec_plans import make_plan
+from rank_threads import on_ranks
 
 from oobleck_slurm.engine.comm import BuildCancelled, Generation, communicators_per_rank, plan_groups
 from oobleck_slurm.timeouts import JobTimeouts
@@ -23,32 +24,12 @@ TIMEOUTS = JobTimeouts(collective_timeout=30.0, step_timeout=60.0, connect_timeo
 PLAN = make_plan(6, [[0, 3, 6]], [2])  # one pipeline of 2 stages: world, pipe, the p2p edge, layers
 
 
-def _on_both_ranks(build) -> list:
-    out: list = [None, None]
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = build(rank)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return out
-
-
 def test_the_new_world_forms_first_then_the_previous_generation_is_released():
     store = dist.HashStore()
     store.set_timeout(dt.timedelta(seconds=60))
-    old = _on_both_ranks(lambda r: Generation(store, 0, r, 2, PLAN, TIMEOUTS))
+    old = on_ranks(2, lambda r: Generation(store, 0, r, 2, PLAN, TIMEOUTS))
     assert all(g.groups for g in old)
-    new = _on_both_ranks(lambda r: Generation(store, 1, r, 2, PLAN, TIMEOUTS, previous=old[r]))
+    new = on_ranks(2, lambda r: Generation(store, 1, r, 2, PLAN, TIMEOUTS, previous=old[r]))
     for g, previous in zip(new, old, strict=True):
         assert g.build_log[:2] == ["group world", "released generation 0"], g.build_log
         assert len(g.build_log) == 2 + len(g.groups) - 1  # every other group after the release

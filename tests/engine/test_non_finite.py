@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import threading
 
 import torch
 import torch.distributed as dist
 from exec_plans import make_plan
+from rank_threads import on_ranks
 
 from oobleck_slurm.engine.abort import AbortableGeneration
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
@@ -44,35 +44,26 @@ def test_a_nan_on_one_rank_makes_every_rank_skip_the_step_unchanged():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=30))
     seen: dict[int, list] = {0: [], 1: []}
     finals: dict[int, dict[str, torch.Tensor]] = {}
-    errors: list[BaseException] = []
 
     def rank(r: int) -> None:
-        try:
-            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=dt.timedelta(seconds=30))
-            worker = Worker(job, r)
-            worker.adopt(PLAN, AbortableGeneration(client, 0, r, 2, PLAN, TIMEOUTS))
-            for step in range(job.train.steps):
-                before = state(worker)
-                hook = None
-                if r == 1 and step == POISONED:  # one element of one layer's gradient, on one rank
-                    p = next(worker.layers[3].parameters())
-                    hook = p.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
-                result = worker.train_step()
-                if hook is not None:
-                    hook.remove()
-                after = state(worker)
-                unchanged = all(torch.equal(before[k], after[k]) for k in before)
-                seen[r].append((result.step, result.skipped, unchanged, result.grad_norm, worker.step))
-            finals[r] = state(worker)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=dt.timedelta(seconds=30))
+        worker = Worker(job, r)
+        worker.adopt(PLAN, AbortableGeneration(client, 0, r, 2, PLAN, TIMEOUTS))
+        for step in range(job.train.steps):
+            before = state(worker)
+            hook = None
+            if r == 1 and step == POISONED:  # one element of one layer's gradient, on one rank
+                p = next(worker.layers[3].parameters())
+                hook = p.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
+            result = worker.train_step()
+            if hook is not None:
+                hook.remove()
+            after = state(worker)
+            unchanged = all(torch.equal(before[k], after[k]) for k in before)
+            seen[r].append((result.step, result.skipped, unchanged, result.grad_norm, worker.step))
+        finals[r] = state(worker)
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    on_ranks(2, rank)
     for r in (0, 1):
         steps = seen[r]
         assert [s[0] for s in steps] == [0, 1, 2] and [s[4] for s in steps] == [1, 2, 3]  # the step is consumed

@@ -1,0 +1,31 @@
+"""Ranks of a test as threads of its process (real gloo groups need one thread per rank): run `fn(rank)`
+on each, return what each returned, and re-raise the first error one raised."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+JOIN_S = 120.0  # a rank that has not returned by then hangs
+
+
+def on_ranks(world: int, fn: Callable[[int], Any], join_s: float = JOIN_S) -> list[Any]:
+    out: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), f"a rank did not return within {join_s:g} s"
+    return out
