@@ -23,7 +23,7 @@ rebuild, state copy, replay) is the coordinator's events. Throughput: samples/s 
 times; the first step of each generation dropped) before the failure, after recovery (degraded /
 after restart) and after the replacement joined: medians, to investigate e.g. the 100m slowdown
 after a join that the README quotes.
-Warm start (supervisor/warm.py: workers forked from their agent's warm server): `start->ready` is the
+Warm start (agent/warm.py: workers forked from their agent's warm server): `start->ready` is the
 time from an agent being told to start its workers (the Start message) to the slowest worker ready to
 join (its log's "ready" line: engine/elastic_process.py), at the job's first start and at a restart on
 the same node (checkpoint mode's fallback); for the replacement, `join: start->ready`

@@ -70,7 +70,7 @@ f  two_stage_pipeline  Two processes, a 2-stage pipeline from the planner throug
                    stacks are recorded (faulthandler on SIGUSR1 before it is killed).
 
 The environment (torch, CUDA, NCCL, device, memory) is recorded. The `submit` kill drill is not here.
-NCCL children get the environment a node agent gives its workers (supervisor/agent.py NCCL_WORKER_ENV).
+NCCL children get the environment a node agent gives its workers (agent/main.py NCCL_WORKER_ENV).
 """
 
 from __future__ import annotations
@@ -405,8 +405,8 @@ def peak_flops(s: Settings) -> tuple[str | None, float | None]:
 
 def child_env(s: Settings, extra: dict[str, str] | None = None) -> dict[str, str]:
     """A child's environment: the package on the path, one thread per CPU worker, and on GPUs the NCCL
-    settings a node agent gives its workers (supervisor/agent.py)."""
-    from oobleck_slurm.supervisor.agent import NCCL_WORKER_ENV
+    settings a node agent gives its workers (agent/main.py)."""
+    from oobleck_slurm.agent.main import NCCL_WORKER_ENV
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))

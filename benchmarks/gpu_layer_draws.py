@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # factory_model
-from oobleck_slurm.supervisor.agent import NCCL_WORKER_ENV  # noqa: E402
+from oobleck_slurm.agent.main import NCCL_WORKER_ENV  # noqa: E402
 
 os.environ.update(NCCL_WORKER_ENV)
 import torch  # noqa: E402

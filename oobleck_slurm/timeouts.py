@@ -95,7 +95,7 @@ class JobTimeouts:
     address_timeout: float = 120.0
     # The health monitor holds its judgement while a checkpoint is written, at most this long.
     checkpoint_hold_max: float = 300.0
-    # An agent's wait for its warm server (supervisor/warm.py) to fork a worker: includes what remains of
+    # An agent's wait for its warm server (agent/warm.py) to fork a worker: includes what remains of
     # the server's imports (torch's: seconds of CPU) when the agent is told to start right after it started.
     warm_spawn_timeout: float = 120.0
     # A warm server that died takes its workers with it (PR_SET_PDEATHSIG): their ends are reported once

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from jobrun import assert_tensors_match
 from reference import reference_optimizer_state, train_reference
 
+from oobleck_slurm.agent.warm import WarmProcess, WarmServer
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.protocol import keys
-from oobleck_slurm.supervisor.warm import WarmProcess, WarmServer
 
 RUN = Path(__file__).resolve().parent / "sharded_run.py"
 JOB_TIMEOUT_S = 400.0  # 8 processes on 2 shared cores
@@ -29,7 +29,7 @@ POLL_S = 0.05  # how often the test looks for the killed processes' exits
 
 
 def warm_server() -> Iterator[WarmServer]:
-    """The ranks are forked from one warm server (supervisor/warm.py), as an agent forks its workers:
+    """The ranks are forked from one warm server (agent/warm.py), as an agent forks its workers:
     torch and the engine are imported once for a test module, not once per rank (for a module fixture)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(RUN.parent), os.environ.get("PYTHONPATH", "")])}
     server = WarmServer(env=env)

@@ -65,7 +65,7 @@ def gathered(worker: Worker, plan: ExecPlan, rank: int) -> tuple[dict, dict]:
 
 
 def main(argv: list[str]) -> None:
-    """`OUT_DIR PORT RANK WORLD`: as a script, or forked by the test's warm server (supervisor/warm.py)."""
+    """`OUT_DIR PORT RANK WORLD`: as a script, or forked by the test's warm server (agent/warm.py)."""
     out, port, rank, world = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     torch.set_num_threads(1)
     job = JobSpec.from_json((out / "job.json").read_text())

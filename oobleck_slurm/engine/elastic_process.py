@@ -3,7 +3,7 @@
 A node agent starts one per device of its node (`cluster.workers_per_node`: one per GPU, or that many
 CPU workers); this is worker LOCAL of node NODE, and its rank in a generation is
 `members.index(NODE) * workers_per_node + LOCAL`, the planner's device numbering. On a GPU node the
-agent pins it to GPU LOCAL before CUDA initialises (see supervisor/agent.py). It follows the
+agent pins it to GPU LOCAL before CUDA initialises (see agent/main.py). It follows the
 coordinator through the store (keys: oobleck_slurm/protocol/keys.py).
 
 A config with `stop` ends the worker; with `save` {root, step} it first writes its layers (those it
@@ -513,7 +513,7 @@ class ElasticWorker:
 
 def _log_ready(name: str) -> None:
     """One line in the worker's log: how long after its agent was told to start it (OOBLECK_START_T,
-    supervisor/agent.py) it is ready to join; bench_recovery reads it (a warm start: well under 1 s)."""
+    agent/main.py) it is ready to join; bench_recovery reads it (a warm start: well under 1 s)."""
     told = os.environ.get("OOBLECK_START_T")
     if told is not None:
         print(f"worker {name}: ready {time.time() - float(told):.3f} s after its agent's start at {told} "
@@ -522,7 +522,7 @@ def _log_ready(name: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """A worker's entry: `python -m` runs it, or the agent's warm server calls it in a forked child
-    (supervisor/warm.py: torch and the engine already imported, the environment already the worker's)."""
+    (agent/warm.py: torch and the engine already imported, the environment already the worker's)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or not args[2].isdigit():
         print("usage: python -m oobleck_slurm.engine.elastic_process JOB_DIR NODE LOCAL", file=sys.stderr)

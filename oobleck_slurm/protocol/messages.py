@@ -102,7 +102,7 @@ class Preempt(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Metrics(Message):
-    """A batch of the node's samples (supervisor/agent_health.py); checked further where it is read
+    """A batch of the node's samples (agent/health.py); checked further where it is read
     (supervisor/health_monitor.py `parse_metrics`)."""
 
     TYPE: ClassVar[str] = "metrics"

@@ -22,6 +22,7 @@ import struct
 from typing import Any
 
 from oobleck_slurm.errors import InfrastructureError
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
 
 NONCE_BYTES = 16
 TAG_BYTES = 32
@@ -139,3 +140,17 @@ def _recv_exact(sock: socket.socket, count: int) -> bytes:
         chunks.append(chunk)
         count -= len(chunk)
     return b"".join(chunks)
+
+
+def connect(host: str, port: int, secret: bytes, hello: dict[str, Any],
+            timeout: float = DEFAULT_TIMEOUTS.handshake_timeout,
+            max_bytes: int = DEFAULT_MAX_BYTES) -> Channel:
+    """Open an authenticated channel to a control server (supervisor/server.py `ControlServer`)."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        channel = client_handshake(sock, secret, hello, max_bytes)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return channel

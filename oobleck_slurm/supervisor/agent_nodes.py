@@ -33,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from oobleck_slurm.agent.preflight import health_peer
 from oobleck_slurm.detection.health import Rebalance
 from oobleck_slurm.errors import InfrastructureError, JobTimeoutError
 from oobleck_slurm.protocol import keys, signed_store
@@ -57,7 +58,6 @@ from oobleck_slurm.protocol.messages import (
     parse,
 )
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
-from oobleck_slurm.supervisor.health import health_peer
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.launchers import AgentLauncher
 from oobleck_slurm.supervisor.membership import Loss, LossCause, Membership

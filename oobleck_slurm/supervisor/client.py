@@ -9,8 +9,7 @@ import time
 from oobleck_slurm.cluster.jobdir import JobDir, SecretError, load_secret
 from oobleck_slurm.errors import InfrastructureError
 from oobleck_slurm.protocol.messages import Fault, FaultResult, Hello, M, Message, Status, StatusResult, expect
-from oobleck_slurm.protocol.wire import ProtocolError
-from oobleck_slurm.supervisor.server import connect
+from oobleck_slurm.protocol.wire import ProtocolError, connect
 
 CLIENT_TIMEOUT_S = 5.0
 

@@ -35,6 +35,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
+from oobleck_slurm.agent.health import SEND_EVERY_S
 from oobleck_slurm.detection import DetectorConfig, MetricsWriter, MinderDetector, Straggler, StragglerWatch
 from oobleck_slurm.detection.health import Evict, HealthPolicy, Rebalance, Report
 from oobleck_slurm.detection.metrics import METRICS_FILE
@@ -43,7 +44,6 @@ from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.protocol.events import EventLog
 from oobleck_slurm.protocol.records import FirstStep, GenerationConfig, StepCompute
 from oobleck_slurm.protocol.wire import ProtocolError
-from oobleck_slurm.supervisor.agent_health import SEND_EVERY_S
 from oobleck_slurm.supervisor.observer import StoreView
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 

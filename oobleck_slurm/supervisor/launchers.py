@@ -27,15 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from oobleck_slurm.agent.warm import WarmProcess, WarmServer
 from oobleck_slurm.cluster import slurm
 from oobleck_slurm.cluster.jobdir import JobDir
 from oobleck_slurm.cluster.slurm import NodeHealth, SlurmError
 from oobleck_slurm.errors import InfrastructureError, JobTimeoutError
 from oobleck_slurm.exit_codes import EXIT_OK
 from oobleck_slurm.recipe import ClusterConfig
-from oobleck_slurm.supervisor.warm import WarmProcess, WarmServer
 
-AGENT_MODULE = "oobleck_slurm.supervisor.agent"
+AGENT_MODULE = "oobleck_slurm.agent.main"
 
 
 class AgentLauncher(Protocol):
@@ -62,7 +62,7 @@ class ReplacementAgent:
     token: str | None = None
 
     def __call__(self) -> int:
-        from oobleck_slurm.supervisor import agent
+        from oobleck_slurm.agent import main as agent
 
         # submitit's handlers only log SIGTERM and SIGCONT: an agent ends on scancel's SIGTERM, as one
         # started by srun does (its workers die with it).
@@ -185,7 +185,7 @@ class NodeJobLauncher(SrunLauncher):
 
 class LocalLauncher:
     """Virtual nodes: each agent is a local process; a replacement is one more. They share this
-    machine, so they are forked from one warm server of the job (supervisor/warm.py), a fork of this
+    machine, so they are forked from one warm server of the job (agent/warm.py), a fork of this
     supervisor that imports the engine once for every node's agent, warm server and workers (torch is
     in already: the supervisor runs the job's store); an agent starts cold
     if that server cannot fork it. Its agents outlive it (`detached`): they must outlive this

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from oobleck_slurm.agent.warm import ignore_step_signals, in_slurm_step, write_output_to
 from oobleck_slurm.cluster.jobdir import META_FILE, JobDir
 from oobleck_slurm.errors import (
     BadInputError,
@@ -53,11 +54,10 @@ from oobleck_slurm.errors import (
     status_for,
 )
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
-from oobleck_slurm.supervisor.warm import ignore_step_signals, in_slurm_step, write_output_to
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 if TYPE_CHECKING:
-    from oobleck_slurm.supervisor.warm import WarmServer
+    from oobleck_slurm.agent.warm import WarmServer
 
 # Statuses after which a requeue cannot help (a job's meta from before `requeue` was recorded).
 OVER = ("unrecoverable", "completed", "cancelled")
@@ -577,7 +577,7 @@ def local_supervisor_command(job_dir: Path, *extra: str) -> list[str]:
     """How a local job's supervisor is started (`submit`, a cold standby). Its job's warm server is a
     fork of it (LocalLauncher), whose children show their command lines in the room of this argv:
     `--title-room` reserves warm.TITLE_ROOM bytes of it, hidden once the supervisor runs (`main`)."""
-    from oobleck_slurm.supervisor.warm import TITLE_ROOM
+    from oobleck_slurm.agent.warm import TITLE_ROOM
 
     return [sys.executable, "-m", SUPERVISOR_MODULE, str(job_dir), "--backend", "local", *extra,
             "--title-room", "_" * TITLE_ROOM]
@@ -707,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title-room", default="", help=argparse.SUPPRESS)  # see local_supervisor_command
     args = parser.parse_args(argv)
     if args.title_room:  # the command line it was started with, less the room
-        from oobleck_slurm.supervisor.warm import set_command_line
+        from oobleck_slurm.agent.warm import set_command_line
 
         given = sys.argv[1:] if argv is None else argv
         set_command_line([sys.executable, "-m", SUPERVISOR_MODULE,

@@ -50,7 +50,7 @@ from oobleck_slurm.protocol.wire import Channel
 from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss
 
 if TYPE_CHECKING:
-    from oobleck_slurm.supervisor.warm import WarmProcess
+    from oobleck_slurm.agent.warm import WarmProcess
 
 # ---- a node's life: pure ---------------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ from oobleck_slurm.protocol.wire import (
     DEFAULT_MAX_BYTES,
     Channel,
     ProtocolError,
-    client_handshake,
     server_handshake,
 )
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
@@ -92,16 +91,3 @@ class ControlServer:
                 self._on_disconnect(channel)
             sock.close()
 
-
-def connect(host: str, port: int, secret: bytes, hello: dict[str, Any],
-            timeout: float = DEFAULT_TIMEOUTS.handshake_timeout,
-            max_bytes: int = DEFAULT_MAX_BYTES) -> Channel:
-    """Open an authenticated channel to a ControlServer."""
-    sock = socket.create_connection((host, port), timeout=timeout)
-    try:
-        channel = client_handshake(sock, secret, hello, max_bytes)
-    except BaseException:
-        sock.close()
-        raise
-    sock.settimeout(None)
-    return channel

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from plan_runs import assert_exact, run_plans, warm_server
 from reference import reference_evals, train_reference
 
+from oobleck_slurm.agent.warm import WarmServer
 from oobleck_slurm.commands.common import model_factory_issues
 from oobleck_slurm.engine.abort import AbortableGeneration
 from oobleck_slurm.engine.layer_rng import LayerDrawError
@@ -31,7 +32,6 @@ from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, T
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.models import FactoryError, FactoryModel, check_stage_widths, inspect_factory
 from oobleck_slurm.recipe import load_recipe
-from oobleck_slurm.supervisor.warm import WarmServer
 from oobleck_slurm.timeouts import JobTimeouts
 
 pytestmark = pytest.mark.slow

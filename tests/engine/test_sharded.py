@@ -14,11 +14,11 @@ import pytest
 import torch
 from plan_runs import WORLD, assert_exact, run_plans, warm_server
 
+from oobleck_slurm.agent.warm import WarmServer
 from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec
 from oobleck_slurm.engine.shard import factored_moves, slice_moves, vector_spans
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.models import gpt_config
-from oobleck_slurm.supervisor.warm import WarmServer
 
 pytestmark = pytest.mark.slow
 

@@ -143,7 +143,7 @@ def test_a_notice_checkpoints_a_plan_with_wide_stages_and_the_next_run_resumes_t
             assert process.poll() is None and time.monotonic() < deadline, "the job did not reach step 3"
             time.sleep(0.1)
         agents = [p for p in psutil.Process(process.pid).children(recursive=True)
-                  if "oobleck_slurm.supervisor.agent" in " ".join(p.cmdline())]
+                  if "oobleck_slurm.agent.main" in " ".join(p.cmdline())]
         agents[0].send_signal(signal.SIGUSR2)  # Slurm's notice reaches every step: one agent relays it
         assert process.wait(JOB_TIMEOUT_S) == 0
     finally:

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from oobleck_slurm.protocol.events import read_events
-from oobleck_slurm.protocol.wire import ProtocolError
-from oobleck_slurm.supervisor.server import connect
+from oobleck_slurm.protocol.wire import ProtocolError, connect
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The agent's part in detection (supervisor/agent_health.py) on real processes: the metrics it sends,
+"""The agent's part in detection (agent/health.py) on real processes: the metrics it sends,
 the `slow` drill's duty cycle (the node keeps working, slower, and never looks stopped between two
 pauses) and the `leak` drill's growing memory."""
 
@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from oobleck_slurm.agent.health import LEAK_MB_PER_S, SLOW_RUN_S, SLOW_STOP_S, MetricsReporter, NodeDrills
 from oobleck_slurm.protocol.messages import Metrics, parse
-from oobleck_slurm.supervisor.agent_health import LEAK_MB_PER_S, SLOW_RUN_S, SLOW_STOP_S, MetricsReporter, NodeDrills
 from oobleck_slurm.supervisor.health_monitor import parse_metrics
 
 BUSY = "while True: pass"
@@ -90,7 +90,7 @@ def test_the_slow_drill_slows_the_workers_without_stopping_them_for_good(busy_wo
 
 LEAKER = """
 import sys
-from oobleck_slurm.supervisor.agent_health import NodeDrills
+from oobleck_slurm.agent.health import NodeDrills
 drills = NodeDrills(lambda: [])
 print("ready", flush=True)
 sys.stdin.readline()

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from oobleck_slurm.agent import preflight as health
 from oobleck_slurm.cluster.jobdir import create_secret
 from oobleck_slurm.protocol.events import EventLog, read_events
 from oobleck_slurm.protocol.messages import (
@@ -27,14 +28,12 @@ from oobleck_slurm.protocol.messages import (
     WorkerExit,
     parse,
 )
-from oobleck_slurm.protocol.wire import Channel, ProtocolError
-from oobleck_slurm.supervisor import health
+from oobleck_slurm.protocol.wire import Channel, ProtocolError, connect
 from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
 from oobleck_slurm.supervisor.launchers import LocalLauncher
 from oobleck_slurm.supervisor.membership import LossCause
 from oobleck_slurm.supervisor.node_table import NodeState
 from oobleck_slurm.supervisor.observer import StoreObserver
-from oobleck_slurm.supervisor.server import connect
 from oobleck_slurm.timeouts import JobTimeouts
 
 IO_TIMEOUT_S = 10.0

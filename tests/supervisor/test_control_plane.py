@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from oobleck_slurm.cluster.jobdir import SecretError, create_secret, load_secret
-from oobleck_slurm.protocol.wire import HANDSHAKE_MAGIC, NONCE_BYTES, ProtocolError
-from oobleck_slurm.supervisor.server import ControlServer, connect
+from oobleck_slurm.protocol.wire import HANDSHAKE_MAGIC, NONCE_BYTES, ProtocolError, connect
+from oobleck_slurm.supervisor.server import ControlServer
 
 
 class Recorder:

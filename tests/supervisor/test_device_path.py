@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from oobleck_slurm.agent.main import NCCL_WORKER_ENV, worker_env
 from oobleck_slurm.cluster.slurm import srun_argv
 from oobleck_slurm.engine.comm import CollectiveError, is_collective_error, make_group
 from oobleck_slurm.recipe import RecipeError, load_recipe
-from oobleck_slurm.supervisor.agent import NCCL_WORKER_ENV, worker_env
 
 
 def test_each_worker_gets_its_device_threads_and_nccl_settings() -> None:

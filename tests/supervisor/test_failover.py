@@ -191,7 +191,7 @@ def test_a_frozen_supervisor_is_taken_over_and_fenced_when_it_thaws(tmp_path, te
         # interpreter spends seconds of CPU on torch at the job's start, when the workers need the cores.
         (standby,) = [p for p in psutil.Process(primary.pid).children(recursive=True) if "--standby" in p.cmdline()]
         server = standby.parent()
-        assert server.cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.supervisor.warm"]
+        assert server.cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.agent.warm"]
         assert sum(standby.cpu_times()[:2]) < 0.5
         # That server is a fork of the primary, which had imported torch: it imported only the rest
         # (~1 s of CPU, 2.2 s seen under the whole suite's load, which slows every instruction; a fresh

@@ -1,4 +1,4 @@
-"""The join health check: the real `python -m oobleck_slurm.supervisor.health` process all-reduces with
+"""The join health check: the real `python -m oobleck_slurm.agent.preflight` process all-reduces with
 the supervisor's side (`health_peer`) over a real TCPStore, both signed with the job folder's secret;
 without a peer, or with another job's secret, it fails with a message."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from oobleck_slurm.agent.preflight import health_peer
 from oobleck_slurm.cluster.jobdir import create_secret
 from oobleck_slurm.protocol.signed_store import SignedStore
-from oobleck_slurm.supervisor.health import health_peer
 
 
 def check_process(port: int, prefix: str, timeout_s: float, job_dir: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.health", "127.0.0.1", str(port),
+    return subprocess.Popen([sys.executable, "-m", "oobleck_slurm.agent.preflight", "127.0.0.1", str(port),
                              prefix, str(timeout_s), str(job_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

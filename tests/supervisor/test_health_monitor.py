@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 from exec_plans import make_plan
 
+from oobleck_slurm.agent.health import metrics_message
 from oobleck_slurm.detection import read_metrics
 from oobleck_slurm.detection.health import Evict, Rebalance
 from oobleck_slurm.engine.checkpoint import layer_file
@@ -19,7 +20,6 @@ from oobleck_slurm.protocol import keys
 from oobleck_slurm.protocol.events import EventLog, read_events
 from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.recipe.schema import DetectionConfig
-from oobleck_slurm.supervisor.agent_health import metrics_message
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.main import nodes_share_a_machine
 from oobleck_slurm.supervisor.observer import StoreObserver, StoreView

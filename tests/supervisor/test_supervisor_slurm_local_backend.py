@@ -12,9 +12,8 @@ import pytest
 from job_events import assert_trained_on_the_reference, running_job, wait_for
 
 from oobleck_slurm.protocol.events import read_events
-from oobleck_slurm.protocol.wire import ProtocolError
+from oobleck_slurm.protocol.wire import ProtocolError, connect
 from oobleck_slurm.supervisor.client import live_status
-from oobleck_slurm.supervisor.server import connect
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Warm workers (supervisor/warm.py): a node agent's workers are forked from its warm server, which
+"""Warm workers (agent/warm.py): a node agent's workers are forked from its warm server, which
 imported torch, torch._dynamo and the engine before they were asked for. Real processes: the server,
 children it forks (tests/supervisor/warm_probe.py plays a worker), a real agent against a control
 server played by this test, and the death of an agent taking its server and workers with it."""
@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 
+from oobleck_slurm.agent.warm import WarmServer
 from oobleck_slurm.cluster.jobdir import JobDir, create_secret
 from oobleck_slurm.protocol.messages import Drill, Heartbeat, Register, Start, WorkerExit, parse
 from oobleck_slurm.protocol.wire import Channel
 from oobleck_slurm.supervisor.server import ControlServer
-from oobleck_slurm.supervisor.warm import WarmServer
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -82,6 +82,14 @@ def test_a_child_is_forked_warm_with_its_own_environment_and_signals(server: War
     assert info["sigusr2_ignored"] and info["sighup_ignored"] and info["sigchld_default"]
 
 
+def test_a_child_that_exits_at_once_is_still_returned(server: WarmServer, tmp_path: Path) -> None:
+    # The server's "spawned" and "exited" lines can both be read before `spawn` wakes up: it must
+    # return the process (with its exit code) all the same, never look it up after it was reaped.
+    for i in range(30):
+        child = server.spawn("warm_probe", ["exit", "3"], probe_env(), str(tmp_path / f"quick{i}.log"))
+        assert child.wait(30) == 3
+
+
 def test_a_child_is_stopped_and_killed_by_pid(server: WarmServer, tmp_path: Path) -> None:
     log = tmp_path / "sleeper.log"
     child = server.spawn("warm_probe", ["sleep"], probe_env(), str(log))
@@ -101,7 +109,7 @@ def test_a_child_is_stopped_and_killed_by_pid(server: WarmServer, tmp_path: Path
 
 AGENT_LIKE = textwrap.dedent("""
     import os, sys
-    from oobleck_slurm.supervisor.warm import WarmServer
+    from oobleck_slurm.agent.warm import WarmServer
     warm = WarmServer(env=dict(os.environ, PYTHONPATH=sys.argv[1]))
     child = warm.spawn("warm_probe", ["sleep"], dict(os.environ), sys.argv[2])
     print(warm.pid, child.pid, flush=True)
@@ -153,7 +161,7 @@ def agent(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Supervisor,
     (job.path / "logs").mkdir(exist_ok=True)
     supervisor = Supervisor(job)
     job.write_supervisor_address(host="127.0.0.1", port=supervisor.server.port, epoch=1)
-    proc = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.supervisor.agent", str(job.path), "--node", "n1"],
+    proc = subprocess.Popen([sys.executable, "-m", "oobleck_slurm.agent.main", str(job.path), "--node", "n1"],
                             cwd=REPO)
     try:
         until("the registration", lambda: supervisor.first(Register))
@@ -166,7 +174,7 @@ def agent(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Supervisor,
 
 def warm_server_of(agent: subprocess.Popen[bytes]) -> psutil.Process:
     children = psutil.Process(agent.pid).children()
-    servers = [c for c in children if "oobleck_slurm.supervisor.warm" in c.cmdline()]
+    servers = [c for c in children if "oobleck_slurm.agent.warm" in c.cmdline()]
     assert len(servers) == 1, [c.cmdline() for c in children]
     return servers[0]
 
@@ -197,7 +205,7 @@ def test_a_health_check_is_forked_once_torch_is_in_without_waiting_for_the_worke
     # it is forked once the first stage is in (torch.distributed and what the check imports when it
     # runs), before the worker's modules (torch._dynamo, the engine): the server is not ready yet. On the
     # lab the check took 9-10 s when it waited for them, or imported torch itself beside them.
-    from oobleck_slurm.supervisor.warm import HEALTH_MODULE, PRELOAD_STAGES
+    from oobleck_slurm.agent.warm import HEALTH_MODULE, PRELOAD_STAGES
 
     assert {"torch.distributed", "oobleck_slurm.engine.comm"} <= set(PRELOAD_STAGES[0])
     warm = WarmServer(env=probe_env())
@@ -224,13 +232,13 @@ def test_a_local_jobs_agents_are_forked_warm_and_fork_their_own_servers(tmp_path
     agent = None
     try:
         assert jobs_server.ready.wait(120)
-        agent = jobs_server.spawn("oobleck_slurm.supervisor.agent", [str(job.path), "--node", "n1"], dict(os.environ),
+        agent = jobs_server.spawn("oobleck_slurm.agent.main", [str(job.path), "--node", "n1"], dict(os.environ),
                                   str(job.agent_log("n1")), cwd=str(REPO), detached=True)
         until("the registration", lambda: supervisor.first(Register))
         assert psutil.Process(agent.pid).ppid() == jobs_server.pid
-        assert psutil.Process(agent.pid).cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.supervisor.agent"]
+        assert psutil.Process(agent.pid).cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.agent.main"]
         server = warm_server_of(agent)  # type: ignore[arg-type]
-        assert server.cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.supervisor.warm"]
+        assert server.cmdline()[:3] == [sys.executable, "-m", "oobleck_slurm.agent.warm"]
         # A fork of a warm process: a fresh interpreter would have spent seconds importing torch.
         assert server.cpu_times().user + server.cpu_times().system < IMPORT_CPU_S / 4
         supervisor.send(Start(node_id="n1", workers=2, threads=1, device="cpu"))

@@ -2,7 +2,7 @@
 every worker imports (torch, torch._dynamo, the engine, the models), instead of each starting a fresh
 interpreter that spends ~3.6 s of CPU on those imports before its first step.
 
-    python -m oobleck_slurm.supervisor.warm AGENT_PID     (the agent starts it: `WarmServer`)
+    python -m oobleck_slurm.agent.warm AGENT_PID     (the agent starts it: `WarmServer`)
 
 One server per node agent, started when the agent starts (before it registers), so that its imports
 overlap the registration, a replacement's health check and the planning (the health check's imports
@@ -61,7 +61,7 @@ from typing import IO, Any
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 WORKER_MODULE = "oobleck_slurm.engine.elastic_process"
-HEALTH_MODULE = "oobleck_slurm.supervisor.health"
+HEALTH_MODULE = "oobleck_slurm.agent.preflight"
 # What every worker imports, in stages: a request for a stage's module is served once that stage is
 # imported. First the health check's (it imports torch.distributed and the engine's group maker only
 # when it runs, so they are named here: a replacement's check comes right after its agent registers),
@@ -213,7 +213,7 @@ def serve(agent: int) -> int:
     """The server's loop: preload stage by stage, fork on request (a request waits for its module's
     stage; any other module for the whole preload) and report exits, until stdin closes."""
     die_with_parent(agent)
-    set_command_line([sys.executable, "-m", "oobleck_slurm.supervisor.warm", str(agent)])  # the padding hidden
+    set_command_line([sys.executable, "-m", "oobleck_slurm.agent.warm", str(agent)])  # the padding hidden
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handler of a supervisor it was forked from
@@ -387,7 +387,7 @@ class WarmServer:
         else:
             base = dict(os.environ if env is None else env)
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "oobleck_slurm.supervisor.warm", str(os.getpid()), "-" * TITLE_ROOM],
+                [sys.executable, "-m", "oobleck_slurm.agent.warm", str(os.getpid()), "-" * TITLE_ROOM],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**base, **SERVER_ENV})
         self.ready = threading.Event()
         self.preload_s: float | None = None
@@ -420,9 +420,11 @@ class WarmServer:
                     process._end(int(message["code"]))
             elif "spawned" in message:
                 with self._reply:
-                    self._spawned[int(message["spawned"])] = message
                     if "pid" in message:
-                        self._processes[int(message["pid"])] = WarmProcess(int(message["pid"]))
+                        # The reply keeps the process: a child that exits at once is popped from
+                        # `_processes` (its "exited" line) before `spawn` wakes up to return it.
+                        message["process"] = self._processes[int(message["pid"])] = WarmProcess(int(message["pid"]))
+                    self._spawned[int(message["spawned"])] = message
                     self._reply.notify_all()
         self._lost()
 
@@ -469,7 +471,8 @@ class WarmServer:
                     raise OSError(f"the warm server (pid {self.pid}) is gone")
                 if "pid" not in reply:
                     raise OSError(f"the warm server could not fork: {reply.get('error')}")
-                return self._processes[int(reply["pid"])]
+                process: WarmProcess = reply["process"]
+                return process
 
     def close(self) -> None:
         """End the server (its children are killed) and wait for it."""
@@ -500,7 +503,7 @@ def _exists(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2) or not args[0].isdigit():  # the second: room for the children's titles
-        print("usage: python -m oobleck_slurm.supervisor.warm AGENT_PID [PADDING]", file=sys.stderr)
+        print("usage: python -m oobleck_slurm.agent.warm AGENT_PID [PADDING]", file=sys.stderr)
         return 2
     return serve(int(args[0]))
 

@@ -1,4 +1,4 @@
-"""The node agent's part in detection (supervisor/agent.py runs it): metrics sent to the supervisor, and
+"""The node agent's part in detection (agent/main.py runs it): metrics sent to the supervisor, and
 the drills that make a node slow or leak memory while it keeps working.
 
 Metrics: every `interval` seconds the agent samples its node (detection/metrics.py: psutil, NVML) and

@@ -1,7 +1,7 @@
 """The health check of a node before it joins: can a fresh process there run a collective with a peer?
 
 A node that comes back (or a replacement Slurm just gave us) is not trusted blindly: its agent runs
-`python -m oobleck_slurm.supervisor.health HOST PORT PREFIX TIMEOUT JOB_DIR` (imports torch, builds a
+`python -m oobleck_slurm.agent.preflight HOST PORT PREFIX TIMEOUT JOB_DIR` (imports torch, builds a
 gloo group of two on the job's store, signed with the job folder's secret, and all-reduces) while the
 supervisor is the other member (`health_peer`). Both check the sum; only then does the node's worker
 start.
@@ -39,7 +39,7 @@ def health_peer(store: Store, prefix: str, timeout_s: float) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 5:
-        print("usage: python -m oobleck_slurm.supervisor.health HOST PORT PREFIX TIMEOUT JOB_DIR", file=sys.stderr)
+        print("usage: python -m oobleck_slurm.agent.preflight HOST PORT PREFIX TIMEOUT JOB_DIR", file=sys.stderr)
         return 2
     import torch
 

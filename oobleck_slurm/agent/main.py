@@ -1,4 +1,4 @@
-"""The node agent: `python -m oobleck_slurm.supervisor.agent JOB_DIR [--node NAME] [--replacement ID]`.
+"""The node agent: `python -m oobleck_slurm.agent.main JOB_DIR [--node NAME] [--replacement ID]`.
 
 One per node (Slurm: one srun task per node; local backend: a process per virtual node). It connects
 to the supervisor over the authenticated control plane, beats every `heartbeat_interval` seconds (the
@@ -16,7 +16,7 @@ protocol/messages.py):
     health {...}        run a short collective with the supervisor (engine and network work here)
     shutdown            stop the workers and exit 0
 
-Warm workers (supervisor/warm.py): the agent starts its warm server first thing, before it registers;
+Warm workers (agent/warm.py): the agent starts its warm server first thing, before it registers;
 the server imports what every worker imports (torch, torch._dynamo, the engine: ~3.6 s of CPU) while
 the agent registers, a replacement's health check waits and the supervisor plans, and never touches
 CUDA. Workers, and the health check, are forked from it: `start` to a worker ready to join takes tens
@@ -57,6 +57,17 @@ from typing import Any
 
 import psutil
 
+from oobleck_slurm.agent.health import DRILLS, MetricsReporter, NodeDrills
+from oobleck_slurm.agent.warm import (
+    HEALTH_MODULE,
+    WORKER_MODULE,
+    WarmProcess,
+    WarmServer,
+    ignore_step_signals,
+    in_slurm_step,
+    preloaded,
+    write_output_to,
+)
 from oobleck_slurm.cluster.jobdir import JobDir, load_secret
 from oobleck_slurm.cluster.lease import PublishedEpoch, primary_gone, read_lease
 from oobleck_slurm.cluster.slurm import SlurmError, requeue_job  # at start: a lost supervisor's requeue is urgent
@@ -77,19 +88,7 @@ from oobleck_slurm.protocol.messages import (
     WorkerExit,
     parse,
 )
-from oobleck_slurm.protocol.wire import Channel, ProtocolError
-from oobleck_slurm.supervisor.agent_health import DRILLS, MetricsReporter, NodeDrills
-from oobleck_slurm.supervisor.server import connect
-from oobleck_slurm.supervisor.warm import (
-    HEALTH_MODULE,
-    WORKER_MODULE,
-    WarmProcess,
-    WarmServer,
-    ignore_step_signals,
-    in_slurm_step,
-    preloaded,
-    write_output_to,
-)
+from oobleck_slurm.protocol.wire import Channel, ProtocolError, connect
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 # Set in every NCCL worker's environment, before torch starts (docs/nccl.md, "Aborting"): torch's watchdog must never act on its own (it sleeps 60 s, then tears the process down);
@@ -377,7 +376,7 @@ class Agent:
             workers[worker].send_signal(signal.SIGKILL if how == "worker" else signal.SIGSTOP)
 
     def _health(self, message: Health) -> None:
-        """The joining node's check (supervisor/health.py), forked warm: torch is already imported."""
+        """The joining node's check (agent/preflight.py), forked warm: torch is already imported."""
         t0 = time.time()
         fd, log = tempfile.mkstemp(prefix=f"health-{self.node}-", suffix=".log")
         os.close(fd)
@@ -444,7 +443,7 @@ class Agent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="oobleck_slurm.supervisor.agent", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="oobleck_slurm.agent.main", description=__doc__.split("\n\n")[0])
     parser.add_argument("job_dir", type=Path)
     parser.add_argument("--node", default=None, help="node name (default: $SLURMD_NODENAME)")
     parser.add_argument("--replacement", default=None, help="the node id the supervisor asked Slurm for")
