@@ -9,7 +9,10 @@ A100-40 per node (estimated profiles; GCP a2-highgpu-1g, the artifact's GCP trac
 The baselines use the artifact's own constants (checkpoint every 10 iterations, the per-model
 checkpoint and rendezvous times of varuna_simulator.py / bamboo_simulator.py).
 scale: GPT-3 6.7B on 8-GPU H100 nodes at 1,024 and 16,384 GPUs, job MTTF 7.9 h and 1.8 h (Meta,
-HPCA'25), independent exponential node lifetimes, replacements after 10 min, 24 h.
+HPCA'25), independent exponential node lifetimes, replacements after 10 min, 24 h. Oobleck's group
+rebuild comes from the NCCL communicator model (simulate/nccl_model.py) on the plan's real groups,
+detection from the heartbeat lease; the tiny-job calibration is shown beside it, and a sweep at
+16,384 GPUs varies one assumption at a time (docs/simulator.md#at-scale).
 speed: 10,000 events on 1,024 nodes, wall time of the Oobleck simulation and where it goes.
 """
 
@@ -30,14 +33,22 @@ sys.path.insert(0, str(ROOT))
 from oobleck_slurm.models import GPTConfig, gpt_config  # noqa: E402
 from oobleck_slurm.planning import estimate_profile, generate_templates  # noqa: E402
 from oobleck_slurm.simulate import (  # noqa: E402
+    ASSUMPTIONS,
     DEFAULT_CALIBRATION,
+    DEFAULT_COMM_COSTS,
+    CommCosts,
     OobleckSystem,
     RestartCosts,
+    build_seconds,
+    default_restart_costs,
     fixed_interval_trace,
+    group_shape,
     random_failure_trace,
+    scale_calibration,
     scenario_from,
     simulate,
 )
+from oobleck_slurm.simulate.baselines import RELAUNCH_S  # noqa: E402
 
 console = Console()
 
@@ -85,22 +96,100 @@ def artifact() -> list[dict]:
     return rows
 
 
-def scale() -> list[dict]:
-    rows = []
+def scale_scenario(gpus: int):
+    """GPT-3 6.7B on 8-GPU H100 nodes, f = 2: (scenario, nodes, the initial plan's NCCL groups)."""
+    from oobleck_slurm.engine.comm import plan_groups  # imports torch: only here
+    from oobleck_slurm.engine.from_planner import exec_plan
+    from oobleck_slurm.planning import instantiate
+
     profile = estimate_profile(gpt_config("6.7b"), "H100", microbatch_size=1)
+    nodes = gpus // profile.devices_per_node
+    batch = max(1024, 4 * nodes)
+    templates = generate_templates(profile, 16, 1, num_microbatches=-(-batch // 3))
+    sc = scenario_from(profile, templates, f=2, global_microbatches=batch, microbatch_size=1)
+    names = [f"node{i}" for i in range(nodes)]
+    plan = instantiate(templates, names, 2, batch, microbatch_size=1, profile=profile)
+    groups = plan_groups(exec_plan(plan, names, profile.devices_per_node), gpus)
+    return sc, nodes, groups
+
+
+def _with_extra(groups: dict, extra: int, width: int) -> dict:
+    """`groups` plus `extra` more communicators per rank, each over `width` consecutive ranks (what
+    sharded stages or tensor parallelism would add): the communicator-count axis of the sweep."""
+    out = dict(groups)
+    world = len(groups["world"])
+    for k in range(extra):
+        for first in range(0, world, width):
+            out[f"zextra{k}/{first}"] = tuple(range(first, min(world, first + width)))
+    return out
+
+
+def _scale_run(sc, trace, costs: CommCosts, groups: dict, *, detection_s: float | None = None,
+               relaunch_s: float = RELAUNCH_S) -> dict:
+    rebuild = build_seconds(groups, costs)
+    cal = scale_calibration(DEFAULT_CALIBRATION, rebuild, detection_s=detection_s)
+    res = simulate(sc, trace, ["oobleck", "checkpoint"], calibration=cal,
+                   checkpoint_costs=default_restart_costs(sc, relaunch_s))
+    oob = res["oobleck"]
+    return {"rebuild_s": rebuild, "failure_recovery_s": cal.recovery_s(0.0, 1.0, 0.0),
+            "oobleck_useful": oob.useful_fraction, "checkpoint_useful": res["checkpoint"].useful_fraction,
+            "oobleck_recovering": oob.to_dict(curve=False)["breakdown_fraction"].get("recovering", 0.0),
+            "calibration": cal.to_dict()}
+
+
+# The sweep at 16,384 GPUs: one assumption at a time, the others at their central values.
+SWEEP = {
+    "per_rank_s": (0.0001, 0.0005, 0.001, 0.003),
+    "fixed_s": (0.05, 0.14, 0.5, 1.0),
+    "communicators_per_rank": (0, 5, 20),  # extra 8-rank communicators per rank on top of the plan's
+    "detection_s": (0.041, 3.0, 10.0),
+    "relaunch_s": (30.0, 60.0, 120.0, 300.0),
+}
+
+
+def scale(sweep: bool = True) -> dict:
+    rows, sensitivity = [], []
     for gpus, mttf_h in ((1024, 7.9), (16384, 1.8)):
-        nodes = gpus // profile.devices_per_node
-        batch = max(1024, 4 * nodes)
-        templates = generate_templates(profile, 16, 1, num_microbatches=-(-batch // 3))
-        sc = scenario_from(profile, templates, f=2, global_microbatches=batch, microbatch_size=1)
+        sc, nodes, groups = scale_scenario(gpus)
         trace = random_failure_trace(nodes, mttf_h * 3600 * nodes, 24 * 3600, replacement_delay_s=600, seed=1)
         t0 = time.perf_counter()
-        res = simulate(sc, trace, ["oobleck", "checkpoint"])
+        tiny = simulate(sc, trace, ["oobleck", "checkpoint"])
+        central = _scale_run(sc, trace, DEFAULT_COMM_COSTS, groups)
+        shape = group_shape(groups)
         rows.append({"gpus": gpus, "nodes": nodes, "job_mttf_h": mttf_h, "failures": trace.failures,
                      "events": len(trace.events), "seconds": time.perf_counter() - t0,
-                     **{f"{k}_useful": r.useful_fraction for k, r in res.items()},
-                     "checkpoint_details": res["checkpoint"].details, "oobleck_details": res["oobleck"].details})
-    return rows
+                     "groups": shape.groups, "communicators_per_rank": shape.per_rank_max,
+                     "busiest_rank_sizes": list(shape.sizes_of_busiest_rank),
+                     "tiny_job_oobleck_useful": tiny["oobleck"].useful_fraction,
+                     "checkpoint_useful": central["checkpoint_useful"], **central,
+                     "checkpoint_details": tiny["checkpoint"].details})
+        if not sweep or gpus != 16384:
+            continue
+        for axis, values in SWEEP.items():
+            for v in values:
+                costs, extra, kw = DEFAULT_COMM_COSTS, {}, {}
+                if axis == "per_rank_s":
+                    costs = CommCosts(DEFAULT_COMM_COSTS.fixed_s, v)
+                elif axis == "fixed_s":
+                    costs = CommCosts(v, DEFAULT_COMM_COSTS.per_rank_s)
+                elif axis == "communicators_per_rank":
+                    extra = _with_extra(groups, int(v), 8)
+                elif axis == "detection_s":
+                    kw["detection_s"] = v
+                else:
+                    kw["relaunch_s"] = v
+                r = _scale_run(sc, trace, costs, extra or groups, **kw)
+                shown = shape.per_rank_max + int(v) if axis == "communicators_per_rank" else v
+                sensitivity.append({"axis": axis, "value": shown, **{k: x for k, x in r.items() if k != "calibration"}})
+        # every assumption at once at its end of the sweep that favours checkpoint-restart
+        worst = _scale_run(sc, trace, CommCosts(max(SWEEP["fixed_s"]), max(SWEEP["per_rank_s"])),
+                           _with_extra(groups, int(max(SWEEP["communicators_per_rank"])), 8),
+                           detection_s=max(SWEEP["detection_s"]), relaunch_s=min(SWEEP["relaunch_s"]))
+        sensitivity.append({"axis": "all at once, against oobleck", "value": float("nan"),
+                            **{k: x for k, x in worst.items() if k != "calibration"}})
+    return {"rows": rows, "sensitivity": sensitivity,
+            "assumptions": [{"name": a.name, "value": a.value, "unit": a.unit, "source": a.source}
+                            for a in ASSUMPTIONS]}
 
 
 def speed(events: int = 10_000, nodes: int = 1024) -> dict:
@@ -157,14 +246,30 @@ def main() -> None:
         console.print(f"BERT-large, 10m: ours {bert['oobleck_useful']:.1%} / {bert['checkpoint_useful']:.1%} / "
                       f"{bert['redundancy_useful']:.1%}; published (artifact) 95.5% / 54% / 15%; goal >= 97% for ours")
     if args.only in (None, "scale"):
-        rows = scale()
-        report["scale"] = rows
-        table = Table(title="GPT-3 6.7B, H100 x8 nodes, 24 h, Meta HPCA'25 failure rates")
-        for col in ("GPUs", "job MTTF", "failures", "oobleck", "checkpoint-restart", "sim seconds"):
+        out = scale()
+        report["scale"] = out
+        table = Table(title="GPT-3 6.7B, H100 x8 nodes, f = 2, 24 h, Meta HPCA'25 failure rates: useful-time share")
+        for col in ("GPUs", "job MTTF", "failures", "comms/rank (sizes)", "rebuild (model)", "failure recovery",
+                    "oobleck (NCCL model)", "oobleck (tiny-job calibration)", "checkpoint-restart", "sim s"):
             table.add_column(col, justify="right")
-        for r in rows:
-            table.add_row(f"{r['gpus']:,}", f"{r['job_mttf_h']} h", str(r["failures"]), f"{r['oobleck_useful']:.2%}",
-                          f"{r['checkpoint_useful']:.2%}", f"{r['seconds']:.1f}")
+        for r in out["rows"]:
+            table.add_row(f"{r['gpus']:,}", f"{r['job_mttf_h']} h", str(r["failures"]),
+                          f"{r['communicators_per_rank']} ({', '.join(map(str, r['busiest_rank_sizes']))})",
+                          f"{r['rebuild_s']:.1f} s", f"{r['failure_recovery_s']:.1f} s", f"{r['oobleck_useful']:.2%}",
+                          f"{r['tiny_job_oobleck_useful']:.2%}", f"{r['checkpoint_useful']:.2%}", f"{r['seconds']:.1f}")
+        console.print(table)
+        table = Table(title="assumptions (central values)")
+        for col in ("name", "value", "source"):
+            table.add_column(col)
+        for a in out["assumptions"]:
+            table.add_row(a["name"], f"{a['value']:g} {a['unit']}", a["source"])
+        console.print(table)
+        table = Table(title="16,384 GPUs: sensitivity, one assumption at a time (the others central)")
+        for col in ("assumption", "value", "rebuild", "failure recovery", "oobleck", "checkpoint-restart"):
+            table.add_column(col, justify="right")
+        for r in out["sensitivity"]:
+            table.add_row(r["axis"], "" if r["value"] != r["value"] else f"{r['value']:g}", f"{r['rebuild_s']:.1f} s", f"{r['failure_recovery_s']:.1f} s",
+                          f"{r['oobleck_useful']:.2%}", f"{r['checkpoint_useful']:.2%}")
         console.print(table)
     if args.only in (None, "speed"):
         r = speed()

@@ -15,6 +15,14 @@ from oobleck_slurm.simulate.baselines import CheckpointRestart, Redundancy, Rest
 from oobleck_slurm.simulate.calibration import DEFAULT_CALIBRATION, Calibration, fit_calibration
 from oobleck_slurm.simulate.core import CATEGORIES, SystemResult
 from oobleck_slurm.simulate.loader import job_events, read_trace_csv
+from oobleck_slurm.simulate.nccl_model import (
+    ASSUMPTIONS,
+    DEFAULT_COMM_COSTS,
+    CommCosts,
+    build_seconds,
+    group_shape,
+    scale_calibration,
+)
 from oobleck_slurm.simulate.oobleck import OobleckSystem
 from oobleck_slurm.simulate.run import SYSTEMS, simulate
 from oobleck_slurm.simulate.scenario import Scenario, scenario_from
@@ -28,7 +36,8 @@ from oobleck_slurm.simulate.traces import (
 )
 
 __all__ = [
-    "CATEGORIES", "Calibration", "CheckpointRestart", "DEFAULT_CALIBRATION", "OobleckSystem", "Redundancy",
+    "ASSUMPTIONS", "CATEGORIES", "CommCosts", "DEFAULT_COMM_COSTS", "build_seconds", "group_shape",
+    "scale_calibration", "Calibration", "CheckpointRestart", "DEFAULT_CALIBRATION", "OobleckSystem", "Redundancy",
     "RestartCosts", "SYSTEMS", "Scenario", "SystemResult", "Trace", "TraceError", "TraceEvent",
     "default_restart_costs", "fit_calibration", "fixed_interval_trace", "job_events", "parse_duration",
     "random_failure_trace", "read_trace_csv", "scenario_from", "simulate",

@@ -58,15 +58,15 @@ class _Homogeneous:
         return best
 
 
-def default_restart_costs(scenario: Scenario) -> RestartCosts:
+def default_restart_costs(scenario: Scenario, relaunch_s: float = RELAUNCH_S) -> RestartCosts:
     """Checkpoint = the largest per-device shard of the best full-size plan written at
-    STORAGE_BPS_PER_DEVICE; restart = Slurm noticing the node (SLURM_DOWN_S) + relaunch (RELAUNCH_S)
-    + reading the shard back."""
+    STORAGE_BPS_PER_DEVICE; restart = Slurm noticing the node (SLURM_DOWN_S) + relaunch (`relaunch_s`,
+    RELAUNCH_S unless given) + reading the shard back."""
     shard = max(scenario.stage_state_bytes(t) for t in scenario.templates)
     ckpt = shard / STORAGE_BPS_PER_DEVICE
-    return RestartCosts(ckpt, SLURM_DOWN_S + RELAUNCH_S + ckpt, None,
+    return RestartCosts(ckpt, SLURM_DOWN_S + relaunch_s + ckpt, None,
                         f"model: shard {shard / 2**30:.2f} GiB at {STORAGE_BPS_PER_DEVICE / 1e9:g} GB/s, "
-                        f"restart {SLURM_DOWN_S:g} + {RELAUNCH_S:g} s + load")
+                        f"restart {SLURM_DOWN_S:g} + {relaunch_s:g} s + load")
 
 
 def young_interval_steps(checkpoint_s: float, mtbf_s: float, step_s: float) -> int:
