@@ -30,6 +30,9 @@ copy_Bps is left to the profile's link (None). The logs' one non-empty copy move
 (14.5 MB/s) over gloo on 2 shared CPU cores, which says nothing about an InfiniBand or NVLink link;
 `--calibrate JOBDIR` fits it when the job folders come from the hardware being simulated.
 `test_default_calibration_matches_recorded_logs` checks the constants against the logs.
+These constants describe a 4-process CPU job: its rebuild (0.0134 s, 4 gloo processes) and detection
+(0.041 s, killed processes) do not carry to GPU nodes at scale; `nccl_model.scale_calibration` replaces
+both there (docs/simulator.md#at-scale).
 """
 
 from __future__ import annotations
