@@ -133,7 +133,10 @@ class Narrator:
             return [f"a standby supervisor took over (epoch {e.get('epoch')}) after "
                     f"{seconds(e.get('lease_age'))} without the lease{lost}"]
         if kind == "faulty_node":
-            return [f"{e.get('node')} flagged as faulty ({e.get('detail') or 'metrics deviate'}): {e.get('action')}"]
+            what = f"{e.get('node')} flagged from its metrics ({e.get('detail') or 'metrics deviate'})"
+            if e.get("action") == "report":  # the default (detection.evict: false): nothing changes
+                return [f"{what}: reported only, it keeps training (eviction on metrics is off: detection.evict)"]
+            return [f"{what}: evicting it"]
         if kind == "straggler" and e.get("action") == "rebalance" and e.get("nodes"):
             slow = ", ".join(f"{n} x{f:.1f}" for n, f in e["nodes"].items())
             return [f"stragglers ({slow}): giving their pipelines fewer microbatches"]

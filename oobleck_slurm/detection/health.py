@@ -2,12 +2,14 @@
 `detection.stragglers` turned into decisions (pure: no clock, no I/O; the supervisor acts on them).
 
     Evict(node, cause, detail, evidence)      lose the node like a dead one (and replace it)
-    Report(node, cause, detail, evidence)     record it, change nothing (`evict: false`, `stragglers: report`)
+    Report(node, cause, detail, evidence)     record it, change nothing (`evict: false`, the default;
+                                              `stragglers: report`)
     Rebalance(slowdown, detail)               give slow nodes' pipelines fewer microbatches: `slowdown`
                                               maps every node to rebalance for to its factor (a node not
                                               named runs at full speed, so `{}` gives the plain split back)
 
-A machine flagged from its metrics (`minder.Flag`) is evicted, or only reported with `evict: false`.
+A machine flagged from its metrics (`minder.Flag`) is only reported (`evict: false`, the default: the
+detector has never judged real machine counters), or evicted with `evict: true`.
 A straggler (`straggler.Straggler`, per node: its slowest rank) is, by `stragglers:`, rebalanced
 (default), evicted, reported, or not watched (`off`). A node counts as a straggler once its slowdown
 (over the whole window) has been over `threshold` for `confirm` judgements in a row: on a busy
@@ -93,7 +95,7 @@ def straggler_detail(s: Straggler) -> str:
 class HealthPolicy:
     """Decisions for flagged machines and stragglers; remembers what it decided, per node."""
 
-    def __init__(self, evict: bool = True, stragglers: str = "rebalance", threshold: float = 1.3,
+    def __init__(self, evict: bool = False, stragglers: str = "rebalance", threshold: float = 1.3,
                  confirm: int = 1) -> None:
         """`confirm`: how many judgements in a row (steps) a node's slowdown must be over `threshold`
         before anything is decided for it."""

@@ -436,8 +436,12 @@ class DetectionConfig:
     min_nodes: int = field(default=4, metadata=check(at_least_three))
     priorities: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}),
                                             metadata=check(metric_weights))  # metric -> weight (0 = ignore)
-    # Act on a flagged machine like on a lost node (evict, replace); false: report it only.
-    evict: bool = True
+    # Act on a flagged machine like on a lost node (evict, replace); false (default): report it only (a
+    # `faulty_node` event, the dashboard's flag). Off by default: the metrics detector has been judged on
+    # synthetic traces and on one-host local jobs with two process metrics, never on a real machine's
+    # counters or on NVML, and a false alarm evicts a healthy node (docs/detection.md#what-has-been-validated).
+    # Hard evidence (a dead process, a lost heartbeat, a hung collective) evicts whatever this says.
+    evict: bool = False
     # A straggler's pipeline gets fewer microbatches (rebalance), or it is evicted, or only reported; off:
     # compute times are not watched.
     stragglers: Literal["rebalance", "evict", "report", "off"] = "rebalance"

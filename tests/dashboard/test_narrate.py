@@ -71,3 +71,11 @@ def test_the_summary_names_each_failure_its_recovery_and_the_join_apart() -> Non
 
 def test_durations_are_rounded_for_people() -> None:
     assert [seconds(s) for s in (0.2149, 3.4567, 51.98245, 185.2)] == ["0.21 s", "3.5 s", "52 s", "3 min 05 s"]
+
+
+def test_a_metrics_flag_says_whether_the_node_was_evicted_or_only_reported() -> None:
+    flag = {"t": 1.0, "kind": "faulty_node", "node": "node3", "detail": "procs.rss_gib 6.1 spreads above its peers"}
+    (reported,) = Narrator().lines({**flag, "action": "report"})
+    assert reported.startswith("node3 flagged from its metrics (procs.rss_gib") and "reported only, it keeps training" in reported
+    (evicted,) = Narrator().lines({**flag, "action": "evict"})
+    assert evicted.endswith(": evicting it")

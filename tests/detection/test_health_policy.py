@@ -160,3 +160,22 @@ def test_bad_settings_are_refused() -> None:
 
 def test_every_mode_is_a_recipe_value() -> None:
     assert set(STRAGGLER_MODES) == set(typing.get_args(typing.get_type_hints(DetectionConfig)["stragglers"]))
+
+
+def test_by_default_a_flagged_machine_is_only_reported() -> None:
+    """Eviction on metrics is opt-in (docs/detection.md#what-has-been-validated): the detector has never
+    judged a real machine's counters or NVML, and a false alarm would evict a healthy node."""
+    assert DetectionConfig().evict is False
+    assert isinstance(HealthPolicy().flagged(FLAG, 4.5), Report)
+
+
+def test_no_shipped_recipe_evicts_on_metrics() -> None:
+    from pathlib import Path
+
+    from oobleck_slurm.recipe import load_recipe
+
+    recipes = sorted((Path(__file__).resolve().parents[2] / "recipes").rglob("*.yaml"))
+    assert recipes
+    assert load_recipe().detection.evict is False  # the embedded default
+    for path in recipes:
+        assert load_recipe(path).detection.evict is False, path

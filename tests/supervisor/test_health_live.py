@@ -57,7 +57,7 @@ def one_thread() -> Iterator[None]:
 def test_a_slow_node_is_evicted_within_seconds_and_training_stays_exact(tmp_path: Path, templates_cache: Path,
                                                                          one_thread: None) -> None:
     # The recipe's drill at step 30 (the path `submit` takes); the trajectory is checked to the end.
-    run = run_job(tmp_path, recipe_with(70, "slow", stragglers="evict"), templates_cache, timeout=180)
+    run = run_job(tmp_path, recipe_with(70, "slow", stragglers="evict", evict=True), templates_cache, timeout=180)
     t_fault = drill_time(run, "slow")
     (lost,) = run.kind("node_lost")
     assert lost["node"] == "node2" and lost["cause"] in ("straggler", "faulty_metrics"), lost
@@ -81,11 +81,12 @@ def kill_node(job: Path, node: str, how: str) -> float:
 
 
 def test_a_slow_node_is_rebalanced_and_a_leaking_node_evicted(tmp_path: Path, templates_cache: Path) -> None:
-    """Both with the defaults, in one live job: healthy for 40 steps, nobody is flagged; node2 slowed is
+    """The defaults but `detection.evict: true`, in one live job: healthy for 40 steps, nobody is flagged; node2 slowed is
     then rebalanced (the decision made, handed to the coordinator, training going on); node3's memory
     leak is then found from its metrics and node3 evicted, while node2 is still slow."""
     nodes = {"node1", "node2", "node3", "node4"}
-    with running_job(tmp_path, LIVE_FT, templates_cache) as job:
+    # eviction on metrics is off by default (report only): this test asks for it
+    with running_job(tmp_path, LIVE_FT, templates_cache, sections="detection:\n  evict: true\n") as job:
         wait_for(job, "training", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 40])
         wait_for(job, "every node scored", lambda ev: [e for e in ev if e["kind"] == "health" and set(e["scores"]) == nodes])
         # Healthy so far: nobody flagged or lost, every score low, and `detect` on the metrics the
