@@ -98,9 +98,8 @@ def artifact() -> list[dict]:
 
 def scale_scenario(gpus: int):
     """GPT-3 6.7B on 8-GPU H100 nodes, f = 2: (scenario, nodes, the initial plan's NCCL groups)."""
-    from oobleck_slurm.engine.comm import plan_groups  # imports torch: only here
-    from oobleck_slurm.engine.from_planner import exec_plan
     from oobleck_slurm.planning import instantiate
+    from oobleck_slurm.simulate.nccl_model import plan_group_map
 
     profile = estimate_profile(gpt_config("6.7b"), "H100", microbatch_size=1)
     nodes = gpus // profile.devices_per_node
@@ -109,7 +108,7 @@ def scale_scenario(gpus: int):
     sc = scenario_from(profile, templates, f=2, global_microbatches=batch, microbatch_size=1)
     names = [f"node{i}" for i in range(nodes)]
     plan = instantiate(templates, names, 2, batch, microbatch_size=1, profile=profile)
-    groups = plan_groups(exec_plan(plan, names, profile.devices_per_node), gpus)
+    groups = plan_group_map(plan, profile.devices_per_node)
     return sc, nodes, groups
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from oobleck_slurm.simulate.calibration import Calibration
 
@@ -82,6 +83,16 @@ def assumption(name: str) -> float:
 
 
 DEFAULT_COMM_COSTS = CommCosts(assumption("fixed_s"), assumption("per_rank_s"))
+
+
+def plan_group_map(plan: Any, devices_per_node: int) -> dict[str, tuple[int, ...]]:
+    """Every NCCL group a generation of the planner's `plan` builds (engine/comm.py `plan_groups`), its
+    nodes taken in plan order. Imports the engine (torch) when called, not when this module loads."""
+    from oobleck_slurm.engine.comm import plan_groups
+    from oobleck_slurm.engine.from_planner import exec_plan
+
+    nodes = [n for p in plan.pipelines for n in p.nodes] + list(plan.spare_nodes)
+    return plan_groups(exec_plan(plan, nodes, devices_per_node), len(nodes) * devices_per_node)
 
 
 def build_order(groups: Mapping[str, Sequence[int]]) -> list[str]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from oobleck_slurm.cli import main
 from oobleck_slurm.engine.comm import communicators_per_rank, plan_groups
 from oobleck_slurm.engine.layout import ExecPlan, PipelineSpec
 from oobleck_slurm.simulate import (
@@ -74,3 +78,26 @@ def test_scale_calibration_charges_the_model_the_lease_and_the_replan() -> None:
     assert cal.agreement_s == DEFAULT_CALIBRATION.agreement_s
     assert cal.recovery_s(0.0, 1.0, 0.0) > DEFAULT_CALIBRATION.recovery_s(0.0, 1.0, 0.0) + 20.0
     assert all(a.source for a in ASSUMPTIONS)
+
+
+def test_cli_nccl_model_charges_a_rebuild_and_the_lease(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from oobleck_slurm.recipe import DEFAULT_RECIPE
+
+    recipe = tmp_path / "roomy.yaml"
+    recipe.write_text(f"extends: {DEFAULT_RECIPE}\ncluster:\n  memory_per_device: 10MB\n")
+    common = ["simulate", str(recipe), "--estimate", "V100", "--cache", str(tmp_path / "cache"), "--mtbf", "10m",
+              "--nodes", "8", "--min-nodes", "4", "--systems", "oobleck", "--json"]
+    assert main(common) == 0
+    tiny = json.loads(capsys.readouterr().out)
+    assert main([*common, "--nccl-model"]) == 0
+    modelled = json.loads(capsys.readouterr().out)
+    cal = modelled["calibration"]
+    assert cal["rebuild_s"] > DEFAULT_CALIBRATION.rebuild_s and cal["detection_s"] == 3.0  # the default lease
+    assert "NCCL rebuild model" in cal["source"]
+    assert modelled["oobleck"]["useful_fraction"] < tiny["oobleck"]["useful_fraction"]
+
+
+def test_the_cli_knows_the_default_calibrations_source() -> None:
+    from oobleck_slurm.commands.simulate import DEFAULT_SOURCE
+
+    assert DEFAULT_SOURCE == DEFAULT_CALIBRATION.source
