@@ -1,6 +1,8 @@
-"""Section (a) abort_rebuild: training, failures, next generations, bitwise.
+"""Section (a) abort_rebuild: training through the engine's Worker on a one-rank plan; twice a
+generation aborted at a step's commit point and the next one built in the same process; the final
+state and every loss bitwise those of an uninterrupted run.
 
-What it checks: the package's docstring (the command's --help).
+In full: the package's docstring (the command's --help).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Section (b) throughput: throughput.
+"""Section (b) throughput: tokens/s and MFU of the engine's step against a plain PyTorch loop (plain,
+fused AdamW, fused AdamW + torch.compile in a child process).
 
-What it checks: the package's docstring (the command's --help).
+In full: the package's docstring (the command's --help).
 """
 
 from __future__ import annotations

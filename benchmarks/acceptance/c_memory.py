@@ -1,6 +1,7 @@
-"""Section (c) memory: memory.
+"""Section (c) memory: peak bytes per step of the engine's worker, of the same worker with the old
+pre-step copy, and of the plain loop, each in a fresh process, against the planner's stage memory.
 
-What it checks: the package's docstring (the command's --help).
+In full: the package's docstring (the command's --help).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Section (d) copy_bandwidth: copy bandwidth.
+"""Section (d) copy_bandwidth: GB/s of GPU <-> pinned/pageable host, GPU -> GPU, and the host's memcpy.
 
-What it checks: the package's docstring (the command's --help).
+In full: the package's docstring (the command's --help).
 """
 
 from __future__ import annotations

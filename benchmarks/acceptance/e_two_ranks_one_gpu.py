@@ -1,6 +1,7 @@
-"""Section (e) two_ranks_one_gpu: two ranks on one GPU.
+"""Section (e) two_ranks_one_gpu: two processes build an NCCL group of 2 on cuda:0, without and with
+NCCL_MULTI_RANK_GPU_ENABLE=1: a clear error or a group, never a hang (GPU only).
 
-What it checks: the package's docstring (the command's --help).
+In full: the package's docstring (the command's --help).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Section (f) two_stage_pipeline: two-stage pipeline.
+"""Section (f) two_stage_pipeline: a 2-stage pipeline from the planner in two processes (NCCL, or gloo
+plain and under NCCL's ordering rules on a CPU), bitwise against a one-stage run.
 
-What it checks: the package's docstring (the command's --help).
+In full: the package's docstring (the command's --help).
 """
 
 from __future__ import annotations

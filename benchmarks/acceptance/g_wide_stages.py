@@ -1,4 +1,5 @@
-"""Section (g) wide_stages: wide and folded stages on several NCCL ranks.
+"""Section (g) wide_stages: wide and folded stages on several NCCL ranks (gloo on a CPU), within
+`WIDE_TOLERANCE` of one rank's run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Section (h) job_kill_drill: the job as submit runs it: kill -9 of a rank, the spare joins.
+"""Section (h) job_kill_drill: the job as submit runs it (benchmarks/_jobs.py): kill -9 of a rank, recovery
+in memory, the spare joins; losses close to an uninterrupted job's.
 """
 
 from __future__ import annotations
