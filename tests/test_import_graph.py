@@ -127,3 +127,115 @@ def test_the_core_imports_no_hugging_face_library() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# ---- modules ------------------------------------------------------------------------------------
+# The same rule one level down: no module of the package imports itself round a circle of other
+# modules. Counted: every import that can run, at module level or inside a function (a lazy import
+# still runs, and still means two modules that know each other). Not counted: imports under
+# `if TYPE_CHECKING:` (they never run: a module names a type of one that calls it, as a family's
+# model.py names its config), and the implicit import of a module's parent packages (a package's
+# __init__ importing its own submodules is how a package shows its face, not a dependency of them).
+
+
+def package_modules() -> dict[str, Path]:
+    """Dotted name -> source file of every module of the package (a package by its __init__.py)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _type_checking_only(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module that can run: anywhere but the body of `if TYPE_CHECKING:`."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _type_checking_only(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the package's other modules it imports (see above for what counts)."""
+    modules = package_modules()
+
+    def known(name: str) -> str | None:  # the longest known module a dotted name starts with
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: list[str] = []
+        for node in runtime_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+                continue
+            base = node.module or ""
+            if node.level:  # relative: from the module's package upwards
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            # `from a.b import c` imports the module a.b.c when there is one, else a name of a.b
+            targets += [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                        for alias in node.names]
+        graph[name] = {t for target in targets if (t := known(target)) and t != name}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """A depth-first search: for each edge back to a module on the current path, that cycle as the path
+    [a, b, ..., a]. Every graph with a cycle has such an edge, so none means no cycle."""
+    on_path: dict[str, bool] = {}  # visited modules: True while on the current path
+    path: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        on_path[node] = True
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if on_path.get(nxt):
+                found.append([*path[path.index(nxt):], nxt])
+            elif nxt not in on_path:
+                visit(nxt)
+        path.pop()
+        on_path[node] = False
+
+    for node in sorted(graph):
+        if node not in on_path:
+            visit(node)
+    return found
+
+
+def test_no_module_import_cycle() -> None:
+    graph = module_graph()
+    assert len(graph) > 100 and "oobleck_slurm.models.hf" in graph  # the scan sees the package
+    found = find_cycles(graph)
+    assert not found, "import cycles between oobleck_slurm's modules:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_module_graph_counts_lazy_imports_and_not_type_only_ones() -> None:
+    graph = module_graph()
+    # GPTConfig.build_layers imports model.py inside the method; model.py names GPTConfig for mypy only
+    assert "oobleck_slurm.models.gpt.model" in graph["oobleck_slurm.models.gpt.config"]
+    assert "oobleck_slurm.models.gpt.config" not in graph["oobleck_slurm.models.gpt.model"]
+    # `from oobleck_slurm.planning import cost` is the module cost, not the package's __init__
+    assert "oobleck_slurm.planning.cost" in graph["oobleck_slurm.planning.templates"]
+    assert "oobleck_slurm.planning" not in graph["oobleck_slurm.planning.templates"]
+
+
+def test_the_module_cycle_finder_lists_each_cycle() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": {"a"}, "c": {"c"}}) == [["a", "b", "a"], ["c", "c"]]
+    assert find_cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_slurm.cluster.jobdir import JobNotFound, find_job
     from oobleck_slurm.engine.checkpoint import CheckpointError, latest_complete, layer_file, read_layer_file
     from oobleck_slurm.engine.spec import JobSpec
-    from oobleck_slurm.models.hf import HFError, save_hf
+    from oobleck_slurm.models.hf import HFError, hf_adapter, save_hf
     from oobleck_slurm.recipe.schema import parse_bytes
 
     try:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     spec = JobSpec.from_json(job.job_spec.read_text())
     model, keys = spec.model.config, spec.model.keys()
     try:
-        model.hf_adapter()
+        hf_adapter(model)
     except NotImplementedError as err:
         return fail(f"{job.path}: {err}; --format hf needs a built-in family (gpt, llama)")
     step = args.step if args.step is not None else latest_complete(job.checkpoints, keys)

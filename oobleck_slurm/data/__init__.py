@@ -6,7 +6,7 @@
     indexed     Megatron's indexed .bin/.idx format: reader (`open_prepared`), writer, prepared folders
     tokens      `TokenFile` (memmap + JSON sidecar) and its metadata
     tokenizers  the byte tokenizer, a Hugging Face tokenizer.json (hf_tokenizer), user factories
-                `package.module:function`
+                `package.module:function`; their protocol and error in tokenizer_base
     dataset     `TokenDataset`: non-overlapping (x, y) windows; `open_source`: one source, identified
     sampler     `GlobalBatchSampler`: which samples step s trains on, plan-independent, O(1) per step
                 (a keyed Feistel bijection per source and pass)
@@ -20,7 +20,8 @@ from oobleck_slurm.data.dataset import TokenDataset
 from oobleck_slurm.data.default import DEFAULT_TEXT, cache_file, default_token_file
 from oobleck_slurm.data.prepare import prepare, prepared
 from oobleck_slurm.data.sampler import GlobalBatchSampler, contiguous_slices, pipeline_sample_ids
-from oobleck_slurm.data.tokenizers import ByteTokenizer, TokenizerError, load_tokenizer
+from oobleck_slurm.data.tokenizer_base import TokenizerError
+from oobleck_slurm.data.tokenizers import ByteTokenizer, load_tokenizer
 from oobleck_slurm.data.tokens import TokenFile, TokenFileError, TokenFileMeta
 
 __all__ = [

@@ -16,7 +16,7 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from oobleck_slurm.data.tokenizers import TokenizerError
+from oobleck_slurm.data.tokenizer_base import TokenizerError
 
 if TYPE_CHECKING:
     import tokenizers

@@ -56,7 +56,8 @@ from oobleck_slurm.data.indexed import (
     sha256_of,
 )
 from oobleck_slurm.data.indexed import paths as index_paths
-from oobleck_slurm.data.tokenizers import BYTE, BYTE_EOS, ByteTokenizer, Tokenizer, is_hf_spec, load_tokenizer
+from oobleck_slurm.data.tokenizer_base import Tokenizer
+from oobleck_slurm.data.tokenizers import BYTE, BYTE_EOS, ByteTokenizer, is_hf_spec, load_tokenizer
 from oobleck_slurm.data.tokens import (
     TokenFile,
     TokenFileError,

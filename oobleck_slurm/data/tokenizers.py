@@ -8,30 +8,20 @@ A tokenizer string is one of
     package.module:function   a factory: calling `function()` returns an object with
                               `encode(str) -> list[int]` and an integer `vocab_size`
 That keeps any tokenizer library (tiktoken, sentencepiece, HF tokenizers) an optional dependency:
-the `tokenizers` library is imported only to read a tokenizer.json.
+the `tokenizers` library is imported only to read a tokenizer.json (by `HFTokenizer`, when one is
+loaded). The protocol and the error live in tokenizer_base.py.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from typing import Protocol, runtime_checkable
 
-from oobleck_slurm.errors import BadInputError
+from oobleck_slurm.data.hf_tokenizer import HFTokenizer
+from oobleck_slurm.data.tokenizer_base import Tokenizer, TokenizerError
 
 BYTE = "byte"
 BYTE_EOS = 0  # the byte tokenizer's end of document: NUL, so the vocabulary stays 256 (see docs/data.md)
-
-
-class TokenizerError(BadInputError, ValueError):
-    """A tokenizer string cannot be resolved, or what it names is not a usable tokenizer."""
-
-
-@runtime_checkable
-class Tokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
 
 
 class ByteTokenizer:
@@ -59,8 +49,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == BYTE:
         return ByteTokenizer()
     if is_hf_spec(spec):
-        from oobleck_slurm.data.hf_tokenizer import HFTokenizer
-
         return HFTokenizer(spec)
     module_name, sep, func_name = spec.partition(":")
     if not sep or not module_name or not func_name or ":" in func_name:

@@ -6,7 +6,8 @@ login node; the methods that build layers import torch when called.
 
 Every consumer goes through this interface: the profiler and the estimate (`layer_estimates`), the
 planner (the layer count and names), the worker (`build_layers`, `boundary_shape`, `loss`), recovery
-and checkpoints (the layer keys name each layer's state), validation (`loss`) and export (`hf_adapter`).
+and checkpoints (the layer keys name each layer's state), validation (`loss`). Hugging Face
+names are a family's adapter's business (`models.hf.hf_adapter`).
 """
 
 from __future__ import annotations
@@ -113,10 +114,6 @@ class ModelDef(ABC):
         from oobleck_slurm.models.loss import lm_loss
 
         return lm_loss(output, targets)
-
-    def hf_adapter(self) -> Any:
-        """The state-dict adapter to and from Hugging Face names (`models.hf.HFAdapter`)."""
-        raise NotImplementedError(f"model family {self.family!r} has no Hugging Face adapter")
 
 
 def plain_json(value: Any) -> Any:

@@ -3,9 +3,12 @@
 A folder holds `config.json` and its weights in `model.safetensors` or, sharded,
 `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json` naming each tensor's shard. A
 family reads the config into its `ModelDef` (`model_from_hf`) and maps one of its layers' state to and
-from Hugging Face names through its `HFAdapter` (`ModelDef.hf_adapter()`), so a worker loads only its
+from Hugging Face names through its `HFAdapter` (`hf_adapter(model)`), so a worker loads only its
 own layers' tensors, opening only the shards that hold them (`load_layer_weights`), and an export
 streams layer by layer (`save_hf`).
+
+HFError, HFAdapter, ARCHITECTURES and `architecture` are defined in hf_base.py (which the families'
+hf.py import) and imported here for this module's callers.
 
 The core package must not need transformers: this module reads and writes the files itself, with
 safetensors (imported when tensors are read or written) and json.
@@ -20,9 +23,15 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from oobleck_slurm.errors import BadInputError
+from oobleck_slurm.models.gpt.config import GPTConfig
+from oobleck_slurm.models.gpt.hf import GPT2Adapter
+from oobleck_slurm.models.gpt.hf import config_from_hf as read_gpt
+from oobleck_slurm.models.hf_base import ARCHITECTURES, HFAdapter, HFError, architecture
+from oobleck_slurm.models.llama.config import LlamaConfig
+from oobleck_slurm.models.llama.hf import LlamaAdapter
+from oobleck_slurm.models.llama.hf import config_from_hf as read_llama
 
 if TYPE_CHECKING:
     import torch
@@ -34,43 +43,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-# architecture (config.json's "architectures") -> (model_type, family)
-ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("llama", "llama"),
-    "MistralForCausalLM": ("mistral", "llama"),
-    "Qwen2ForCausalLM": ("qwen2", "llama"),
-    "GPT2LMHeadModel": ("gpt2", "gpt"),
-}
-
-
-class HFError(BadInputError, ValueError):
-    """A Hugging Face folder this package cannot read or write; the message names the file and key."""
-
-
-class HFAdapter(Protocol):
-    """One family's mapping between its layers and a Hugging Face model's config and tensor names.
-
-    `index` is the layer's position in `ModelDef.layer_keys()`; state dicts are the layer's own
-    (`layer.state_dict()` names)."""
-
-    def hf_config(self) -> dict[str, Any]:
-        """A complete config.json (architectures, model_type, dtype float32, untied head, every shape
-        key) that transformers loads into a model computing what our layers compute."""
-        ...
-
-    def hf_names(self, index: int) -> list[str]:
-        """The Hugging Face tensor names of layer `index`."""
-        ...
-
-    def to_hf(self, index: int, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Layer `index`'s state under Hugging Face names and layouts (views where possible)."""
-        ...
-
-    def from_hf(self, index: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Layer `index`'s state from a checkpoint's tensors (only the layer's names are read)."""
-        ...
-
 
 def read_config(folder: str | Path) -> dict[str, Any]:
     """FOLDER/config.json as a dict, with an HFError naming the file when it is missing or malformed."""
@@ -89,26 +61,6 @@ def read_config(folder: str | Path) -> dict[str, Any]:
     return config
 
 
-def architecture(config: Mapping[str, Any], where: str) -> str:
-    """The supported architecture a config.json describes: the first of its `architectures` this package
-    knows, or, without that key, the one of its `model_type`."""
-    supported = ", ".join(ARCHITECTURES)
-    archs = config.get("architectures")
-    if archs:
-        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-            raise HFError(f"{where}: key 'architectures' must be a list of names, found {archs!r}")
-        for arch in archs:
-            if arch in ARCHITECTURES:
-                return arch
-        raise HFError(f"{where}: key 'architectures' = {archs}: not supported; supported: {supported}")
-    model_type = config.get("model_type")
-    for arch, (known_type, _) in ARCHITECTURES.items():
-        if model_type == known_type:
-            return arch
-    raise HFError(f"{where}: neither key 'architectures' nor key 'model_type' (= {model_type!r}) names a "
-                  f"supported model; supported: {supported}")
-
-
 def model_from_hf(folder: str | Path, seq_len: int | None = None) -> ModelDef:
     """The model definition of a Hugging Face folder (config.json only; weights load per layer with
     `load_layer_weights`).
@@ -121,12 +73,18 @@ def model_from_hf(folder: str | Path, seq_len: int | None = None) -> ModelDef:
     where = str(Path(folder) / CONFIG_FILE)
     family = ARCHITECTURES[architecture(config, where)][1]
     if family == "gpt":
-        from oobleck_slurm.models.gpt.hf import config_from_hf as read_gpt
-
         return read_gpt(config, where, seq_len=seq_len)
-    from oobleck_slurm.models.llama.hf import config_from_hf as read_llama
-
     return read_llama(config, where, seq_len=seq_len)
+
+
+def hf_adapter(model_def: ModelDef) -> HFAdapter:
+    """The state-dict adapter of a built-in family's model to and from Hugging Face names; a model of
+    another family (a user's factory) raises NotImplementedError."""
+    if isinstance(model_def, GPTConfig):
+        return GPT2Adapter(model_def)
+    if isinstance(model_def, LlamaConfig):
+        return LlamaAdapter(model_def)
+    raise NotImplementedError(f"model family {model_def.family!r} has no Hugging Face adapter")
 
 
 def has_weights(folder: str | Path) -> bool:
@@ -206,7 +164,7 @@ def load_layer_weights(folder: str | Path, model_def: ModelDef, index: int, laye
     import torch
 
     folder = Path(folder)
-    adapter: HFAdapter = model_def.hf_adapter()
+    adapter = hf_adapter(model_def)
     own = layer.state_dict()
     key = model_def.layer_keys()[index]
     with ExitStack() as stack:
@@ -245,7 +203,7 @@ def save_hf(out: str | Path, model_def: ModelDef, layer_states: Iterable[tuple[i
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    adapter: HFAdapter = model_def.hf_adapter()
+    adapter = hf_adapter(model_def)
     n = model_def.num_layers
     seen: set[int] = set()
     names: set[str] = set()

@@ -14,6 +14,7 @@ from oobleck_slurm.models import LlamaConfig, gpt_config, llama_config
 from oobleck_slurm.models.hf import (
     HFError,
     has_weights,
+    hf_adapter,
     load_layer_weights,
     model_from_hf,
     read_config,
@@ -176,7 +177,7 @@ def test_export_of_fresh_layers_then_sharded_reload(tmp_path: Path, monkeypatch:
     assert again == cfg
     block = again.build_layers(0, 2, 3, initialise=False)[0]
     load_layer_weights(tmp_path, again, 2, block)
-    needed = {index["weight_map"][n] for n in again.hf_adapter().hf_names(2)}
+    needed = {index["weight_map"][n] for n in hf_adapter(again).hf_names(2)}
     assert set(opened) == needed and len(opened) == len(needed) < len(shards)
     assert all(torch.equal(a, b) for a, b in zip(block.state_dict().values(), layers[2].state_dict().values()))
 

@@ -101,11 +101,6 @@ class GPTConfig(ModelDef):
 
         return build_layers(self, seed, start, stop, device=device, initialise=initialise)
 
-    def hf_adapter(self) -> Any:
-        from oobleck_slurm.models.gpt.hf import GPT2Adapter
-
-        return GPT2Adapter(self)
-
 
 GPT_PRESETS: dict[str, GPTConfig] = {
     # CPU test sizes: a forward+backward of one microbatch takes milliseconds on one core.

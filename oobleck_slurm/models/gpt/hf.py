@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oobleck_slurm.models.gpt.config import GPTConfig
-from oobleck_slurm.models.hf import HFError, architecture
+from oobleck_slurm.models.hf_base import HFError, architecture
 
 if TYPE_CHECKING:
     import torch

@@ -17,6 +17,7 @@ with `tie_embeddings=True` raises NotImplementedError.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,11 @@ from torch import nn
 
 from oobleck_slurm.models.base import build_range
 from oobleck_slurm.models.documents import Documents, causal_attention
-from oobleck_slurm.models.gpt.config import GPTConfig
+
+if TYPE_CHECKING:
+    # For the annotations only: config.py builds layers by calling this module (lazily, as it must stay
+    # importable without torch), so this module names its config's type without importing it.
+    from oobleck_slurm.models.gpt.config import GPTConfig
 
 INIT_STD = 0.02  # GPT-2 / nanoGPT initialisation
 

@@ -112,11 +112,6 @@ class LlamaConfig(ModelDef):
 
         return build_layers(self, seed, start, stop, device=device, initialise=initialise)
 
-    def hf_adapter(self) -> Any:
-        from oobleck_slurm.models.llama.hf import LlamaAdapter
-
-        return LlamaAdapter(self)
-
 
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1

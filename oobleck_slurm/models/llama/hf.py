@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from oobleck_slurm.models.hf import ARCHITECTURES, HFError, architecture
+from oobleck_slurm.models.hf_base import ARCHITECTURES, HFError, architecture
 from oobleck_slurm.models.llama.config import LlamaConfig
 
 if TYPE_CHECKING:

@@ -15,6 +15,7 @@ weights as a full build. The head is never tied to the embedding: they sit on di
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,11 @@ from torch import nn
 
 from oobleck_slurm.models.base import build_range
 from oobleck_slurm.models.documents import Documents, causal_attention
-from oobleck_slurm.models.llama.config import LlamaConfig
+
+if TYPE_CHECKING:
+    # For the annotations only: config.py builds layers by calling this module (lazily, as it must stay
+    # importable without torch), so this module names its config's type without importing it.
+    from oobleck_slurm.models.llama.config import LlamaConfig
 
 INIT_STD = 0.02
 
