@@ -69,6 +69,6 @@ f  two_stage_pipeline  Two processes, a 2-stage pipeline from the planner throug
                    so cutting the layers into stages changes no arithmetic). A hung child's Python
                    stacks are recorded (faulthandler on SIGUSR1 before it is killed).
 
-The environment (torch, CUDA, NCCL, device, memory) is recorded. The `submit` kill drill is not here.
+The environment (torch, CUDA, NCCL, device, memory) is recorded. Section h is `submit`'s own kill drill.
 NCCL children get the environment a node agent gives its workers (agent/main.py NCCL_WORKER_ENV).
 """
