@@ -41,10 +41,11 @@ import torch
 from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE, JobDir, load_secret
 from oobleck_slurm.cluster.lease import PublishedEpoch, read_lease
 from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation, clone_store
-from oobleck_slurm.engine.checkpoint import CheckpointWriter, layer_file
+from oobleck_slurm.engine.checkpoint import CheckpointWriter, latest_complete, layer_file
 from oobleck_slurm.engine.comm import connect_store, is_collective_error
 from oobleck_slurm.engine.faults import FaultHooks
 from oobleck_slurm.engine.layout import ExecPlan
+from oobleck_slurm.engine.loss_spike import stop_message
 from oobleck_slurm.engine.recovery import can_complete, reach_step
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
@@ -56,6 +57,7 @@ from oobleck_slurm.protocol.records import (
     FirstStep,
     GenerationConfig,
     LastStep,
+    LossSpikeStop,
     OutOfMemory,
     Rebuilt,
     StepCompute,
@@ -111,6 +113,11 @@ class StepWriter:
 
 ERROR_CHARS = 400  # a reported collective error is cut to this length (the event log keeps it)
 FOLLOW_POLL_S = 0.05  # elastic.json is read this often while a new supervisor is awaited
+
+
+class LossSpikesStopped(OobleckError, RuntimeError):
+    """training.loss_spike judged `max_consecutive` steps in a row spikes: the worker stops (every rank
+    does, at the same step) after reporting why (records.LossSpikeStop); the coordinator stops the job."""
 
 
 class WorkerOutOfMemory(OobleckError, RuntimeError):
@@ -385,6 +392,7 @@ class ElasticWorker:
         """Generation g's steps, from the worker's step on; then the final checkpoint."""
         w = self.worker
         gen.align()
+        self._check_spikes(g)  # a stop verdict on a step completed in the recovery (reach_step)
         if g > 0:  # what the step it resumes at is owed, as the loop does after a step
             if self._eval_due(w.step) and not self._eval_logged(gen, w.step):  # cut short, or not reached
                 self._evaluate(g)
@@ -406,6 +414,7 @@ class ElasticWorker:
                 if first:
                     records.put(self.step_writer, FirstStep(step=result.step, t=time.time()), g)
             first = False
+            self._check_spikes(g)
             if self._eval_due(w.step) or self._checkpoint_due(w.step):
                 gen.expect_long_step()  # a peer busy between steps: the next waits (eval's too) include it
             if self._eval_due(w.step):
@@ -415,6 +424,24 @@ class ElasticWorker:
                 raise GenerationAborted(f"{keys.failed(g)} after step {result.step}")
         self.save_checkpoint(self.checkpoint_root, w.step)  # the trained model
         gen.wait(gen.world.barrier())  # nobody leaves while a peer may still need a group
+
+    def _check_spikes(self, g: int) -> None:
+        """After `max_consecutive` loss spikes in a row (training.loss_spike; every rank judges the same
+        at the same step): finish the checkpoint writes under way, report why (rank 0 also logs it),
+        and stop; the coordinator stops the job instead of recovering it (supervisor/decisions.py)."""
+        w = self.worker
+        verdict, policy = w.spike_stop, self.job.train.loss_spike
+        if verdict is None or policy is None or w.spike is None:
+            return
+        if self.writer is not None:
+            self.writer.flush()
+        checkpoint = latest_complete(self.checkpoint_root, w.keys)
+        message = stop_message(policy, w.spike.spikes, verdict, checkpoint)
+        if w.rank == 0:
+            self.log.emit("loss_spike_stop", step=w.step - 1, spikes=list(w.spike.spikes), loss=verdict.loss,
+                          threshold=verdict.threshold, checkpoint=checkpoint, message=message)
+        records.put(self.store, LossSpikeStop(step=w.step - 1, message=message, t=time.time()), g, self.name)
+        raise LossSpikesStopped(f"worker {self.name}: {message}")
 
     def _eval_due(self, step: int) -> bool:
         """The validation loss is measured after every `eval_interval` steps and after the last."""
@@ -455,7 +482,7 @@ class ElasticWorker:
         if self.writer is None or str(self.writer.root) != root:
             if self.writer is not None:
                 self.writer.flush()
-            self.writer = CheckpointWriter(root, self.worker.batches.record)
+            self.writer = CheckpointWriter(root, self.worker.data_record)
         for i in self._first_held(w):
             if (payload := w.layer_payload(i)) is not None:
                 self.writer.submit(w.step, w.keys[i], payload)
@@ -485,7 +512,7 @@ class ElasticWorker:
         if not layers:
             return
         if self.writer is None:
-            self.writer = CheckpointWriter(self.checkpoint_root, self.worker.batches.record)
+            self.writer = CheckpointWriter(self.checkpoint_root, self.worker.data_record)
         for i in layers:
             if (payload := w.layer_payload(i)) is not None:
                 self.writer.submit(w.step, w.keys[i], payload)

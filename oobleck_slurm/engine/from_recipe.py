@@ -8,6 +8,7 @@ from typing import Any
 
 from oobleck_slurm.data import cache_file, default_token_file, prepared
 from oobleck_slurm.data.tokens import TokenFile, TokenFileError
+from oobleck_slurm.engine.loss_spike import SpikePolicy
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.models import with_layers
 
@@ -82,6 +83,7 @@ def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str],
                         seed=t.seed, grad_clip=t.grad_clip, warmup_steps=s.warmup_steps, decay=s.decay,
                         min_lr=s.min_lr, precision=t.precision, eval_interval=t.eval_interval, recompute=t.recompute,
                         eval_samples=t.eval_samples if t.eval_interval else 0, deterministic=t.deterministic,
-                        bucket_mb=t.bucket_mb),
+                        bucket_mb=t.bucket_mb, loss_spike=None if (ls := t.loss_spike) is None else
+                        SpikePolicy(ls.sigma, ls.window, ls.warmup, ls.max_consecutive)),
         backend="nccl" if recipe.cluster.gpus_per_node > 0 else "gloo",
     )

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from oobleck_slurm.engine.loss_spike import SpikePolicy
 from oobleck_slurm.models import ModelDef, model_from_dict
 
 # fp64 is for exactness tests: there, summing the same gradients in another order moves Adam/CAME
@@ -128,6 +129,7 @@ class TrainSpec:
     eval_samples: int = 0
     deterministic: bool = False  # deterministic CUDA kernels (worker.use_deterministic_kernels)
     bucket_mb: float = 25.0  # kept sharded stages' collectives, consecutive layers up to this (shard.py)
+    loss_spike: SpikePolicy | None = None  # skip loss spikes (engine/loss_spike.py); None: off
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "num_microbatches"):
@@ -172,7 +174,8 @@ class JobSpec:
             model=ModelSpec.from_dict(d["model"]),
             data=DataSpec(**d["data"]),
             optim=OptimSpec(**optim),
-            train=TrainSpec(**d["train"]),
+            train=TrainSpec(**{**d["train"], "loss_spike": SpikePolicy(**spike)
+                               if (spike := d["train"].get("loss_spike")) is not None else None}),
             backend=d.get("backend", "gloo"),
             extra=d.get("extra", {}),
         )

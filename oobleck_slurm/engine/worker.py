@@ -26,16 +26,24 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 
 from oobleck_slurm.engine.batches import Reads, StepBatches, open_dataset, open_validation
-from oobleck_slurm.engine.checkpoint import layer_payload, load_layer, persistent_buffers
+from oobleck_slurm.engine.checkpoint import (
+    CheckpointError,
+    layer_payload,
+    load_layer,
+    persistent_buffers,
+    read_data_record,
+)
 from oobleck_slurm.engine.comm import Generation, step_timeout_waits
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
 from oobleck_slurm.engine.layer_rng import LayerDrawError, LayerDraws
 from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, pass_slices, reduce_pieces, sample_range
+from oobleck_slurm.engine.loss_spike import Judgement, SpikeState, judge
 from oobleck_slurm.engine.lr import lr_at
 from oobleck_slurm.engine.nccl_order import P2POp
 from oobleck_slurm.engine.prefetch import Prefetcher
@@ -115,6 +123,10 @@ class PendingStep:
 
     step: int
     total_sq: float
+    loss: float | None = None  # the step's world-summed loss, when the loss-spike policy needs it
+
+
+SPIKE_SNAPSHOTS = 4  # loss-spike states kept for checkpoints still being written (steps apart by an interval)
 
 
 @dataclass
@@ -199,7 +211,13 @@ class Worker:
         self.step = 0
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
-        self.skipped = False  # the last completed step's update was skipped (its gradients were not finite)
+        self.skipped = False  # the last completed step's update was skipped (`skip_reason` says why)
+        self.skip_reason: str | None = None  # "non_finite" | "loss_spike" | None
+        # The loss-spike policy's state (engine/loss_spike.py), the same on every rank; None: off.
+        self.spike: SpikeState | None = SpikeState() if job.train.loss_spike is not None else None
+        self.judgement: Judgement | None = None  # the last completed step's verdict (None: policy off)
+        self.spike_stop: Judgement | None = None  # set once a verdict said stop (max_consecutive spikes)
+        self._spike_at: dict[int, SpikeState] = {}  # step -> the state, for that step's checkpoint record
         self.grads: dict[int, torch.Tensor] = {}  # layer -> the flat buffer its parameters' .grad view
         self.shards: dict[int, ShardedLayer] = {}  # layer -> this rank's shard, on a stage wider than one rank
         self.pending: PendingStep | None = None  # a step finished everywhere but not yet applied here
@@ -336,6 +354,7 @@ class Worker:
             for index in sorted(needed):
                 received += self._fresh_layer(index, role=role, checkpoint=checkpoint)
             self.step = checkpoint[1]
+            self.spike = self._spike_from_checkpoint(*checkpoint)
         elif source == "memory":
             # What every rank holds now, read by every adopt (one world all-reduce): a table kept from an
             # earlier adopt names layers dropped since, and a newcomer would post the all-reduce alone.
@@ -344,12 +363,61 @@ class Worker:
                 received = self._adopt_slices(plan, gen, role, list(transfers), held)
             else:
                 received = self._adopt_whole(gen, list(transfers), needed)
+            self._share_spike_state(gen)
         else:
             raise ValueError(f"adopt: source must be 'seed', 'checkpoint' or 'memory', got {source!r}")
         if missing := needed - set(self.layers):
             raise RuntimeError(f"rank {self.rank} lacks layer(s) {sorted(missing)} after adopting the plan")
         self.plan, self.gen, self.role = plan, gen, role
         return received
+
+    def _spike_from_checkpoint(self, root: str, step: int) -> SpikeState | None:
+        """The loss-spike state recorded with the checkpoint of `step` (its data record); a checkpoint
+        without one (written with the policy off, or before it existed) starts the policy fresh."""
+        if self.spike is None:
+            return None
+        record = read_data_record(root, step)
+        saved = record.get("loss_spike") if record is not None else None
+        if saved is None:
+            return SpikeState(step=step)
+        try:
+            state = SpikeState.from_json(saved)
+        except ValueError as e:
+            raise CheckpointError(f"{root}/step{step}: data record: {e}") from None
+        if state.step != step:
+            raise CheckpointError(f"{root}/step{step}: data record: loss-spike state of step {state.step}")
+        return state
+
+    def _share_spike_state(self, gen: Generation) -> None:
+        """Give every rank of `gen` the loss-spike state of its step, from a rank that holds it: the
+        survivors hold it (they judged every step, or completed the last one with its loss), a newcomer
+        does not. Two world all-reduces, once per adopt from memory: which ranks hold the state of the
+        step (the first one's is taken: they are all the same), then that rank's state."""
+        policy = self.job.train.loss_spike
+        if policy is None or self.spike is None:
+            return
+        holds = torch.zeros(gen.world_size, dtype=torch.int64, device=self.device)
+        holds[self.rank] = int(self.spike.step == self.step)
+        with step_timeout_waits(gen):
+            gen.wait(gen.world.allreduce([holds]))
+        holders = [r for r, h in enumerate(holds.cpu().tolist()) if h]
+        if not holders:  # nobody judged this step (a bug: a memory adopt has survivors at the step)
+            raise RuntimeError(f"no rank holds the loss-spike state of step {self.step}")
+        values = torch.zeros(SpikeState.floats_len(policy), dtype=torch.float64, device=self.device)
+        if self.rank == holders[0]:
+            mine = self.spike.to_floats()
+            values[: len(mine)] = torch.tensor(mine, dtype=torch.float64)
+        with step_timeout_waits(gen):
+            gen.wait(gen.world.allreduce([values]))  # a sum of zeros and one row: the same bits
+        self.spike = SpikeState.from_floats(values.cpu().tolist())
+
+    def data_record(self, step: int) -> dict[str, Any]:
+        """The checkpoint of `step`'s data record (engine/checkpoint.py DATA_FILE): the data's, and the
+        loss-spike state at that step when the policy is on (a resume goes on with it)."""
+        record = self.batches.record(step)
+        if (state := self._spike_at.get(step)) is not None:
+            record["loss_spike"] = state.to_json()
+        return record
 
     def _adopt_whole(self, gen: Generation, transfers: list[tuple[int, int, int]], needed: set[int]) -> int:
         """Adopt a plan of width-1 stages from holders of whole layers: receive the layers `transfers`
@@ -853,9 +921,19 @@ class Worker:
         if gen.pipeline is not None:
             gen.wait(gen.pipeline.allreduce([sq]))
         total_sq = sum(sq.flatten().tolist())  # fixed order: every pipeline gets the same bits
+        spike_loss = None
+        if self.spike is not None:
+            # The loss-spike policy judges the step's loss: reduced over the world before the commit
+            # point, so that every rank, also one that completes the step alone in a recovery (or a
+            # spare), decides the same (one more small all-reduce per step, only with the policy on).
+            reduced = torch.zeros(1, dtype=torch.float64, device=self.device)
+            if role is not None and role.is_last:
+                reduced[0] = loss_sum
+            gen.wait(gen.world.allreduce([reduced]))
+            spike_loss = float(reduced.cpu()[0])
         if role is not None:
             self._prepare_stage_updates(gen, role, total_sq)
-            self.pending = PendingStep(self.step, total_sq)
+            self.pending = PendingStep(self.step, total_sq, spike_loss)
 
         # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time, peak memory,
         # per-rank wait for data.
@@ -876,8 +954,9 @@ class Worker:
         metrics = metrics.cpu()
         if role is not None:
             lr = self.complete_step()
-        else:  # a spare: nothing to update
+        else:  # a spare: nothing to update, but it judges the loss as the members do (it may join them)
             lr = self.lr()
+            self._judge(spike_loss)
             self.step += 1
         return StepResult(
             step=self.step - 1,
@@ -890,6 +969,8 @@ class Worker:
             peak_memory=tuple(float(v) for v in metrics[memory:data]) if self.device.type == "cuda" else (),
             data_s=float(metrics[data:].max()),  # the longest wait: a pipeline's ranks wait for each other
             skipped=role is not None and self.skipped,
+            skip_reason=self.skip_reason if role is not None else None,
+            loss_threshold=self.judgement.threshold if self.judgement is not None else None,
         )
 
     def _prepare_stage_updates(self, gen: Generation, role: Role, total_sq: float) -> None:
@@ -1042,7 +1123,14 @@ class Worker:
 
         Gathered one tensor at a time (the parameters, then each moment), each cut into the payload's
         CPU copies and freed before the next gather: beyond the payload, a rank holds one whole-layer
-        buffer and its own shard of one moment (docs/engine.md, checkpoints)."""
+        buffer and its own shard of one moment (docs/engine.md, checkpoints).
+
+        The loss-spike state at this step is kept for the checkpoint's data record (`data_record`),
+        which the writer's thread makes later, when the state may have moved on."""
+        if self.spike is not None and self.step not in self._spike_at:
+            self._spike_at[self.step] = self.spike
+            for old in sorted(self._spike_at)[:-SPIKE_SNAPSHOTS]:
+                del self._spike_at[old]
         sharded = self.shards.get(index)
         if sharded is None:
             return layer_payload(self.layers[index], self.optimizers[index], self.step)
@@ -1094,16 +1182,25 @@ class Worker:
     def complete_step(self) -> float:
         """Apply the pending step: clip the reduced gradients to the global norm, update every layer,
         advance `step`. Returns the step's learning rate. Needs no peer (recovery.py). A step whose
-        global gradient norm is not finite is skipped (`skipped`): parameters and optimizer state stay
-        as they were, and the step is consumed (the next reads the next samples)."""
+        global gradient norm (or loss) is not finite, or whose loss the loss-spike policy judges a spike,
+        is skipped (`skipped`, `skip_reason`): parameters and optimizer state stay as they were, and the
+        step is consumed (the next reads the next samples)."""
         if self.pending is None or self.pending.step != self.step:
             raise RuntimeError(f"no pending step {self.step} to complete (pending: {self.pending})")
         lr = self.lr()
-        self.skipped = not math.isfinite(self.pending.total_sq)
+        judgement = self._judge(self.pending.loss)
+        if not math.isfinite(self.pending.total_sq) or (judgement is not None and judgement.verdict == "non_finite"):
+            self.skip_reason = "non_finite"
+        elif judgement is not None and judgement.skips:
+            self.skip_reason = "loss_spike"
+        else:
+            self.skip_reason = None
+        self.skipped = self.skip_reason is not None
         if self.skipped:
             # A NaN or Inf in any rank's gradient reaches every replica's all-reduce, and every rank holds
             # this global norm with the same bits (also one that completes the step alone, recovery.py):
-            # every rank skips the update, so no replica takes in the non-finite values.
+            # every rank skips the update, so no replica takes in the non-finite values. The loss-spike
+            # verdict is the same on every rank too: the same state and the same reduced loss.
             self.step += 1
             self.pending = None
             return lr
@@ -1118,6 +1215,18 @@ class Worker:
         self.step += 1
         self.pending = None
         return lr
+
+    def _judge(self, loss: float | None) -> Judgement | None:
+        """The loss-spike verdict on step `self.step` (None with the policy off), advancing its state;
+        a `stop` verdict is kept in `spike_stop` (the process stops the job: elastic_process.py)."""
+        policy = self.job.train.loss_spike
+        if policy is None or self.spike is None or loss is None:
+            self.judgement = None
+            return None
+        self.judgement, self.spike = judge(policy, self.spike, self.step, loss)
+        if self.judgement.verdict == "stop" and self.spike_stop is None:
+            self.spike_stop = self.judgement
+        return self.judgement
 
     def layer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Parameters of the held layers, by layer key then parameter name (CPU copies)."""

@@ -209,9 +209,15 @@ class Step(Event):
     peak_memory: list[float | None] | None = optional("per rank: peak bytes allocated on its GPU during the step")
     data_s: float | None = optional("the longest any rank waited for its samples in the step (s)")
     generation: int | None = optional("the generation that ran it")
-    skipped: bool | None = optional("true when the step's global gradient norm was not finite (a NaN or Inf on "
-                                    "any rank): every rank skipped its update, parameters and optimizer state "
-                                    "unchanged, and the next step reads the next samples")
+    skipped: bool | None = optional("true when every rank skipped the step's update (`skip_reason` says why): "
+                                    "parameters and optimizer state unchanged, and the next step reads the next "
+                                    "samples")
+    skip_reason: str | None = optional("why the step was skipped: the global gradient norm or the loss was not "
+                                       "finite (a NaN or Inf on any rank), or the loss exceeded "
+                                       "`loss_threshold` (training.loss_spike)", ("non_finite", "loss_spike"))
+    loss_threshold: float | None = optional("training.loss_spike: the bar the step's loss was judged against (mean "
+                                            "of the window's accepted losses + sigma standard deviations); absent "
+                                            "while the policy warms up or is off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -452,6 +458,20 @@ class OutOfMemory(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LossSpikeStop(Event):
+    """training.loss_spike: `max_consecutive` loss spikes in a row (written by rank 0, whose worker then
+    stops with the others): the coordinator stops the job with `message` rather than recover it."""
+
+    kind = "loss_spike_stop"
+    step: int = required("the step of the last spike (skipped like the others)")
+    spikes: list[int] = required("the steps of the spikes in a row")
+    loss: float | None = optional("the last spike's loss")
+    threshold: float | None = optional("the bar it exceeded")
+    checkpoint: int | None = optional("the newest complete checkpoint's step; null if none")
+    message: str | None = optional("what happened and what to do")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Detection(RecoveryEvent):
     """Phase: from the failure to its detection (0 when the fault time is unknown)."""
 
@@ -570,7 +590,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Plan and training": (Plan, Step, Eval, Checkpoint, CheckpointRequested, CheckpointFallback),
     "Nodes": (Node, NodeLost, ReplacementRequested, NodeJoined, HealthCheck, FaultInjected, Drill, PreemptNotice,
               SlurmUnreachable, SlurmCalls, Refused, StoreRejected),
-    "Failure and recovery": (CollectiveError, Failure, OutOfMemory, Detection, Reform, Replan, GroupRebuild,
+    "Failure and recovery": (CollectiveError, Failure, OutOfMemory, LossSpikeStop, Detection, Reform, Replan, GroupRebuild,
                              StateCopy, Replay, Resumed),
     "Faulty machines and stragglers": (Health, FaultyNode, Straggler),
 }

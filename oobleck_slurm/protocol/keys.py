@@ -82,6 +82,10 @@ def out_of_memory(g: int, worker: str) -> str:
     return f"gen{g}/oom/{worker}"
 
 
+def loss_spike_stop(g: int, worker: str) -> str:
+    return f"gen{g}/loss_spikes/{worker}"
+
+
 def group_prefix(g: int, group: str) -> str:
     return f"gen{g}/{group}"
 

@@ -14,6 +14,7 @@ are checked. Counters and bare integers (`current_gen`, `gen{g}/progress`, `work
     gen{g}/first_step       FirstStep          g's first completed step and its time
     gen{g}/error/{worker}   WorkerError        a collective error a worker saw in g
     gen{g}/oom/{worker}     OutOfMemory        the worker ran out of device memory in g, doing what
+    gen{g}/loss_spikes/{worker} LossSpikeStop  training.loss_spike stopped the worker in g, and why
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ class StepResult:
     compute_seconds: tuple[float, ...] = ()  # per rank: forward/backward only
     peak_memory: tuple[float, ...] = ()  # per rank: peak bytes allocated on its GPU during the step
     data_s: float = 0.0  # the longest any rank's training loop waited for its samples (engine/prefetch.py)
-    skipped: bool = False  # the gradients were not finite: no rank applied the update (engine/worker.py)
+    skipped: bool = False  # no rank applied the update (engine/worker.py complete_step); `skip_reason` says why
+    skip_reason: str | None = None  # "non_finite" (gradient norm or loss) | "loss_spike" (training.loss_spike)
+    loss_threshold: float | None = None  # the loss-spike policy's bar for this step (None: off or warming up)
 
     def event(self, generation: int, global_batch_size: int) -> dict[str, Any]:
         """The `step` event rank 0 writes to the job's log."""
@@ -96,7 +99,8 @@ class StepResult:
             "samples_per_s": global_batch_size / self.seconds if self.seconds > 0 else 0.0,
             "pipeline_seconds": list(self.pipeline_seconds), "compute_seconds": list(self.compute_seconds),
             "peak_memory": list(self.peak_memory), "data_s": self.data_s, "generation": generation,
-            **({"skipped": True} if self.skipped else {}),
+            **({"skipped": True, "skip_reason": self.skip_reason} if self.skipped else {}),
+            **({"loss_threshold": self.loss_threshold} if self.loss_threshold is not None else {}),
         }
 
 
@@ -168,6 +172,18 @@ class OutOfMemory(Record):
     allocated: int
     peak: int
     capacity: int
+    t: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossSpikeStop(Record):
+    """training.loss_spike judged `max_consecutive` steps in a row spikes (every rank does, at the same
+    step): the worker exits next, and the coordinator stops the job with `message` instead of
+    recovering (a replay from memory or a checkpoint would meet the same spikes: the engine is exact)."""
+
+    KEY = staticmethod(keys.loss_spike_stop)
+    step: int
+    message: str
     t: float
 
 

@@ -339,6 +339,23 @@ class LRScheduleConfig:
     min_lr: float = field(default=0.0, metadata=check(non_negative))
 
 
+def at_least_two(value: int) -> str | None:
+    return None if value >= 2 else f"must be >= 2 (a standard deviation needs two losses), got {value}"
+
+
+@dataclass(frozen=True)
+class LossSpikeConfig:
+    """`training.loss_spike` (docs/engine.md, numerical guards): a step whose loss exceeds the mean of
+    the last `window` accepted losses by more than `sigma` of their standard deviation, once `warmup`
+    losses were accepted, is skipped by every rank; `max_consecutive` spikes in a row stop the job,
+    naming the steps and the newest complete checkpoint. Absent: off."""
+
+    sigma: float = field(default=6.0, metadata=check(positive))
+    window: int = field(default=100, metadata=check(at_least_two))
+    warmup: int = field(default=100, metadata=check(at_least_two))  # accepted losses before any is judged
+    max_consecutive: int = field(default=5, metadata=check(positive))
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     global_batch_size: int = field(default=32, metadata=check(positive))
@@ -366,6 +383,8 @@ class TrainingConfig:
     # reduce-scatter up to this many MB of full-size buffers (as DDP's bucket_cap_mb); a larger layer
     # goes alone. Fewer, larger collectives cost less; smaller ones start sooner.
     bucket_mb: float = field(default=25.0, metadata=check(positive))
+    # Loss-spike skipping (LossSpikeConfig); absent or null: off. `loss_spike: {}` turns it on with its defaults.
+    loss_spike: LossSpikeConfig | None = None
 
     @property
     def global_microbatches(self) -> int:

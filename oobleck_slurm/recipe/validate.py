@@ -257,6 +257,10 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
             add(("training", "optimizer", "eps"), f"each eps must be > 0, got {list(opt.eps)}")
     if recipe.data.validation and not t.eval_interval:
         add(("data", "validation"), "is evaluated every training.eval_interval steps, which is 0 (never)")
+    if t.loss_spike is not None and t.loss_spike.warmup > t.loss_spike.window:
+        add(("training", "loss_spike", "warmup"),
+            f"{t.loss_spike.warmup} accepted losses cannot be had in a window of {t.loss_spike.window} "
+            f"(training.loss_spike.window): warmup must be <= window")
     if t.lr_schedule.warmup_steps > t.steps:
         add(("training", "lr_schedule", "warmup_steps"),
             f"{t.lr_schedule.warmup_steps} warmup steps exceed training.steps ({t.steps})")

@@ -66,6 +66,7 @@ from oobleck_slurm.protocol.records import (
     CheckpointRef,
     Failed,
     GenerationConfig,
+    LossSpikeStop,
     OutOfMemory,
     Rebuilt,
     RecoveryState,
@@ -407,6 +408,15 @@ class Coordinator:
                                                 detail=f"{worker}: {report.error} ({report.phase}, step {report.step})")
         return tuple(found)
 
+    def _loss_spike_stop(self, g: int, lost: Collection[str]) -> str | None:
+        """Why the workers of the `lost` nodes stopped, if training.loss_spike stopped them in
+        generation g (records.LossSpikeStop, written before they exit); else None."""
+        for node in lost:
+            for worker in keys.node_workers(node, self.cfg.devices_per_node):
+                if (report := records.get_if(self.store, LossSpikeStop, g, worker)) is not None:
+                    return report.message
+        return None
+
     def _workers_keys(self, node: str, key: Callable[[str], str]) -> list[str]:
         """`key(worker)` for every worker of `node`."""
         return [key(w) for w in keys.node_workers(node, self.cfg.devices_per_node)]
@@ -493,7 +503,8 @@ class Coordinator:
                               checkpoint_mode=self.cfg.mode == "checkpoint",
                               reforms_at_resume=self.reforms.get(resume_step(steps.values()), 0),
                               trained=self.trained, slowdown=change.slowdown,
-                              out_of_memory=self._name_out_of_memory(g, sorted(lost_set)))
+                              out_of_memory=self._name_out_of_memory(g, sorted(lost_set)),
+                              loss_spike_stop=self._loss_spike_stop(g, sorted(lost_set)))
         action = decide(collected, self.policy, g, cause)
         if isinstance(action, GiveUp):
             raise CannotContinue(f"cannot continue: {action.reason}")

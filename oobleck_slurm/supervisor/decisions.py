@@ -24,6 +24,10 @@ Phases of a job (`Phase`, protocol/phases.py: the events carry them) and their t
     CHECKPOINTING  preemption: workers save the largest reported step and stop  -> DONE
     DONE           terminal
 
+Workers that stop on training.loss_spike's `max_consecutive` spikes in a row (every rank at the same
+step, each reporting why: records.LossSpikeStop) stop the job (`GiveUp`, with their message): the
+engine is exact, so a recovery, from memory or a checkpoint, would replay into the same spikes.
+
 A worker that ran out of device memory is a loss whose cause is named (`out_of_memory_action`): the
 change restarts from a checkpoint if it happened while layers were copied in memory, and otherwise stops
 the job (`GiveUp`): the same plan would fail the same way, however often it is recovered.
@@ -167,6 +171,8 @@ class Collected:
     slowdown: tuple[tuple[str, float], ...] = ()  # a rebalance: stragglers' compute time over their peers'
     # (worker, phase) of each lost worker that reported running out of device memory (keys.out_of_memory)
     out_of_memory: tuple[tuple[str, str], ...] = ()
+    # training.loss_spike stopped the workers (records.LossSpikeStop): why, as a lost worker reported it
+    loss_spike_stop: str | None = None
 
 
 @dataclass(frozen=True)
@@ -276,6 +282,8 @@ def decide(c: Collected, policy: Policy, generation: int, trigger: str) -> Chang
     lost = sorted(c.lost)
     if c.finished:
         return Complete(f"{trigger} as the run ended: no recovery needed")
+    if c.loss_spike_stop is not None:  # every rank stopped at the same step: recovering replays the spikes
+        return GiveUp(c.loss_spike_stop)
     if c.out_of_memory:  # before the checkpoint mode: its restart would run the same plan again
         return out_of_memory_action(c.out_of_memory)
     if c.checkpoint_mode and c.lost:
