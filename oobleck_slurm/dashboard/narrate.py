@@ -83,6 +83,10 @@ class Narrator:
             self.last_step = step
             last = self.total_steps is not None and step == self.total_steps - 1
             if e.get("skipped"):  # said whatever the step's number: a run's numerics went wrong
+                if e.get("skip_reason") == "loss_spike":
+                    return [f"step {step} skipped: loss {e.get('loss', float('nan')):.4f} above the spike bar "
+                            f"{e.get('loss_threshold', float('nan')):.4f} (training.loss_spike); parameters and "
+                            f"optimizer state unchanged"]
                 return [f"step {step} skipped: gradient norm {e.get('grad_norm')} (not finite); parameters and "
                         f"optimizer state unchanged"]
             if step % self._every() and not last:
@@ -95,6 +99,8 @@ class Narrator:
         if kind == "node_lost":
             self.lost[str(e["node"])] = e
             return []
+        if kind == "loss_spike_stop":
+            return [f"stopping: {e.get('message') or 'training.loss_spike: too many loss spikes in a row'}"]
         if kind == "failure":
             nodes = [str(n) for n in e.get("nodes", [])]
             self.copied = 0

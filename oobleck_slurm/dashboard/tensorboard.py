@@ -5,6 +5,8 @@ TensorBoard, or any tool that reads its files (Weights & Biases' `sync_tensorboa
     train/loss, train/lr, train/grad_norm,        by step (a step replayed after a recovery is written
     train/samples_per_s, train/step_seconds,      again, with the same loss: recovery is exact)
     train/data_seconds                            (the step's wait for its samples: `data_s`)
+    train/loss_threshold                          training.loss_spike's bar for the step's loss
+    train/skipped/non_finite, .../loss_spike      1 at each skipped step, by its reason
     eval/loss                                     by step
     recovery/seconds, recovery/nodes_lost         at the step training resumed from
     cluster/ranks, cluster/pipelines              at the step each plan took effect
@@ -27,7 +29,7 @@ from oobleck_slurm.protocol.events import EventTail
 OFFSET_FILE = "events.offset"  # bytes of events.jsonl already exported
 STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
                 "samples_per_s": "train/samples_per_s", "seconds": "train/step_seconds",
-                "data_s": "train/data_seconds"}
+                "data_s": "train/data_seconds", "loss_threshold": "train/loss_threshold"}
 
 
 class TensorBoardUnavailable(BadInputError):
@@ -78,6 +80,8 @@ class TensorBoardExporter:
             for field, tag in STEP_SCALARS.items():
                 if isinstance(e.get(field), (int, float)):
                     add(tag, e[field], e["step"], walltime=t)
+            if e.get("skipped"):  # why, as its own series: a skipped step's loss alone does not say
+                add(f"train/skipped/{e.get('skip_reason') or 'non_finite'}", 1, e["step"], walltime=t)
         elif kind == "eval" and isinstance(e.get("step"), int) and isinstance(e.get("loss"), (int, float)):
             add("eval/loss", e["loss"], e["step"], walltime=t)
         elif kind == "resumed" and isinstance(e.get("step"), int):

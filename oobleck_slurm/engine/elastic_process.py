@@ -164,6 +164,8 @@ class ElasticWorker:
         self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local, self.timeouts)
         self.worker.before_update = self.faults.before_update
         self.worker.before_scatter = self.faults.before_scatter
+        if self.faults.spikes:
+            self.worker.loss_factor = self.faults.loss_factor
         self.gen: AbortableGeneration | None = None  # the generation this worker last built
         self.last_step: LastStep | None = None  # the last step it completed
         self.step_reported = False  # this step's progress is in the store (at its first wait)

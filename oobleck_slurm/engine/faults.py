@@ -4,7 +4,8 @@ The job folder's faults.json (copied into the job spec as `extra["faults"]` by t
 list of faults:
 
     {"node": N, "worker": i (default 0), "step": S, "generation": G, "at": POINT (default "start"),
-     "do": "kill" (default) | "hang" | "pause" | "slow" | "hold" | "oom", "seconds": T (pause and slow),
+     "do": "kill" (default) | "hang" | "pause" | "slow" | "hold" | "oom" | "spike", "seconds": T (pause and
+     slow), "factor": F (spike),
      "after": ["NODE" or "NODE:i", ...] (optional)}
 
 POINT is where in step S (and, if given, generation G; one of the two is needed) the fault strikes
@@ -29,8 +30,10 @@ generation (a slow stage or straggler: its peers legitimately wait for it), "hol
 worker's generation is declared failed and goes on (at `wait:last`, the commit point: the worker then
 holds its step pending while peers that were not held applied it, engine/recovery.py), "oom" raises
 torch.OutOfMemoryError there, as the CUDA caching allocator does when the device is full (the CPU has
-no such error: this is how the worker's handling of one is tested without a GPU). Each fault but
-"slow" strikes once, even across restarts (a store counter per fault), and a kill or hang writes its
+no such error: this is how the worker's handling of one is tested without a GPU), "spike" multiplies
+the worker's loss of step S by F, and so its gradients (on a last stage: the step's loss jumps, as with
+a bad batch; for training.loss_spike), each time step S runs, whatever `at` says. Each fault but "slow"
+and "spike" strikes once, even across restarts (a store counter per fault), and a kill or hang writes its
 time to the store for the detection figures.
 
 With "after", a fault that is due waits until every worker named there (a node's worker 0, or NODE:i)
@@ -59,7 +62,7 @@ from oobleck_slurm.protocol import keys
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 FAULT_POINTS = ("start", "wait:last", "scatter", "optimizer", "report", "groups", "adopt", "replay")  # and "wait:K"
-FAULT_ACTIONS = ("kill", "hang", "pause", "slow", "hold", "oom")
+FAULT_ACTIONS = ("kill", "hang", "pause", "slow", "hold", "oom", "spike")
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 
 
@@ -94,6 +97,10 @@ def load_faults(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{where}: '{f['do']}' needs 'seconds' > 0, got {seconds!r} (a finite number)")
         if f.get("do") == "slow" and "step" not in f:
             raise ValueError(f"{where}: 'slow' needs the 'step' it starts at")
+        factor = f.get("factor")
+        if f.get("do") == "spike" and ("step" not in f or isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                       or not math.isfinite(factor)):
+            raise ValueError(f"{where}: 'spike' needs the 'step' and a finite 'factor', got {factor!r}")
         after = f.get("after", [])
         if not isinstance(after, list) or not all(isinstance(w, str) and re.fullmatch(r"[^:\s]+(:[0-9]+)?", w)
                                                   for w in after):
@@ -128,6 +135,13 @@ class FaultHooks:
         self._updates = 0  # layers updated so far in the current step's optimizer step
         self._scatters = 0  # reduce-scatter waits so far in the current step
         self.timeouts = timeouts
+        # "spike": step -> the factor of this worker's loss (not struck at a point: the step scales its loss)
+        self.spikes = {int(f["step"]): float(f["factor"]) for _, f in self._mine if f.get("do") == "spike"}
+        self._mine = [(i, f) for i, f in self._mine if f.get("do") != "spike"]
+
+    def loss_factor(self, step: int) -> float:
+        """What this worker's loss of `step` is multiplied by (1.0 but for a "spike" fault)."""
+        return self.spikes.get(step, 1.0)
 
     def at_step_start(self, step: int) -> None:
         if not self._mine:

@@ -128,7 +128,7 @@ def judge(policy: SpikePolicy, state: SpikeState, step: int, loss: float) -> tup
     mean, std = statistics(state.losses)
     threshold = mean + policy.sigma * std
     if loss > threshold:
-        spikes = (*state.spikes, step)
+        spikes = (*state.spikes, step)[-policy.max_consecutive:]  # bounded: a collective carries the state
         verdict: Verdict = "stop" if len(spikes) >= policy.max_consecutive else "skip"
         return Judgement(verdict, loss, mean, std, threshold), replace(nxt, spikes=spikes)
     return (Judgement("accept", loss, mean, std, threshold),

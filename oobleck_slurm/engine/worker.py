@@ -223,6 +223,7 @@ class Worker:
         self.pending: PendingStep | None = None  # a step finished everywhere but not yet applied here
         self.before_update: Callable[[int], None] | None = None  # called before each layer's update (faults)
         self.before_scatter: Callable[[int], None] | None = None  # before each reduce-scatter wait (faults)
+        self.loss_factor: Callable[[int], float] | None = None  # scales a step's loss and gradients (faults: a spike)
         self.plan: ExecPlan | None = None
         self.gen: Generation | None = None
         self.role: Role | None = None
@@ -854,6 +855,8 @@ class Worker:
                     # each rank takes the mean over its samples, weighted by their share of a microbatch:
                     # the sum over the stage's ranks is the mean of the pass's microbatches' means
                     scale = samples / b / plan.num_microbatches
+                    if self.loss_factor is not None:
+                        scale *= self.loss_factor(self.step)
                     documents = self._documents(windows[m][:, :-1]) if self.eos_id is not None else None
                     with clock.span():
                         out = stage.forward(m, x, y, scale, split=m == last_pass, documents=documents,
