@@ -380,6 +380,9 @@ class DashboardState:
         held = f": {_bytes(e.allocated)} of {_bytes(e.capacity)}" if e.capacity is not None else ""
         self._log(e.t, e.kind, f"{e.node}:{e.worker} ran out of device memory ({e.phase}, step {e.step}){held}")
 
+    def _loss_spike_stop(self, e: ev.LossSpikeStop) -> None:
+        self._log(e.t, e.kind, e.message or f"training.loss_spike: spikes at steps {e.spikes}: stopping")
+
     def _collective_error(self, e: ev.CollectiveError) -> None:
         rec = self._recovery_of(e)
         if rec is not None:
@@ -538,6 +541,7 @@ _HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {
     "node": DashboardState._node_event,
     "failure": DashboardState._failure,
     "out_of_memory": DashboardState._out_of_memory,
+    "loss_spike_stop": DashboardState._loss_spike_stop,
     "collective_error": DashboardState._collective_error,
     "reform": DashboardState._reform,
     **{phase: DashboardState._phase for phase in PHASES},

@@ -47,6 +47,17 @@ def test_a_skipped_step_is_said_whatever_its_number() -> None:
     assert line == "step 7 skipped: gradient norm nan (not finite); parameters and optimizer state unchanged"
 
 
+def test_a_loss_spike_skip_and_stop_are_said_with_their_figures() -> None:
+    narrator = Narrator()
+    (line,) = narrator.lines({"t": 1.0, "kind": "step", "step": 9, "loss": 7.5, "grad_norm": 3.0, "skipped": True,
+                              "skip_reason": "loss_spike", "loss_threshold": 4.25})
+    assert line == ("step 9 skipped: loss 7.5000 above the spike bar 4.2500 (training.loss_spike); parameters "
+                    "and optimizer state unchanged")
+    (line,) = narrator.lines({"t": 2.0, "kind": "loss_spike_stop", "step": 12, "spikes": [10, 11, 12],
+                              "message": "training.loss_spike: 3 loss spikes in a row"})
+    assert line == "stopping: training.loss_spike: 3 loss spikes in a row"
+
+
 def test_step_lines_every_few_steps_and_the_last() -> None:
     events, lines = narrate("healthy")
     total = next(e["steps"] for e in events if e["kind"] == "job_started")

@@ -40,6 +40,20 @@ def test_a_run_with_a_failure_reads_back_in_tensorboard(tmp_path: Path) -> None:
     assert got["recovery/nodes_lost"] and got["cluster/pipelines"][0] == (0, len(read_events(events, "plan")[0]["pipelines"]))
 
 
+def test_skipped_steps_are_a_series_per_reason_beside_the_spike_bar(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    steps = [{"kind": "step", "t": 1.0 + s, "step": s, "loss": 2.0, "loss_threshold": 3.0} for s in range(4)]
+    steps[1].update(loss=9.0, skipped=True, skip_reason="loss_spike")
+    steps[2].update(loss=float("nan"), skipped=True, skip_reason="non_finite")
+    events.write_text("".join(json.dumps(e) + "\n" for e in steps))
+    exporter = TensorBoardExporter(events, tmp_path / "tb")
+    exporter.export()
+    exporter.close()
+    got = scalars(tmp_path / "tb")
+    assert got["train/skipped/loss_spike"] == [(1, 1.0)] and got["train/skipped/non_finite"] == [(2, 1.0)]
+    assert got["train/loss_threshold"] == [(s, 3.0) for s in range(4)]
+
+
 def test_it_goes_on_where_it_stopped_and_never_writes_twice(tmp_path: Path) -> None:
     lines = (LOGS / "healthy.jsonl").read_text().splitlines(keepends=True)
     events = tmp_path / "events.jsonl"

@@ -171,6 +171,21 @@ def test_running_out_of_device_memory_never_runs_the_same_plan_again(setup):
     assert isinstance(action, Complete)
 
 
+def test_a_loss_spike_stop_stops_the_job_with_its_reason_whatever_else_holds(setup):
+    templates, plan = setup
+    lost = plan.pipelines[0].nodes[:1]
+    why = "training.loss_spike: 5 loss spikes in a row (steps 10, 11, 12, 13, 14 ...)"
+    # recovering in memory, from a checkpoint, or on another plan would replay into the same spikes
+    for mode in (False, True):
+        for oom in ((), ((f"{lost[0]}:0", "adopt:memory"),)):
+            action = decide(collected(plan, lost, loss_spike_stop=why, checkpoint_mode=mode, out_of_memory=oom),
+                            Policy(templates, 1, replacement=True), 4, "process_exit")
+            assert isinstance(action, GiveUp) and action.reason == why
+    # a run that ended meanwhile needs nothing
+    assert isinstance(decide(collected(plan, lost, loss_spike_stop=why, finished=True), Policy(templates, 1), 4, "x"),
+                      Complete)
+
+
 def test_the_resume_step_is_the_largest_reported():
     assert resume_step([]) == 0
     for steps in itertools.product(range(3), repeat=3):

@@ -18,6 +18,9 @@ from oobleck_slurm.engine.faults import load_faults
     ([{"node": 1, "step": 2, "do": "pause"}], "fault 0: 'pause' needs 'seconds' > 0, got None"),
     ([{"node": 1, "step": 2, "do": "pause", "seconds": -1}], "'pause' needs 'seconds' > 0, got -1"),
     ([{"node": 1, "step": 2, "after": "node2"}], "fault 0: 'after' must be a list of workers"),
+    ([{"node": 1, "step": 2, "do": "spike"}], "fault 0: 'spike' needs the 'step' and a finite 'factor', got None"),
+    ([{"node": 1, "generation": 1, "do": "spike", "factor": 9}], "'spike' needs the 'step'"),
+    ([{"node": 1, "step": 2, "do": "spike", "factor": "big"}], "'spike' needs the 'step' and a finite 'factor'"),
     ([{"node": 1, "step": 2, "after": ["node2:x"]}], "fault 0: 'after' must be a list of workers"),
 ])
 def test_bad_faults_are_named(tmp_path: Path, faults, message: str) -> None:
@@ -35,6 +38,7 @@ def test_garbled_file_and_good_faults(tmp_path: Path) -> None:
         load_faults(path)
     good = [{"node": "node3", "step": 4, "at": "wait:2", "do": "hang"}, {"node": 1, "step": 2, "do": "pause", "seconds": 1.5},
             {"node": "node1", "step": 2, "at": "wait:last", "do": "hold"},
-            {"node": "node2", "step": 3, "at": "scatter", "after": ["node3", "node4:1"]}]
+            {"node": "node2", "step": 3, "at": "scatter", "after": ["node3", "node4:1"]},
+            {"node": "node2", "step": 5, "do": "spike", "factor": 100.0}]
     path.write_text(json.dumps(good))
     assert load_faults(path) == good
