@@ -394,7 +394,7 @@ class ElasticWorker:
         """Generation g's steps, from the worker's step on; then the final checkpoint."""
         w = self.worker
         gen.align()
-        self._check_spikes(g)  # a stop verdict on a step completed in the recovery (reach_step)
+        self._check_spikes(g, gen)  # a stop verdict on a step completed in the recovery (reach_step)
         if g > 0:  # what the step it resumes at is owed, as the loop does after a step
             if self._eval_due(w.step) and not self._eval_logged(gen, w.step):  # cut short, or not reached
                 self._evaluate(g)
@@ -416,7 +416,7 @@ class ElasticWorker:
                 if first:
                     records.put(self.step_writer, FirstStep(step=result.step, t=time.time()), g)
             first = False
-            self._check_spikes(g)
+            self._check_spikes(g, gen)
             if self._eval_due(w.step) or self._checkpoint_due(w.step):
                 gen.expect_long_step()  # a peer busy between steps: the next waits (eval's too) include it
             if self._eval_due(w.step):
@@ -427,7 +427,7 @@ class ElasticWorker:
         self.save_checkpoint(self.checkpoint_root, w.step)  # the trained model
         gen.wait(gen.world.barrier())  # nobody leaves while a peer may still need a group
 
-    def _check_spikes(self, g: int) -> None:
+    def _check_spikes(self, g: int, gen: AbortableGeneration) -> None:
         """After `max_consecutive` loss spikes in a row (training.loss_spike; every rank judges the same
         at the same step): finish the checkpoint writes under way, report why (rank 0 also logs it),
         and stop; the coordinator stops the job instead of recovering it (supervisor/decisions.py)."""
@@ -437,6 +437,7 @@ class ElasticWorker:
             return
         if self.writer is not None:
             self.writer.flush()
+        gen.wait(gen.world.barrier())  # every rank's writes are on disk: all name the same newest checkpoint
         checkpoint = latest_complete(self.checkpoint_root, w.keys)
         message = stop_message(policy, w.spike.spikes, verdict, checkpoint)
         if w.rank == 0:

@@ -1,0 +1,54 @@
+"""training.loss_spike in jobs run as `submit` runs them (local backend, real worker processes): a spike
+forced on the loss of one step (engine/faults.py "spike") is skipped and said so in the step event,
+also after a node is lost and the plan changes (the survivors and the re-planned generation carry the
+policy's state); `max_consecutive` spikes in a row stop the job, unrecoverable, with the reason, the
+steps and the newest complete checkpoint, rather than a recovery that would replay into them."""
+
+from __future__ import annotations
+
+import pytest
+from jobrun import run_job, tiny_recipe
+
+from oobleck_slurm.exit_codes import EXIT_UNRECOVERABLE
+
+pytestmark = pytest.mark.slow
+
+POLICY = {"sigma": 3.0, "window": 4, "warmup": 3, "max_consecutive": 2}
+NODES = 4
+
+
+def spikes(*steps: int) -> list[dict]:
+    # every node's worker: whichever holds a last stage, the step's loss jumps
+    return [{"node": f"node{n}", "step": s, "do": "spike", "factor": 1000.0} for n in range(1, NODES + 1) for s in steps]
+
+
+def recipe(steps: int, **fault_tolerance) -> dict:
+    r = tiny_recipe(nodes=NODES, steps=steps, **fault_tolerance)
+    r["training"]["loss_spike"] = POLICY
+    return r
+
+
+def test_a_spike_is_skipped_before_and_after_a_node_is_lost(tmp_path, templates_cache):
+    # node4 is killed in step 6, between the two spikes: the re-planned generation judges step 8 as the
+    # first one did step 5
+    faults = [*spikes(5, 8), {"node": "node4", "step": 6, "at": "wait:last"}]
+    run = run_job(tmp_path, recipe(10), templates_cache, faults=faults)
+    assert [f["nodes"] for f in run.kind("failure")] == [["node4"]] and len(run.kind("plan")) == 2
+    last = {e["step"]: e for e in run.kind("step")}  # a replayed step's last event
+    assert sorted(last) == list(range(10))
+    assert {s for s, e in last.items() if e.get("skipped")} == {5, 8}
+    assert all(last[s]["skip_reason"] == "loss_spike" and last[s]["loss"] > last[s]["loss_threshold"] for s in (5, 8))
+    assert all("loss_threshold" in last[s] for s in range(POLICY["warmup"], 10))  # judged from the warmup on
+    assert not run.kind("loss_spike_stop")
+
+
+def test_max_consecutive_spikes_stop_the_job_with_the_reason_and_the_checkpoint(tmp_path, templates_cache):
+    run = run_job(tmp_path, recipe(10, checkpoint_interval=2), templates_cache, faults=spikes(5, 6),
+                  expect_exit=EXIT_UNRECOVERABLE)
+    (stop,) = run.kind("loss_spike_stop")
+    assert (stop["step"], stop["spikes"], stop["checkpoint"]) == (6, [5, 6], 6)
+    (finished,) = run.kind("job_finished")
+    assert "2 loss spikes in a row (steps 5, 6" in finished["error"]
+    assert "newest complete checkpoint is step 6" in finished["error"]
+    assert len(run.kind("plan")) == 1  # no recovery was tried
+    assert max(e["step"] for e in run.kind("step")) == 6
