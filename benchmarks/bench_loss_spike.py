@@ -1,6 +1,7 @@
 """The loss-spike policy's cost (training.loss_spike): step time with it off and on, and the decision's.
 
     python benchmarks/bench_loss_spike.py [--nodes 4] [--size tiny] [--steps 30] [--rounds 2] [--drop 5]
+                                          [--paired-steps 60] [--only paired]
 
 With the policy on, every rank reduces the step's loss over the world before the commit point (one
 more all-reduce of one float64 per step; engine/worker.py) and judges it (engine/loss_spike.py, pure
@@ -8,14 +9,23 @@ Python over the window). Jobs run the way `submit` runs them (benchmarks/_jobs.p
 one worker process per node, gloo), data parallel, off and on in alternation `--rounds` times; the
 figure is the median of rank 0's per-step seconds (the first `--drop` steps left out), and the
 overhead the median over rounds of (on - off) / off. The decision alone is timed too: `judge` on a
-full window of 100 losses. Writes benchmarks/results/bench_loss_spike.json.
+full window of 100 losses.
+
+Jobs in turn meet whatever else the machine runs between them (on a shared machine, more than the
+policy costs), so a paired figure comes first: `--nodes` ranks as threads of one process on real
+gloo groups (tests/rank_threads.py, the engine's `Worker` as the jobs run it), data parallel, the
+policy off on even steps and on on odd ones (a full window of 100 losses, a sigma no loss reaches:
+every step updates), each step's time the slowest rank's; the overhead is the median over pairs of
+(on - off) / off of consecutive steps. Writes benchmarks/results/bench_loss_spike.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +33,10 @@ from pathlib import Path
 from _jobs import drop_warmup, median, recipe_dict, run_job
 
 from oobleck_slurm.engine.loss_spike import SpikePolicy, SpikeState, judge
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from exec_plans import make_plan  # noqa: E402 - tests/exec_plans.py
+from rank_threads import on_ranks  # noqa: E402 - tests/rank_threads.py
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,6 +51,47 @@ def judge_seconds(window: int = 100, calls: int = 2000) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+def paired(ranks: int, size: str, steps: int) -> dict[str, float | list[float]]:
+    """Step seconds with the policy off (even steps) and on (odd steps) in one run: see the module doc."""
+    import torch
+    import torch.distributed as dist
+
+    from oobleck_slurm.engine.abort import AbortableGeneration
+    from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
+    from oobleck_slurm.engine.worker import Worker
+    from oobleck_slurm.models import gpt_config
+    from oobleck_slurm.timeouts import JobTimeouts
+
+    policy = SpikePolicy(sigma=1e9, window=100, warmup=2, max_consecutive=5)
+    window = tuple(2.0 + 0.01 * (i % 7) for i in range(policy.window))
+    job = JobSpec(model=ModelSpec(gpt_config(size)), data=DataSpec("random", num_samples=4096, seed=1),
+                  optim=OptimSpec("adamw", lr=1e-4), train=TrainSpec(steps=steps, microbatch_size=2,
+                                                                    num_microbatches=2 * ranks, loss_spike=policy))
+    plan = make_plan(job.model.config.num_layers, [[0, job.model.config.num_layers]] * ranks, [2] * ranks)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    timeouts = JobTimeouts(collective_timeout=120.0, step_timeout=600.0)
+    torch.set_num_threads(1)
+
+    def rank(r: int) -> list[float]:
+        store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=dt.timedelta(seconds=60))
+        worker = Worker(job, r)
+        worker.adopt(plan, AbortableGeneration(store, 0, r, ranks, plan, timeouts))
+        seconds = []
+        for step in range(steps):
+            worker.spike = SpikeState(step=step, losses=window) if step % 2 else None  # the same on every rank
+            t0 = time.perf_counter()
+            worker.train_step()
+            seconds.append(time.perf_counter() - t0)
+        return seconds
+
+    per_rank = on_ranks(ranks, rank, join_s=3600.0)
+    step_s = [max(s) for s in zip(*per_rank, strict=True)][2:]  # the slowest rank's; the first pair warms up
+    pairs = [(step_s[i], step_s[i + 1]) for i in range(0, len(step_s) - 1, 2)]
+    return {"off_s": statistics.median(off for off, _ in pairs), "on_s": statistics.median(on for _, on in pairs),
+            "overhead": statistics.median((on - off) / off for off, on in pairs),
+            "pairs": len(pairs), "ranks": ranks, "size": size}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=4)
@@ -44,7 +99,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--drop", type=int, default=5)
+    ap.add_argument("--paired-steps", type=int, default=60)
+    ap.add_argument("--only", choices=["paired"], default=None)
     args = ap.parse_args()
+    pair = paired(args.nodes, args.size, args.paired_steps)
+    print(f"paired ({args.nodes} gloo ranks as threads, {pair['pairs']} pairs of steps): off {pair['off_s'] * 1000:.1f} ms, "
+          f"on {pair['on_s'] * 1000:.1f} ms, overhead {100 * pair['overhead']:+.2f}% (median of pairs)", flush=True)
+    result: dict = {"paired": pair, "judge_s_window_100": judge_seconds()}
+    out = ROOT / "benchmarks" / "results" / "bench_loss_spike.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only == "paired":
+        out.write_text(json.dumps(result, indent=1))
+        return
     root = Path(tempfile.mkdtemp(prefix="bench_loss_spike-"))
     cache = root / "templates_cache"
     medians: dict[str, list[float]] = {"off": [], "on": []}
@@ -61,15 +127,13 @@ def main() -> None:
             medians[mode].append(median(seconds) or 0.0)
             print(f"{mode}: median step {medians[mode][-1] * 1000:.1f} ms", flush=True)
     overheads = [(on - off) / off for off, on in zip(medians["off"], medians["on"], strict=True) if off > 0]
-    result = {
+    result["jobs"] = {
         "nodes": args.nodes, "size": args.size, "steps": args.steps, "drop": args.drop, "rounds": args.rounds,
         "median_step_s": medians, "overhead": statistics.median(overheads) if overheads else None,
-        "overheads": overheads, "judge_s_window_100": judge_seconds(),
+        "overheads": overheads,
     }
-    out = ROOT / "benchmarks" / "results" / "bench_loss_spike.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"overhead (median of rounds): {100 * (result['overhead'] or 0):+.2f}% of step time; "
+    print(f"jobs' overhead (median of rounds): {100 * (result['jobs']['overhead'] or 0):+.2f}% of step time; "
           f"judge with a window of 100: {result['judge_s_window_100'] * 1e6:.1f} us; {out}")
 
 

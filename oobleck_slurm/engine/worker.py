@@ -904,6 +904,17 @@ class Worker:
                         gen.wait(work)
             schedule_s = time.perf_counter() - t0
 
+        # The loss-spike policy judges the step's loss, reduced over the world before the commit point, so
+        # that every rank, also one that completes the step alone in a recovery (or a spare), decides the
+        # same: one more all-reduce of one value, only with the policy on, posted as soon as the loss is
+        # known (every rank posts it after its layers' reductions: one order everywhere, as NCCL needs) and
+        # waited for once the gradients are.
+        loss_work = None
+        reduced_loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.spike is not None:
+            if role is not None and role.is_last:
+                reduced_loss[0] = loss_sum
+            loss_work = gen.world.allreduce([reduced_loss])
         # Gradients: wait for every layer's all-reduce; the squared norms of the plan's finest pieces
         # of each layer (one piece per layer when no stage is wide), summed over the pipeline's ranks:
         # each piece has one holder there, so the sum adds zeros, and every pipeline gets the same bits.
@@ -925,15 +936,9 @@ class Worker:
             gen.wait(gen.pipeline.allreduce([sq]))
         total_sq = sum(sq.flatten().tolist())  # fixed order: every pipeline gets the same bits
         spike_loss = None
-        if self.spike is not None:
-            # The loss-spike policy judges the step's loss: reduced over the world before the commit
-            # point, so that every rank, also one that completes the step alone in a recovery (or a
-            # spare), decides the same (one more small all-reduce per step, only with the policy on).
-            reduced = torch.zeros(1, dtype=torch.float64, device=self.device)
-            if role is not None and role.is_last:
-                reduced[0] = loss_sum
-            gen.wait(gen.world.allreduce([reduced]))
-            spike_loss = float(reduced.cpu()[0])
+        if loss_work is not None:
+            gen.wait(loss_work)
+            spike_loss = float(reduced_loss.cpu()[0])
         if role is not None:
             self._prepare_stage_updates(gen, role, total_sq)
             self.pending = PendingStep(self.step, total_sq, spike_loss)
