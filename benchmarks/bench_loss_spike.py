@@ -8,15 +8,16 @@ more all-reduce of one float64 per step; engine/worker.py) and judges it (engine
 Python over the window). Jobs run the way `submit` runs them (benchmarks/_jobs.py: supervisor, agents,
 one worker process per node, gloo), data parallel, off and on in alternation `--rounds` times; the
 figure is the median of rank 0's per-step seconds (the first `--drop` steps left out), and the
-overhead the median over rounds of (on - off) / off. The decision alone is timed too: `judge` on a
-full window of 100 losses.
+overhead the median over rounds of (on - off) / off. What the policy adds is timed alone too: `judge`
+on a full window of 100 losses, and an all-reduce of one float64 over `--nodes` gloo ranks.
 
 Jobs in turn meet whatever else the machine runs between them (on a shared machine, more than the
 policy costs), so a paired figure comes first: `--nodes` ranks as threads of one process on real
 gloo groups (tests/rank_threads.py, the engine's `Worker` as the jobs run it), data parallel, the
 policy off on even steps and on on odd ones (a full window of 100 losses, a sigma no loss reaches:
-every step updates), each step's time the slowest rank's; the overhead is the median over pairs of
-(on - off) / off of consecutive steps. Writes benchmarks/results/bench_loss_spike.json.
+every step updates), each step's time the slowest rank's, and a control run with it off throughout
+(the same figure then measures the machine's noise); the overhead is the median over the odd
+steps of (on - off) / off, off the mean of its two neighbours. Writes benchmarks/results/bench_loss_spike.json.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def judge_seconds(window: int = 100, calls: int = 2000) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def paired(ranks: int, size: str, steps: int) -> dict[str, float | list[float]]:
+def paired(ranks: int, size: str, steps: int, control: bool = False) -> dict[str, float | list[float]]:
     """Step seconds with the policy off (even steps) and on (odd steps) in one run: see the module doc."""
     import torch
     import torch.distributed as dist
@@ -78,7 +79,8 @@ def paired(ranks: int, size: str, steps: int) -> dict[str, float | list[float]]:
         worker.adopt(plan, AbortableGeneration(store, 0, r, ranks, plan, timeouts))
         seconds = []
         for step in range(steps):
-            worker.spike = SpikeState(step=step, losses=window) if step % 2 else None  # the same on every rank
+            on = step % 2 and not control  # the same on every rank; control: off throughout (the noise floor)
+            worker.spike = SpikeState(step=step, losses=window) if on else None
             t0 = time.perf_counter()
             worker.train_step()
             seconds.append(time.perf_counter() - t0)
@@ -86,10 +88,32 @@ def paired(ranks: int, size: str, steps: int) -> dict[str, float | list[float]]:
 
     per_rank = on_ranks(ranks, rank, join_s=3600.0)
     step_s = [max(s) for s in zip(*per_rank, strict=True)][2:]  # the slowest rank's; the first pair warms up
-    pairs = [(step_s[i], step_s[i + 1]) for i in range(0, len(step_s) - 1, 2)]
+    # each step with the policy on against the mean of its two neighbours (off): a drift cancels
+    pairs = [((step_s[i - 1] + step_s[i + 1]) / 2, step_s[i]) for i in range(1, len(step_s) - 1, 2)]
     return {"off_s": statistics.median(off for off, _ in pairs), "on_s": statistics.median(on for _, on in pairs),
             "overhead": statistics.median((on - off) / off for off, on in pairs),
-            "pairs": len(pairs), "ranks": ranks, "size": size}
+            "pairs": len(pairs), "ranks": ranks, "size": size, "control": control}
+
+
+def allreduce_seconds(ranks: int, reps: int = 300) -> float:
+    """The median seconds of what the policy adds to a step's collectives: an all-reduce of one float64
+    over `ranks` gloo ranks (threads of this process), waited for."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+
+    def rank(r: int) -> list[float]:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("allreduce", store), r, ranks, dt.timedelta(seconds=120))
+        value = torch.zeros(1, dtype=torch.float64)
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            group.allreduce([value]).wait()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    return statistics.median(max(s) for s in zip(*on_ranks(ranks, rank, join_s=600.0), strict=True))
 
 
 def main() -> None:
@@ -102,10 +126,15 @@ def main() -> None:
     ap.add_argument("--paired-steps", type=int, default=60)
     ap.add_argument("--only", choices=["paired"], default=None)
     args = ap.parse_args()
+    control = paired(args.nodes, args.size, args.paired_steps, control=True)
+    print(f"control (off on every step): {100 * control['overhead']:+.2f}% (median of pairs)", flush=True)
     pair = paired(args.nodes, args.size, args.paired_steps)
     print(f"paired ({args.nodes} gloo ranks as threads, {pair['pairs']} pairs of steps): off {pair['off_s'] * 1000:.1f} ms, "
           f"on {pair['on_s'] * 1000:.1f} ms, overhead {100 * pair['overhead']:+.2f}% (median of pairs)", flush=True)
-    result: dict = {"paired": pair, "judge_s_window_100": judge_seconds()}
+    result: dict = {"paired": pair, "control": control, "judge_s_window_100": judge_seconds(),
+                    "allreduce_s": allreduce_seconds(args.nodes)}
+    print(f"one all-reduce of one float64 over {args.nodes} gloo ranks: {result['allreduce_s'] * 1e3:.2f} ms; "
+          f"judge with a window of 100: {result['judge_s_window_100'] * 1e6:.1f} us", flush=True)
     out = ROOT / "benchmarks" / "results" / "bench_loss_spike.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.only == "paired":
