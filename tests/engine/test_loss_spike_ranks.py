@@ -8,6 +8,7 @@ carries the state to a resumed job."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Callable
 
 import torch
@@ -179,7 +180,7 @@ def test_a_checkpoint_carries_the_state_and_one_without_starts_it_fresh(tmp_path
         record = read_data_record(tmp_path, 4)
         assert record is not None and "consumed_samples" in record  # the data's record is still there
         del record["loss_spike"]
-        (tmp_path / "step4" / "data.json").write_text(__import__("json").dumps(record))
+        (tmp_path / "step4" / "data.json").write_text(json.dumps(record))
         fresh = Worker(job(9), 0)
         fresh.adopt(one, AbortableGeneration(client(master), 2, 0, 1, one, TIMEOUTS), "checkpoint",
                     checkpoint=(str(tmp_path), 4))
