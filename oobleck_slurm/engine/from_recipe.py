@@ -84,6 +84,7 @@ def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str],
                         min_lr=s.min_lr, precision=t.precision, eval_interval=t.eval_interval, recompute=t.recompute,
                         eval_samples=t.eval_samples if t.eval_interval else 0, deterministic=t.deterministic,
                         bucket_mb=t.bucket_mb, loss_spike=None if (ls := t.loss_spike) is None else
-                        SpikePolicy(ls.sigma, ls.window, ls.warmup, ls.max_consecutive)),
+                        SpikePolicy(ls.sigma, ls.window, ls.warmup, ls.max_consecutive),
+                        integrity_interval=recipe.fault_tolerance.integrity_interval),
         backend="nccl" if recipe.cluster.gpus_per_node > 0 else "gloo",
     )

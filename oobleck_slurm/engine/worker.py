@@ -40,6 +40,17 @@ from oobleck_slurm.engine.checkpoint import (
     read_data_record,
 )
 from oobleck_slurm.engine.comm import Generation, step_timeout_waits
+from oobleck_slurm.engine.integrity import (
+    GroupKey,
+    ReplicaMismatchError,
+    attribute,
+    check_due,
+    checksum,
+    mismatched,
+    needs_second_read,
+    pack,
+    unpack,
+)
 from oobleck_slurm.engine.layer_optim import clip_coefficient, make_layer_optimizer, set_lr
 from oobleck_slurm.engine.layer_rng import LayerDrawError, LayerDraws
 from oobleck_slurm.engine.layout import ExecPlan, Role, edge_pieces, pass_slices, reduce_pieces, sample_range
@@ -72,7 +83,7 @@ from oobleck_slurm.engine.shard import (
 )
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.stage import Stage
-from oobleck_slurm.engine.transfer import run_transfers
+from oobleck_slurm.engine.transfer import layer_tensors, run_transfers
 from oobleck_slurm.models.documents import Documents, run_layer
 from oobleck_slurm.optim import optimizer_state_tensors
 from oobleck_slurm.optim.came_sharded import ShardedCAME
@@ -696,6 +707,11 @@ class Worker:
         t0 = time.perf_counter()
         self.peak.start()  # the step's own peak, not the process's (an evaluation's, an earlier step's)
         self.pending = None
+        # Replica integrity: the state this step starts from (the previous update's), read before any
+        # of this step's work; compared at the commit point, in the metrics all-reduce (no collective
+        # of its own). Nothing changes a holding until `complete_step`.
+        check = self._check_layout(plan) if check_due(self.step, self.job.train.integrity_interval) else None
+        mine = self._checksums(role) if check is not None and role is not None else None
         for flat in self.grads.values():
             flat.zero_()
         for index, sharded in self.shards.items():
@@ -946,7 +962,12 @@ class Worker:
         # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time, peak memory,
         # per-rank wait for data.
         num_p, world = len(plan.pipelines), gen.world_size
-        metrics = torch.zeros(1 + num_p + 3 * world, dtype=torch.float64, device=self.device)
+        sums_at = 1 + num_p + 3 * world  # the integrity check's packed checksums, at a check
+        metrics = torch.zeros(sums_at + (2 * check[1] if check is not None else 0), dtype=torch.float64,
+                              device=self.device)
+        if check is not None and mine is not None:
+            offset = sums_at + 2 * check[0][self.rank]
+            metrics[offset : offset + mine.numel()] = mine
         if role is not None:
             if role.is_last:
                 metrics[0] = loss_sum
@@ -960,6 +981,8 @@ class Worker:
         gen.wait(gen.world.allreduce([metrics]))  # the commit point
         gen.step_completed(time.perf_counter() - t0)  # bounds the next steps' waits (Generation.wait_timeout)
         metrics = metrics.cpu()
+        if check is not None:
+            self._verify(plan, gen, check, metrics[sums_at:].tolist())
         if role is not None:
             lr = self.complete_step()
         else:  # a spare: nothing to update, but it judges the loss as the members do (it may join them)
@@ -980,6 +1003,69 @@ class Worker:
             skip_reason=self.skip_reason if role is not None else None,
             loss_threshold=self.judgement.threshold if self.judgement is not None else None,
         )
+
+    # ---- replica integrity (engine/integrity.py) -------------------------------------------------
+
+    @staticmethod
+    def _check_layout(plan: ExecPlan) -> tuple[dict[int, int], int] | None:
+        """Where each rank's checksums go in a check's table (rank -> its first slot; one slot per held
+        layer, in layer order) and the slots in all; None when no layer has two holders to compare."""
+        first, total, holders = {}, 0, collections.Counter[GroupKey]()
+        for rank in plan.ranks:
+            role = plan.role(rank)
+            if role is None:
+                continue
+            first[rank] = total
+            total += len(role.layers)
+            holders.update((i, role.width, role.index) for i in role.layers)
+        return (first, total) if any(n > 1 for n in holders.values()) else None
+
+    def holding_tensors(self, index: int) -> list[torch.Tensor]:
+        """What this rank holds of layer `index`, as its checksum reads it: a whole layer's parameters,
+        buffers and optimizer state (what a recovery copy moves, transfer.layer_tensors); a shard's
+        elements of its parameters and moments, the step counter and CAME's row/column statistics."""
+        sharded = self.shards.get(index)
+        if sharded is None:
+            return layer_tensors(self.layers[index], self.optimizers[index])
+        views = sharded.state_views()
+        return ([t for key in sorted(views) for _, _, t in views[key]]
+                + [sharded.state_step().reshape(-1), sharded.state_factored()])
+
+    def _checksums(self, role: Role) -> torch.Tensor:
+        """This rank's checksums of its layers, in layer order, packed (integrity.pack)."""
+        values = torch.stack([checksum(self.holding_tensors(i), self.device) for i in role.layers])
+        return pack(values)
+
+    def _verify(self, plan: ExecPlan, gen: Generation, check: tuple[dict[int, int], int], table: list[float]) -> None:
+        """Compare the check's checksums (the commit point's table, the same bits on every rank, so every
+        rank decides alike). A mismatch withholds this step everywhere (no rank applies it: it is
+        replayed once the suspects are evicted, from the good replicas' copies) and raises
+        ReplicaMismatchError with the verdict. Where two holders disagree with no majority, every rank
+        reads its checksums again and they are compared in one more world all-reduce."""
+        first = check[0]
+
+        def grouped(values: list[int]) -> dict[GroupKey, dict[int, int]]:
+            out: dict[GroupKey, dict[int, int]] = {}
+            for rank, start in first.items():
+                role = plan.role(rank)
+                assert role is not None
+                for k, i in enumerate(role.layers):
+                    out.setdefault((i, role.width, role.index), {})[rank] = values[start + k]
+            return out
+
+        sums = grouped(unpack(table))
+        if not mismatched(sums):
+            return
+        again = None
+        if needs_second_read(sums):
+            second = torch.zeros(2 * check[1], dtype=torch.float64, device=self.device)
+            if self.role is not None:
+                start = 2 * first[self.rank]
+                second[start : start + 2 * len(self.role.layers)] = self._checksums(self.role)
+            gen.wait(gen.world.allreduce([second]))
+            again = grouped(unpack(second.cpu().tolist()))
+        self.pending = None  # withheld everywhere: replayed after the eviction
+        raise ReplicaMismatchError(attribute(sums, again), self.step)
 
     def _prepare_stage_updates(self, gen: Generation, role: Role, total_sq: float) -> None:
         """CAME on a wide stage: the reductions of this step's update inside the stage (row/column sums

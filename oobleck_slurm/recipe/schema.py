@@ -408,6 +408,9 @@ class FaultToleranceConfig:
     reconfiguration_timeout: float = field(default=120.0, metadata=check(positive))
     replacement: Literal["spare", "request", "none"] = "request"
     checkpoint_interval: int = field(default=100, metadata=check(non_negative))  # steps; 0 = never
+    # Compare the replicas' per-layer checksums every this many steps (0: never); a replica that
+    # disagrees is evicted and replaced from the others (docs/detection.md, "Replica integrity").
+    integrity_interval: int = field(default=1, metadata=check(non_negative))
 
 
 def at_least_three(value: int) -> str | None:
