@@ -21,6 +21,7 @@ CAUSES = {
     "hung": "a rank stopped advancing",
     "faulty_metrics": "its metrics deviate (evicted)",
     "straggler": "it is too slow (evicted)",
+    "replica_mismatch": "its copy of the model disagrees with its replicas' (evicted)",
 }
 
 

@@ -44,6 +44,7 @@ from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, b
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, latest_complete, layer_file
 from oobleck_slurm.engine.comm import connect_store, is_collective_error
 from oobleck_slurm.engine.faults import FaultHooks
+from oobleck_slurm.engine.integrity import ReplicaMismatchError
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.loss_spike import stop_message
 from oobleck_slurm.engine.recovery import can_complete, reach_step
@@ -60,6 +61,7 @@ from oobleck_slurm.protocol.records import (
     LossSpikeStop,
     OutOfMemory,
     Rebuilt,
+    ReplicaMismatch,
     StepCompute,
     WorkerError,
     WorkerReport,
@@ -168,6 +170,7 @@ class ElasticWorker:
             self.worker.loss_factor = self.faults.loss_factor
         self.gen: AbortableGeneration | None = None  # the generation this worker last built
         self.last_step: LastStep | None = None  # the last step it completed
+        self.members: tuple[str, ...] = ()  # the current generation's nodes, in rank order
         self.step_reported = False  # this step's progress is in the store (at its first wait)
         self.writer: CheckpointWriter | None = None
         self.eval_logged: int | None = None  # the step of the last evaluation this worker logged (as rank 0)
@@ -365,6 +368,7 @@ class ElasticWorker:
             raise ProtocolError(f"{keys.config(g)}: a generation to run needs a plan")
         plan = ExecPlan.from_json(cfg.plan)
         w.rank = cfg.members.index(self.node) * self.per_node + self.local
+        self.members = cfg.members
         world_size = len(cfg.members) * self.per_node
         self.phase = "step"  # a pending step completed here is the previous generation's
         reach_step(w, cfg.resume_step)
@@ -406,7 +410,10 @@ class ElasticWorker:
                 self.faults.before_replay(w.step)
             self.faults.at_step_start(w.step)
             self.step_reported = False
-            result = w.train_step()
+            try:
+                result = w.train_step()
+            except ReplicaMismatchError as err:
+                self._replica_mismatch(g, err)
             self.faults.at_step_end()
             self.last_step = LastStep(result=result, generation=g, global_batch_size=self.job.train.global_batch_size)
             if w.rank == 0:
@@ -445,6 +452,22 @@ class ElasticWorker:
                           threshold=verdict.threshold, checkpoint=checkpoint, message=message)
         records.put(self.store, LossSpikeStop(step=w.step - 1, message=message, t=time.time()), g, self.name)
         raise LossSpikesStopped(f"worker {self.name}: {message}")
+
+    def _replica_mismatch(self, g: int, err: ReplicaMismatchError) -> None:
+        """Replicas disagreed at this step's integrity check (every rank raised the same verdict; the
+        step is withheld everywhere): rank 0 names the nodes to evict (keys.replica_mismatch, read by the
+        supervisor's node backend), and every rank waits for the generation to fail, then leaves it as
+        after any failure. Not failed within the reconfiguration timeout: the error stands."""
+        v = err.verdict
+        nodes = tuple(dict.fromkeys(self.members[r // self.per_node] for r in v.suspects))
+        if self.worker.rank == 0:
+            self.log.emit("replica_mismatch", step=err.step, nodes=list(nodes), attributed=list(v.attributed),
+                          unresolved=list(v.unresolved), detail=v.detail, generation=g)
+            records.put(self.store, ReplicaMismatch(step=err.step, nodes=nodes, attributed=v.attributed,
+                                                    unresolved=v.unresolved, detail=v.detail, t=time.time()), g)
+        if not self._wait_key(keys.failed(g), self.timeouts.reconfiguration_timeout):
+            raise err
+        raise GenerationAborted(f"{keys.failed(g)} after the replica mismatch at step {err.step}") from err
 
     def _eval_due(self, step: int) -> bool:
         """The validation loss is measured after every `eval_interval` steps and after the last."""

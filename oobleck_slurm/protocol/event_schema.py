@@ -585,6 +585,33 @@ class Straggler(Event):
     peers_median_s: float | None = optional("its peers' (s)")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReplicaMismatchEvent(Event):
+    """Replicas of a layer disagreed at an integrity check (engine/integrity.py); the step is withheld on
+    every rank and a `node_lost` (cause replica_mismatch) follows for each node named."""
+
+    kind = "replica_mismatch"
+    step: int = required("the step whose check found it (withheld: replayed after the eviction)")
+    nodes: list[str] = required("the nodes to evict")
+    attributed: list[int] | None = optional("ranks singled out by a majority or by a second read")
+    unresolved: list[int] | None = optional("holders of a pair that disagrees steadily (neither singled out)")
+    detail: str | None = optional("which layers, which holders")
+    generation: int | None = optional("the generation")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferRefetch(Event):
+    """A layer received in a recovery copy disagreed with its sender's checksum: fetched again from
+    another holder (engine/transfer.py)."""
+
+    kind = "transfer_refetch"
+    layer: int = required("the layer")
+    sender: int = required("the rank whose copy arrived corrupted")
+    receiver: int = required("the receiving rank")
+    retry_from: int | None = optional("the holder it is fetched from next")
+    generation: int | None = optional("the generation")
+
+
 SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Job": (JobStarted, AgentsReady, Takeover, Done, RunComplete, JobFinished, SlurmJob),
     "Plan and training": (Plan, Step, Eval, Checkpoint, CheckpointRequested, CheckpointFallback),
@@ -592,7 +619,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
               SlurmUnreachable, SlurmCalls, Refused, StoreRejected),
     "Failure and recovery": (CollectiveError, Failure, OutOfMemory, LossSpikeStop, Detection, Reform, Replan, GroupRebuild,
                              StateCopy, Replay, Resumed),
-    "Faulty machines and stragglers": (Health, FaultyNode, Straggler),
+    "Faulty machines and stragglers": (Health, FaultyNode, Straggler, ReplicaMismatchEvent, TransferRefetch),
 }
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for group in SECTIONS.values() for cls in group}
 RECOVERY_FIELDS = tuple(f.name for f in fields(RecoveryEvent) if f.name != "t")

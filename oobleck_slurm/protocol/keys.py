@@ -15,6 +15,7 @@ node is the unit of membership (a plan places pipelines on nodes; a lost worker 
     gen{g}/first_step            the first completed step of g and its time (recovery events)
     gen{g}/errors                count of collective errors in g; gen{g}/error/{worker}: each one
     gen{g}/oom/{worker}          the worker ran out of device memory in g: what it was doing (it then exits)
+    gen{g}/mismatch              replicas of a layer disagreed at a check: the nodes to evict (rank 0)
     gen{g}/{group}               the prefix under which a process group of g is built
     eval_logged                  the last step whose evaluation rank 0 logged (not repeated at a resume)
     worker/{worker}/step         the last step in which the worker reached a collective (names a hung rank)
@@ -68,6 +69,10 @@ def step_compute(g: int) -> str:
 
 def first_step(g: int) -> str:
     return f"gen{g}/first_step"
+
+
+def replica_mismatch(g: int) -> str:
+    return f"gen{g}/mismatch"
 
 
 def errors(g: int) -> str:

@@ -15,6 +15,7 @@ are checked. Counters and bare integers (`current_gen`, `gen{g}/progress`, `work
     gen{g}/error/{worker}   WorkerError        a collective error a worker saw in g
     gen{g}/oom/{worker}     OutOfMemory        the worker ran out of device memory in g, doing what
     gen{g}/loss_spikes/{worker} LossSpikeStop  training.loss_spike stopped the worker in g, and why
+    gen{g}/mismatch         ReplicaMismatch    replicas disagreed at a check: the nodes to evict
 """
 
 from __future__ import annotations
@@ -184,6 +185,21 @@ class LossSpikeStop(Record):
     KEY = staticmethod(keys.loss_spike_stop)
     step: int
     message: str
+    t: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaMismatch(Record):
+    """Replicas of a layer disagreed at the integrity check of `step` (engine/integrity.py), written by
+    rank 0 (every rank decided alike): the nodes to evict (`nodes`: those attributed, else every
+    holder of a disagreeing pair) and what was seen. The step is withheld on every rank and replayed."""
+
+    KEY = staticmethod(keys.replica_mismatch)
+    step: int
+    nodes: tuple[str, ...]
+    attributed: tuple[int, ...] = ()  # ranks singled out (a majority, or a checksum that changed on a second read)
+    unresolved: tuple[int, ...] = ()  # holders of a pair that disagrees steadily: neither can be singled out
+    detail: str = ""
     t: float
 
 

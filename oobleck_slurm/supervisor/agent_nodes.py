@@ -57,6 +57,7 @@ from oobleck_slurm.protocol.messages import (
     WorkerExit,
     parse,
 )
+from oobleck_slurm.protocol.records import ReplicaMismatch
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.launchers import AgentLauncher
@@ -541,6 +542,7 @@ class AgentNodes:
             self._store.set(keys.fault_time(ident), repr(t))
         next_nodes = 0.0
         gen, seen, steps_seen = -1, 0, 0.0
+        mismatch_gen = -1  # the last generation whose integrity verdict was acted on
         timeouts = self.cfg.timeouts
         # Slurm's view in its own thread: a query may take retries (tens of seconds) while slurmctld
         # restarts, and this loop bounds the detection latency of every other path.
@@ -567,12 +569,24 @@ class AgentNodes:
                         loss = self.membership.evict(str(evict.node), LossCause(evict.cause), evict.detail, now)
                         if loss:
                             self._lost(loss)
+            if view.mismatch is not None and view.generation != mismatch_gen:
+                mismatch_gen = view.generation
+                self._evict_mismatched(view.mismatch, now)
             if view.steps_t != steps_seen:
                 steps_seen = view.steps_t
                 self._follow_rank_steps(view, now)
             if now >= next_nodes:
                 next_nodes = now + NODE_EVENT_S
                 self._node_snapshot(now)
+
+    def _evict_mismatched(self, verdict: ReplicaMismatch, now: float) -> None:
+        """The workers' integrity verdict (engine/integrity.py): each node named is lost like a dead one;
+        the recovery copies its layers from the replicas that agree."""
+        detail = f"step {verdict.step}: {verdict.detail}"
+        with self._lock:
+            for node in verdict.nodes:
+                if loss := self.membership.evict(node, LossCause.REPLICA_MISMATCH, detail, now):
+                    self._lost(loss)
 
     def _follow_progress(self, view: StoreView, gen: int, now: float) -> int:
         """The job's step (-1 before a generation's first) from a new view; a new generation restarts

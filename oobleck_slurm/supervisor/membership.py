@@ -18,6 +18,8 @@ once, with the cause and time of the first evidence, whichever it was:
                   coordinator reads the report, keys.out_of_memory, and names the loss so)
     faulty_metrics  the health monitor flagged its metrics (Minder-style: far from its peers', lasting)
     straggler     the health monitor found it computing slower than its peers (`detection.stragglers: evict`)
+    replica_mismatch  its replica of a layer disagreed with the others' at an integrity check (the
+                  workers' verdict, keys.replica_mismatch: engine/integrity.py)
 
 The caller supplies `now` and the observations (see detection/ for the same style). Time-based
 judgements (`check`) are suspended once when the caller itself was not running for longer than half a
@@ -49,6 +51,7 @@ class LossCause(StrEnum):
     JOIN_FAILED = "join_failed"  # a joining node failed its health check; it never became a member
     FAULTY_METRICS = "faulty_metrics"  # evicted: its monitoring metrics stood out (supervisor/health_monitor.py)
     STRAGGLER = "straggler"  # evicted: its compute was slower than its peers' (detection.stragglers: evict)
+    REPLICA_MISMATCH = "replica_mismatch"  # evicted: its replica of a layer disagreed (engine/integrity.py)
 
 
 @dataclass(frozen=True)

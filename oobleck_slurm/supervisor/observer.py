@@ -13,14 +13,15 @@ What a view holds, for generation g = `current_gen` (protocol/keys.py, protocol/
     failed         gen{g}/failed is set
     compute        gen{g}/compute (StepCompute): the last step's compute seconds per rank
     errors         gen{g}/errors: the count of collective errors, None while there is none
+    mismatch       gen{g}/mismatch (ReplicaMismatch): replicas disagreed at an integrity check
     rebuilt        every member's worker wrote gen{g}/rebuilt/{worker}
     worker_steps   worker/{w}/step of the members' workers, read every `rank_step_poll`; a node's
                    once every one of its workers has set its key
 
 The keys are never deleted and a generation's one-off records are written once, so what was seen stays
 seen: a key known to exist is read, not checked first, and the values read every period (current_gen,
-progress, compute, errors) go in one `multi_get`; the config and the first step are read once, `failed`
-and `rebuilt` are checked until they are there. In a steady generation that is three requests a period
+progress, compute, errors) go in one `multi_get`; the config and the first step are read once, `failed`,
+`rebuilt` and `mismatch` are checked until they are there. In a steady generation that is three requests a period
 (the multi_get, and the checks of `failed` and `errors`), and one multi_get of the members' steps
 every `rank_step_poll`, whatever the number of nodes.
 
@@ -48,7 +49,7 @@ import torch.distributed as dist
 
 from oobleck_slurm.engine.abort import clone_store
 from oobleck_slurm.protocol import keys, records
-from oobleck_slurm.protocol.records import FirstStep, GenerationConfig, StepCompute
+from oobleck_slurm.protocol.records import FirstStep, GenerationConfig, ReplicaMismatch, StepCompute
 from oobleck_slurm.protocol.signed_store import SignedStore
 from oobleck_slurm.protocol.wire import ProtocolError
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
@@ -71,6 +72,7 @@ class StoreView:
     failed: bool = False
     compute: StepCompute | None = None
     errors: int | None = None
+    mismatch: ReplicaMismatch | None = None
     rebuilt: bool = False
     worker_steps: Mapping[str, int] = field(default_factory=lambda: _NO_STEPS)
     steps_t: float = 0.0
@@ -180,6 +182,9 @@ class StoreObserver:
         first = prev.first_step
         if first is None and store.check([keys.first_step(gen)]):
             first = records.parse(FirstStep, store.get(keys.first_step(gen)), keys.first_step(gen))
+        mismatch = prev.mismatch  # written once, when a check fails: checked for until it is there
+        if mismatch is None and store.check([keys.replica_mismatch(gen)]):
+            mismatch = records.parse(ReplicaMismatch, store.get(keys.replica_mismatch(gen)), keys.replica_mismatch(gen))
         workers = self._workers(config)
         raw_compute = values.get(keys.step_compute(gen))
         view = StoreView(
@@ -189,6 +194,7 @@ class StoreObserver:
             failed=prev.failed or store.check([keys.failed(gen)]),
             compute=records.parse(StepCompute, raw_compute, keys.step_compute(gen)) if raw_compute is not None else None,
             errors=_int(values[keys.errors(gen)], keys.errors(gen)) if keys.errors(gen) in values else None,
+            mismatch=mismatch,
             rebuilt=prev.rebuilt or (bool(workers) and store.check([keys.rebuilt(gen, w) for w in workers])),
             worker_steps=prev.worker_steps, steps_t=prev.steps_t)
         return self._with_steps(t, view, store)
