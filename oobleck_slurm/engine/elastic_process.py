@@ -44,7 +44,7 @@ from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, b
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, latest_complete, layer_file
 from oobleck_slurm.engine.comm import connect_store, is_collective_error
 from oobleck_slurm.engine.faults import FaultHooks
-from oobleck_slurm.engine.integrity import ReplicaMismatchError
+from oobleck_slurm.engine.integrity import CORRUPT_BIT, ReplicaMismatchError, flip_bit
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.loss_spike import stop_message
 from oobleck_slurm.engine.recovery import can_complete, reach_step
@@ -168,6 +168,7 @@ class ElasticWorker:
         self.worker.before_scatter = self.faults.before_scatter
         if self.faults.spikes:
             self.worker.loss_factor = self.faults.loss_factor
+        self.faults.on_corrupt = self._corrupt
         self.gen: AbortableGeneration | None = None  # the generation this worker last built
         self.last_step: LastStep | None = None  # the last step it completed
         self.members: tuple[str, ...] = ()  # the current generation's nodes, in rank order
@@ -452,6 +453,15 @@ class ElasticWorker:
                           threshold=verdict.threshold, checkpoint=checkpoint, message=message)
         records.put(self.store, LossSpikeStop(step=w.step - 1, message=message, t=time.time()), g, self.name)
         raise LossSpikesStopped(f"worker {self.name}: {message}")
+
+    def _corrupt(self, point: str) -> None:
+        """A "corrupt" fault (engine/faults.py): at a step's start one bit of the first parameter of the
+        first held layer flips; at an adoption, the copies this worker sends carry one."""
+        w = self.worker
+        if point == "adopt":
+            w.corrupt_sends = True
+        elif w.layers:
+            flip_bit(w.holding_tensors(min(w.layers))[0], 0, CORRUPT_BIT)
 
     def _replica_mismatch(self, g: int, err: ReplicaMismatchError) -> None:
         """Replicas disagreed at this step's integrity check (every rank raised the same verdict; the

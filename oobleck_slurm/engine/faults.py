@@ -4,8 +4,8 @@ The job folder's faults.json (copied into the job spec as `extra["faults"]` by t
 list of faults:
 
     {"node": N, "worker": i (default 0), "step": S, "generation": G, "at": POINT (default "start"),
-     "do": "kill" (default) | "hang" | "pause" | "slow" | "hold" | "oom" | "spike", "seconds": T (pause and
-     slow), "factor": F (spike),
+     "do": "kill" (default) | "hang" | "pause" | "slow" | "hold" | "oom" | "spike" | "corrupt", "seconds": T
+     (pause and slow), "factor": F (spike),
      "after": ["NODE" or "NODE:i", ...] (optional)}
 
 POINT is where in step S (and, if given, generation G; one of the two is needed) the fault strikes
@@ -32,8 +32,13 @@ holds its step pending while peers that were not held applied it, engine/recover
 torch.OutOfMemoryError there, as the CUDA caching allocator does when the device is full (the CPU has
 no such error: this is how the worker's handling of one is tested without a GPU), "spike" multiplies
 the worker's loss of step S by F, and so its gradients (on a last stage: the step's loss jumps, as with
-a bad batch; for training.loss_spike), each time step S runs, whatever `at` says. Each fault but "slow"
-and "spike" strikes once, even across restarts (a store counter per fault), and a kill or hang writes its
+a bad batch; for training.loss_spike), each time step S runs, whatever `at` says, "corrupt" is silent
+data corruption (engine/integrity.py): at "start", one bit of the first parameter of the worker's first
+held layer is flipped in place (a mantissa bit: the value stays finite, training goes on, only the
+replicas' checksums tell); at "adopt", every layer this worker sends in that adoption's recovery copies
+arrives with one bit flipped (its own state stays right: the receiver's check against its checksum
+re-fetches it from another holder). Each fault but "slow" and "spike" strikes once, even across
+restarts (a store counter per fault), and a kill, hang or corrupt writes its
 time to the store for the detection figures.
 
 With "after", a fault that is due waits until every worker named there (a node's worker 0, or NODE:i)
@@ -50,7 +55,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +67,8 @@ from oobleck_slurm.protocol import keys
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 FAULT_POINTS = ("start", "wait:last", "scatter", "optimizer", "report", "groups", "adopt", "replay")  # and "wait:K"
-FAULT_ACTIONS = ("kill", "hang", "pause", "slow", "hold", "oom", "spike")
+FAULT_ACTIONS = ("kill", "hang", "pause", "slow", "hold", "oom", "spike", "corrupt")
+CORRUPT_POINTS = ("start", "adopt")  # a held layer's parameter; the copies sent in a recovery
 HANG_SLEEP_S = 3600.0  # a "hang" fault's sleep, repeated forever
 
 
@@ -88,6 +94,8 @@ def load_faults(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{where}: 'at' must be one of {', '.join(FAULT_POINTS)} or wait:K, got {at!r}")
         if f.get("do", "kill") not in FAULT_ACTIONS:
             raise ValueError(f"{where}: 'do' must be one of {', '.join(FAULT_ACTIONS)}, got {f.get('do')!r}")
+        if f.get("do") == "corrupt" and at not in CORRUPT_POINTS:
+            raise ValueError(f"{where}: 'corrupt' strikes at {' or '.join(CORRUPT_POINTS)}, got 'at': {at!r}")
         worker = f.get("worker", 0)
         if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
             raise ValueError(f"{where}: 'worker' must be a worker index >= 0, got {worker!r}")
@@ -142,6 +150,8 @@ class FaultHooks:
     def loss_factor(self, step: int) -> float:
         """What this worker's loss of `step` is multiplied by (1.0 but for a "spike" fault)."""
         return self.spikes.get(step, 1.0)
+        # "corrupt": what the worker process does to its state (point "start") or to its sends ("adopt")
+        self.on_corrupt: Callable[[str], None] | None = None
 
     def at_step_start(self, step: int) -> None:
         if not self._mine:
@@ -209,6 +219,12 @@ class FaultHooks:
                 return
             if f.get("do") == "hold":
                 self._hold()
+                return
+            if f.get("do") == "corrupt":  # silent: the worker goes on; the fault time dates the detection
+                if self.on_corrupt is None:
+                    raise RuntimeError(f"fault {i}: 'corrupt' needs the worker's hook (FaultHooks.on_corrupt)")
+                self.store.set(keys.fault_time(self._node), repr(time.time()))
+                self.on_corrupt(point)
                 return
             if f.get("do") == "oom":  # the worker's own handling follows (elastic_process)
                 self.store.set(keys.fault_time(self._node), repr(time.time()))

@@ -33,6 +33,7 @@ GroupKey = tuple[int, int, int]
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK32 = (1 << 32) - 1
+CORRUPT_BIT = 20  # a drill's flip (faults.py "corrupt"): a mantissa bit of a float32 or float64, the value finite
 
 
 class ReplicaMismatchError(InternalError, RuntimeError):

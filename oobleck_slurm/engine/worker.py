@@ -43,6 +43,7 @@ from oobleck_slurm.engine.comm import Generation, step_timeout_waits
 from oobleck_slurm.engine.integrity import (
     GroupKey,
     ReplicaMismatchError,
+    TransferCorruptError,
     attribute,
     check_due,
     checksum,
@@ -235,6 +236,9 @@ class Worker:
         self.before_update: Callable[[int], None] | None = None  # called before each layer's update (faults)
         self.before_scatter: Callable[[int], None] | None = None  # before each reduce-scatter wait (faults)
         self.loss_factor: Callable[[int], float] | None = None  # scales a step's loss and gradients (faults: a spike)
+        self.corrupt_sends = False  # a drill: the next adoption's sends carry a flipped bit (faults.py "corrupt")
+        # the last adoption's copies fetched again: (layer, sender, receiver, next holder or None)
+        self.refetches: list[tuple[int, int, int, int | None]] = []
         self.plan: ExecPlan | None = None
         self.gen: Generation | None = None
         self.role: Role | None = None
@@ -374,7 +378,7 @@ class Worker:
             if plan.sharded or any(w > 1 for layers in held.values() for w, _ in layers.values()):
                 received = self._adopt_slices(plan, gen, role, list(transfers), held)
             else:
-                received = self._adopt_whole(gen, list(transfers), needed)
+                received = self._adopt_whole(gen, list(transfers), needed, held)
             self._share_spike_state(gen)
         else:
             raise ValueError(f"adopt: source must be 'seed', 'checkpoint' or 'memory', got {source!r}")
@@ -431,16 +435,19 @@ class Worker:
             record["loss_spike"] = state.to_json()
         return record
 
-    def _adopt_whole(self, gen: Generation, transfers: list[tuple[int, int, int]], needed: set[int]) -> int:
+    def _adopt_whole(self, gen: Generation, transfers: list[tuple[int, int, int]], needed: set[int],
+                     held: dict[int, dict[int, tuple[int, int]]]) -> int:
         """Adopt a plan of width-1 stages from holders of whole layers: receive the layers `transfers`
         bring, then drop those not `needed`. A copy that fails drops the half-received layers again.
-        Returns the bytes received."""
+        Every copy is checked against its sender's checksum (transfer.py); those that disagree are
+        fetched again, from another holder of the layer (`held`: what every rank holds), until all
+        agree (TransferCorruptError when no holder is left). Returns the bytes received."""
         incoming = [layer for layer, _, dst in transfers if dst == self.rank]
         for index in incoming:
             self._fresh_layer(index, initialise=False)
         try:
             with step_timeout_waits(gen):
-                received = run_transfers(gen, transfers, self.layers, self.optimizers)
+                received = self._verified_transfers(gen, transfers, held)
         except BaseException:
             for index in incoming:
                 self._drop_layer(index)
@@ -448,6 +455,36 @@ class Worker:
         for index in list(self.layers):
             if index not in needed:
                 self._drop_layer(index)
+        return received
+
+    def _verified_transfers(self, gen: Generation, transfers: list[tuple[int, int, int]],
+                            held: dict[int, dict[int, tuple[int, int]]]) -> int:
+        """Run `transfers`, then again those whose copy disagreed with its sender's checksum, each from a
+        holder not tried yet: after each round one world all-reduce of the disagreeing copies' flags,
+        so that every rank retries the same list. Each retry is recorded in `refetches`."""
+        received, tried = 0, [{src} for _, src, _ in transfers]
+        self.refetches = []
+        while transfers:
+            got, corrupted = run_transfers(gen, transfers, self.layers, self.optimizers, self.corrupt_sends)
+            received += got
+            flags = torch.zeros(len(transfers), dtype=torch.int64, device=self.device)
+            for k in corrupted:
+                flags[k] = 1
+            gen.wait(gen.world.allreduce([flags]))
+            retry, retry_tried = [], []
+            for k in torch.nonzero(flags.cpu()).flatten().tolist():
+                layer, src, dst = transfers[k]
+                others = sorted(r for r, layers in held.items()
+                                if layers.get(layer, (0, 0))[0] == 1 and r != dst and r not in tried[k])
+                self.refetches.append((layer, src, dst, others[0] if others else None))
+                if not others:
+                    raise TransferCorruptError(f"layer {layer} copied to rank {dst} disagrees with the checksum of "
+                                               f"every holder it was fetched from ({sorted(tried[k])}); no other "
+                                               f"holder is left")
+                retry.append((layer, others[0], dst))
+                retry_tried.append(tried[k] | {others[0]})
+            transfers, tried = retry, retry_tried
+        self.corrupt_sends = False  # a drill's corrupted sends: one adoption
         return received
 
     def _holdings(self, gen: Generation, num_layers: int) -> dict[int, dict[int, tuple[int, int]]]:

@@ -17,6 +17,7 @@ from rank_threads import on_ranks
 from oobleck_slurm.engine.abort import AbortableGeneration
 from oobleck_slurm.engine.integrity import (
     ReplicaMismatchError,
+    TransferCorruptError,
     attribute,
     check_due,
     checksum,
@@ -183,3 +184,51 @@ def test_shards_of_stages_sharded_alike_are_compared():
     for step, err, unchanged in results:
         assert step == 1 and err is not None and unchanged
         assert err.verdict.attributed == (5,) and err.verdict.groups == ((2, 2, 1),)
+
+
+# ---- recovery copies are verified --------------------------------------------------------------------
+
+TWO = make_plan(6, [[0, 6], [0, 6]], [3, 3])  # ranks 0 and 1 hold every layer; rank 2 is a spare
+MOVED = make_plan(6, [[0, 6], [0, 6]], [3, 3], first_rank=1)  # ranks 1 and 2: rank 2 receives every layer
+
+
+def adopt_with_corrupt_sender(corrupt: set[int], transfers: list[tuple[int, int, int]]):
+    """Ranks 0-2 train TWO for a step, then adopt MOVED, the ranks in `corrupt` sending corrupted
+    copies; then one more step (its integrity check compares rank 2's copies with rank 1's). Per rank:
+    the error raised (or None), its refetches, and its state."""
+    job = tiny_job(steps=2)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=30))
+
+    def rank(r: int):
+        torch.set_num_threads(1)
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=dt.timedelta(seconds=30))
+        worker = Worker(job, r)
+        worker.adopt(TWO, AbortableGeneration(client, 0, r, 3, TWO, TIMEOUTS))
+        worker.train_step()
+        worker.corrupt_sends = r in corrupt
+        try:
+            worker.adopt(MOVED, AbortableGeneration(client, 1, r, 3, MOVED, TIMEOUTS), "memory", transfers)
+        except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+            return err, worker.refetches, None
+        worker.train_step()  # raises ReplicaMismatchError if a corrupted copy had been kept
+        return None, worker.refetches, whole_state(worker)
+
+    return on_ranks(3, rank)
+
+
+def test_a_corrupted_recovery_copy_is_fetched_again_from_another_holder():
+    transfers = [(i, 0, 2) for i in range(6)]  # rank 0's copies arrive corrupted; rank 1 holds them too
+    results = adopt_with_corrupt_sender({0}, transfers)
+    for err, refetches, _ in results:
+        assert err is None, err
+        assert refetches == [(i, 0, 2, 1) for i in range(6)]  # every rank knows, in the same order
+    ours, theirs = results[2][2], results[1][2]
+    assert ours is not None and theirs is not None  # and the step after the copy found the replicas equal
+    assert all(torch.equal(a, b) for i in ours for a, b in zip(ours[i], theirs[i]))
+
+
+def test_a_corrupted_copy_with_no_other_holder_left_is_an_error_naming_the_layer():
+    transfers = [(i, 0, 2) for i in range(6)]
+    results = adopt_with_corrupt_sender({0, 1}, transfers)  # the other holder sends corrupted copies too
+    for err, _, _ in results:
+        assert isinstance(err, TransferCorruptError) and "layer 0 copied to rank 2" in str(err), err
