@@ -144,6 +144,13 @@ class Narrator:
             if e.get("action") == "report":  # the default (detection.evict: false): nothing changes
                 return [f"{what}: reported only, it keeps training (eviction on metrics is off: detection.evict)"]
             return [f"{what}: evicting it"]
+        if kind == "replica_mismatch":
+            return [f"replicas disagree at step {e.get('step')} ({e.get('detail') or '?'}): evicting "
+                    f"{_nodes([str(n) for n in e.get('nodes', [])])}, step {e.get('step')} withheld"]
+        if kind == "transfer_refetch":
+            again = f", fetched again from rank {e['retry_from']}" if e.get("retry_from") is not None else ""
+            return [f"layer {e.get('layer')} arrived corrupted from rank {e.get('sender')} at rank "
+                    f"{e.get('receiver')}{again}"]
         if kind == "straggler" and e.get("action") == "rebalance" and e.get("nodes"):
             slow = ", ".join(f"{n} x{f:.1f}" for n, f in e["nodes"].items())
             return [f"stragglers ({slow}): giving their pipelines fewer microbatches"]

@@ -27,7 +27,9 @@ PHASES = ("detection", "replan", "group_rebuild", "state_copy", "replay")
 MAX_LOG_LINES = 500
 # Kinds of the schema the dashboard deliberately does not reduce (the contract test requires every kind
 # to be reduced or listed here, so that a new kind is a decision, not an accident).
-IGNORED_KINDS: frozenset[str] = frozenset({"slurm_calls"})  # a load figure for the lab, not a state
+# a load figure for the lab, not a state; an integrity verdict and a re-fetched copy change no state the
+# dashboard keeps (a verdict's eviction arrives as `node_lost`): the narration tells them (narrate.py)
+IGNORED_KINDS: frozenset[str] = frozenset({"slurm_calls", "replica_mismatch", "transfer_refetch"})
 
 __all__ = ["NODE_STATES", "PHASES", "DashboardState", "Recovery"]
 

@@ -390,6 +390,10 @@ class ElasticWorker:
         received = w.adopt(plan, gen, cfg.source, list(cfg.transfers), (ckpt.root, ckpt.step) if ckpt else None)
         t2 = time.perf_counter()
         records.put(self.store, Rebuilt(groups_s=t1 - t0, copy_s=t2 - t1, bytes=received, t=time.time()), g, self.name)
+        if w.rank == 0:  # every rank knows the copies fetched again (one all-reduce decided them)
+            for layer, sender, receiver, retry in w.refetches:
+                self.log.emit("transfer_refetch", layer=layer, sender=sender, receiver=receiver, retry_from=retry,
+                              generation=g)
         try:
             self._train(g, gen)
         finally:  # leaving the generation (done, failed or aborted): its reader thread stops with it

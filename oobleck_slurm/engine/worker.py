@@ -347,6 +347,7 @@ class Worker:
         needed = set(role.layers) if role else set()
         received = 0
         self.pending = None  # a plan change starts at a step boundary (recovery.reach_step ran before)
+        self.refetches = []
         self.stop_reads()  # nothing read ahead for the old plan is used, nor read on
         b = self.job.train.microbatch_size
         if role is not None and stage_fold(b, role.width) > 1 and (role.num_stages > 1 or not role.keep):

@@ -586,7 +586,7 @@ class Straggler(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReplicaMismatchEvent(Event):
+class ReplicaMismatch(Event):
     """Replicas of a layer disagreed at an integrity check (engine/integrity.py); the step is withheld on
     every rank and a `node_lost` (cause replica_mismatch) follows for each node named."""
 
@@ -619,7 +619,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
               SlurmUnreachable, SlurmCalls, Refused, StoreRejected),
     "Failure and recovery": (CollectiveError, Failure, OutOfMemory, LossSpikeStop, Detection, Reform, Replan, GroupRebuild,
                              StateCopy, Replay, Resumed),
-    "Faulty machines and stragglers": (Health, FaultyNode, Straggler, ReplicaMismatchEvent, TransferRefetch),
+    "Faulty machines and stragglers": (Health, FaultyNode, Straggler, ReplicaMismatch, TransferRefetch),
 }
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for group in SECTIONS.values() for cls in group}
 RECOVERY_FIELDS = tuple(f.name for f in fields(RecoveryEvent) if f.name != "t")

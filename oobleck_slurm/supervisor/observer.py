@@ -21,8 +21,8 @@ What a view holds, for generation g = `current_gen` (protocol/keys.py, protocol/
 The keys are never deleted and a generation's one-off records are written once, so what was seen stays
 seen: a key known to exist is read, not checked first, and the values read every period (current_gen,
 progress, compute, errors) go in one `multi_get`; the config and the first step are read once, `failed`,
-`rebuilt` and `mismatch` are checked until they are there. In a steady generation that is three requests a period
-(the multi_get, and the checks of `failed` and `errors`), and one multi_get of the members' steps
+`rebuilt` and `mismatch` are checked until they are there. In a steady generation that is four requests a period
+(the multi_get, and the checks of `failed`, `errors` and `mismatch`), and one multi_get of the members' steps
 every `rank_step_poll`, whatever the number of nodes.
 
 A view is at most one period old. What must be fresher is read by whoever acts on it, on its own
@@ -182,8 +182,8 @@ class StoreObserver:
         first = prev.first_step
         if first is None and store.check([keys.first_step(gen)]):
             first = records.parse(FirstStep, store.get(keys.first_step(gen)), keys.first_step(gen))
-        mismatch = prev.mismatch  # written once, when a check fails: checked for until it is there
-        if mismatch is None and store.check([keys.replica_mismatch(gen)]):
+        mismatch = prev.mismatch  # written once, when a check fails: checked for until it is there or g failed
+        if mismatch is None and not prev.failed and store.check([keys.replica_mismatch(gen)]):
             mismatch = records.parse(ReplicaMismatch, store.get(keys.replica_mismatch(gen)), keys.replica_mismatch(gen))
         workers = self._workers(config)
         raw_compute = values.get(keys.step_compute(gen))

@@ -144,13 +144,13 @@ def test_requests_per_period_are_bounded_whatever_the_number_of_nodes() -> None:
         store.counts.clear()
         view = observer.refresh()
         assert view.progress == step and view.compute is not None and view.compute.step == step
-        # current_gen, progress and compute in one multi_get; failed and errors checked (not set yet)
-        assert store.counts == Counter(multi_get=1, check=2), store.counts
+        # current_gen, progress and compute in one multi_get; failed, errors and mismatch checked (not set yet)
+        assert store.counts == Counter(multi_get=1, check=3), store.counts
 
     observer._next_steps = 0.0  # the workers' steps are due: one more request, for 512 workers
     store.counts.clear()
     view = observer.refresh()
-    assert store.counts == Counter(multi_get=2, check=2), store.counts
+    assert store.counts == Counter(multi_get=2, check=3), store.counts
     assert dict(view.worker_steps) == dict.fromkeys(workers, 5)
 
     # Errors once reported are read with the rest; a failed generation is not checked again.
