@@ -72,13 +72,24 @@ def flip_bit(t: torch.Tensor, element: int, bit: int) -> None:
 
 
 def checksum(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One holding's checksum (module doc) as a 0-d int64 tensor on `device`: no host sync on a GPU
-    (tensors elsewhere, a CPU step counter, are summed there and copied)."""
-    sums = [tensor_sum(t).to(device) for t in tensors]
+    """One holding's checksum (module doc): the sum over its tensors of (2k + 1) * tensor_sum(tensor k),
+    modulo 2^64, as a 0-d int64 tensor on `device`. No host sync on a GPU: host tensors (AdamW's step
+    counters) are summed on the host and added as a number, not copied to the device one by one."""
+    sums: list[torch.Tensor] = []
+    weights: list[int] = []
+    host = 0
+    for k, t in enumerate(tensors):
+        if t.device.type == "cpu" and device.type != "cpu":
+            host += int(tensor_sum(t)) * (2 * k + 1)
+        else:
+            sums.append(tensor_sum(t).to(device))
+            weights.append(2 * k + 1)
+    host %= 1 << 64
+    host -= (1 << 64) if host >= 1 << 63 else 0  # as a signed int64: it wraps with the device's part
     if not sums:
-        return torch.zeros((), dtype=torch.int64, device=device)
-    weights = torch.arange(1, 2 * len(sums), 2, dtype=torch.int64, device=device)
-    return (torch.stack(sums) * weights).sum()
+        return torch.tensor(host, dtype=torch.int64, device=device)
+    w = torch.tensor(weights, dtype=torch.int64, device=device)
+    return (torch.stack(sums) * w).sum() + host
 
 
 def pack(values: torch.Tensor) -> torch.Tensor:
