@@ -93,11 +93,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reads", type=int, default=20)
     args = parser.parse_args()
-    rows = [measure(p, args.steps, args.rounds, args.reads) for p in args.presets]
-    print(f"{'preset':8} {'params':>10} {'checksum ms':>12} {'step ms':>9} {'checksum %':>11} {'A/B on-off %':>13}")
-    for row in rows:
+    print(f"{'preset':8} {'params':>10} {'checksum ms':>12} {'step ms':>9} {'checksum %':>11} {'A/B on-off %':>13}",
+          flush=True)
+    rows = []
+    for preset in args.presets:
+        rows.append(row := measure(preset, args.steps, args.rounds, args.reads))
         print(f"{row['preset']:8} {row['params']:>10} {1e3 * row['checksum_s']:>12.3f} {1e3 * row['step_off_s']:>9.1f} "
-              f"{row['checksum_pct']:>11.2f} {row['ab_pct']:>13.1f}")
+              f"{row['checksum_pct']:>11.2f} {row['ab_pct']:>13.1f}", flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=2))
     print(f"wrote {RESULTS}")

@@ -85,6 +85,7 @@ def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str],
                         eval_samples=t.eval_samples if t.eval_interval else 0, deterministic=t.deterministic,
                         bucket_mb=t.bucket_mb, loss_spike=None if (ls := t.loss_spike) is None else
                         SpikePolicy(ls.sigma, ls.window, ls.warmup, ls.max_consecutive),
-                        integrity_interval=recipe.fault_tolerance.integrity_interval),
+                        integrity_interval=recipe.fault_tolerance.integrity_interval,
+                        integrity_max_cost=recipe.fault_tolerance.integrity_max_cost),
         backend="nccl" if recipe.cluster.gpus_per_node > 0 else "gloo",
     )

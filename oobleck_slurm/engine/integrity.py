@@ -6,11 +6,11 @@ after every step. A checksum of those bits therefore agrees across holders unles
 one of them (a bit flip in memory, a faulty device's arithmetic): docs/detection.md, "Replica integrity".
 
 Checksum: every tensor of the holding (parameters, buffers, optimizer state) is viewed as integers of
-its element size and summed into an int64 with wraparound; the layer's value combines those sums with
-odd weights (a tensor's position). Integer addition is associative, so the value does not depend on the
-reduction order (any device, any kernel), and a single flipped bit changes one word by +-2^k, which an
-odd weight keeps non-zero modulo 2^64: a single bit flip is always seen. Two errors that cancel exactly
-are not (the sum is position-blind within a tensor); that is not what silent corruption looks like.
+its element size, and all the words are summed into an int64 with wraparound. Integer addition is
+associative, so the value does not depend on the reduction order (any device, any kernel, any
+batching), and a single flipped bit changes one word by +-2^k, non-zero modulo 2^64: a single bit flip
+is always seen. Errors that cancel exactly are not (the sum is blind to positions: two words swapped);
+that is not what silent corruption looks like.
 
 Pure logic here (`attribute`) decides who is the odd one out, from the checksums alone; the worker
 (engine/worker.py) computes and exchanges them, and the supervisor evicts (supervisor/agent_nodes.py).
@@ -18,6 +18,7 @@ Pure logic here (`attribute`) decides who is the odd one out, from the checksums
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ GroupKey = tuple[int, int, int]
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK32 = (1 << 32) - 1
+BATCH_BYTES = 16 << 20  # smaller tensors are summed together, this many bytes at most at a time
 CORRUPT_BIT = 20  # a drill's flip (faults.py "corrupt"): a mantissa bit of a float32 or float64, the value finite
 
 
@@ -72,24 +74,50 @@ def flip_bit(t: torch.Tensor, element: int, bit: int) -> None:
 
 
 def checksum(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One holding's checksum (module doc): the sum over its tensors of (2k + 1) * tensor_sum(tensor k),
-    modulo 2^64, as a 0-d int64 tensor on `device`. No host sync on a GPU: host tensors (AdamW's step
-    counters) are summed on the host and added as a number, not copied to the device one by one."""
-    sums: list[torch.Tensor] = []
-    weights: list[int] = []
+    """One holding's checksum (module doc): the sum of all its tensors' raw words modulo 2^64, as a 0-d
+    int64 tensor on `device`. The cost is per tensor as much as per byte (a layer's optimizer state is
+    dozens of small tensors), so tensors under BATCH_BYTES are concatenated, per device and word size,
+    up to BATCH_BYTES at a time, and summed by one kernel (the measured figures: docs/benchmarks.md).
+    No host sync on a GPU: host tensors (AdamW's step counters) are summed on the host and added as a
+    number, not copied to the device one by one."""
+    parts: list[torch.Tensor] = []
+    pending: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+    pending_bytes: dict[tuple[torch.device, int], int] = {}
+
+    def flush(key: tuple[torch.device, int]) -> None:
+        words = pending.pop(key, [])
+        pending_bytes.pop(key, None)
+        if words:
+            parts.append(torch.cat(words).sum(dtype=torch.int64) if len(words) > 1 else words[0].sum(dtype=torch.int64))
+
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        words = flat.contiguous().view(_INT_OF_SIZE[flat.element_size()])
+        nbytes = words.numel() * words.element_size()
+        if nbytes >= BATCH_BYTES:
+            parts.append(words.sum(dtype=torch.int64))
+            continue
+        key = (words.device, words.element_size())
+        if pending_bytes.get(key, 0) + nbytes > BATCH_BYTES:
+            flush(key)
+        pending.setdefault(key, []).append(words)
+        pending_bytes[key] = pending_bytes.get(key, 0) + nbytes
+    for key in list(pending):
+        flush(key)
     host = 0
-    for k, t in enumerate(tensors):
-        if t.device.type == "cpu" and device.type != "cpu":
-            host += int(tensor_sum(t)) * (2 * k + 1)
+    on_device: list[torch.Tensor] = []
+    for part in parts:
+        if part.device.type == "cpu" and device.type != "cpu":
+            host += int(part)
         else:
-            sums.append(tensor_sum(t).to(device))
-            weights.append(2 * k + 1)
+            on_device.append(part.to(device))
     host %= 1 << 64
     host -= (1 << 64) if host >= 1 << 63 else 0  # as a signed int64: it wraps with the device's part
-    if not sums:
+    if not on_device:
         return torch.tensor(host, dtype=torch.int64, device=device)
-    w = torch.tensor(weights, dtype=torch.int64, device=device)
-    return (torch.stack(sums) * w).sum() + host
+    return torch.stack(on_device).sum() + host
 
 
 def pack(values: torch.Tensor) -> torch.Tensor:
@@ -175,7 +203,17 @@ def needs_second_read(sums: Mapping[GroupKey, Mapping[int, int]]) -> bool:
     return False
 
 
-def check_due(step: int, interval: int) -> bool:
-    """Whether step `step` carries a check (of the state it starts from): every `interval` steps, not
-    the first (its state is the seed's or a copy just verified); 0: never."""
-    return interval > 0 and step > 0 and step % interval == 0
+def check_due(step: int, interval: int, first: int = 0) -> bool:
+    """Whether step `step` carries a check (of the state it starts from): from step `first` on (the
+    next check `next_check` chose), not step 0 (the seed's state); interval 0: never."""
+    return interval > 0 and step > 0 and step >= first
+
+
+def next_check(step: int, interval: int, max_cost: float, check_s: float, step_s: float) -> int:
+    """The step of the next check after one at `step` that took `check_s` (the slowest rank's) in a
+    step of `step_s`: `interval` steps on, or more so that the checks cost at most `max_cost` of the
+    training time on average (0: no bound). Every rank passes the same all-reduced figures."""
+    spacing = interval
+    if max_cost > 0 and step_s > 0:
+        spacing = max(spacing, math.ceil(check_s / (max_cost * step_s)))
+    return step + spacing

@@ -130,7 +130,8 @@ class TrainSpec:
     deterministic: bool = False  # deterministic CUDA kernels (worker.use_deterministic_kernels)
     bucket_mb: float = 25.0  # kept sharded stages' collectives, consecutive layers up to this (shard.py)
     loss_spike: SpikePolicy | None = None  # skip loss spikes (engine/loss_spike.py); None: off
-    integrity_interval: int = 1  # replicas' checksums compared every this many steps; 0: never (integrity.py)
+    integrity_interval: int = 1  # replicas' checksums compared every this many steps at most; 0: never (integrity.py)
+    integrity_max_cost: float = 0.01  # checks spaced out further so that they take at most this share of a step
 
     def __post_init__(self) -> None:
         for name in ("steps", "microbatch_size", "num_microbatches"):
@@ -138,6 +139,8 @@ class TrainSpec:
                 raise ValueError(f"training: {name} must be >= 1, got {getattr(self, name)}")
         if self.integrity_interval < 0:
             raise ValueError(f"training: integrity_interval must be >= 0, got {self.integrity_interval}")
+        if not 0 <= self.integrity_max_cost < 1:
+            raise ValueError(f"training: integrity_max_cost must be in [0, 1), got {self.integrity_max_cost}")
         if not self.bucket_mb > 0:
             raise ValueError(f"training: bucket_mb must be > 0, got {self.bucket_mb}")
         if self.precision not in PRECISIONS:

@@ -49,6 +49,7 @@ from oobleck_slurm.engine.integrity import (
     checksum,
     mismatched,
     needs_second_read,
+    next_check,
     pack,
     unpack,
 )
@@ -236,6 +237,7 @@ class Worker:
         self.before_update: Callable[[int], None] | None = None  # called before each layer's update (faults)
         self.before_scatter: Callable[[int], None] | None = None  # before each reduce-scatter wait (faults)
         self.loss_factor: Callable[[int], float] | None = None  # scales a step's loss and gradients (faults: a spike)
+        self.next_check = 0  # the first step of an integrity check (integrity.next_check; every rank alike)
         self.corrupt_sends = False  # a drill: the next adoption's sends carry a flipped bit (faults.py "corrupt")
         # the last adoption's copies fetched again: (layer, sender, receiver, next holder or None)
         self.refetches: list[tuple[int, int, int, int | None]] = []
@@ -348,6 +350,7 @@ class Worker:
         received = 0
         self.pending = None  # a plan change starts at a step boundary (recovery.reach_step ran before)
         self.refetches = []
+        self.next_check = 0  # a new plan's first step is checked (copies just made; newcomers know no spacing)
         self.stop_reads()  # nothing read ahead for the old plan is used, nor read on
         b = self.job.train.microbatch_size
         if role is not None and stage_fold(b, role.width) > 1 and (role.num_stages > 1 or not role.keep):
@@ -748,8 +751,13 @@ class Worker:
         # Replica integrity: the state this step starts from (the previous update's), read before any
         # of this step's work; compared at the commit point, in the metrics all-reduce (no collective
         # of its own). Nothing changes a holding until `complete_step`.
-        check = self._check_layout(plan) if check_due(self.step, self.job.train.integrity_interval) else None
+        t = self.job.train
+        check = self._check_layout(plan) if check_due(self.step, t.integrity_interval, self.next_check) else None
+        check_s = time.perf_counter()
         mine = self._checksums(role) if check is not None and role is not None else None
+        if mine is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the check's own time (a check step only)
+        check_s = time.perf_counter() - check_s
         for flat in self.grads.values():
             flat.zero_()
         for index, sharded in self.shards.items():
@@ -1000,12 +1008,15 @@ class Worker:
         # Step metrics, summed over the world: loss, per-pipeline time, per-rank compute time, peak memory,
         # per-rank wait for data.
         num_p, world = len(plan.pipelines), gen.world_size
-        sums_at = 1 + num_p + 3 * world  # the integrity check's packed checksums, at a check
-        metrics = torch.zeros(sums_at + (2 * check[1] if check is not None else 0), dtype=torch.float64,
-                              device=self.device)
-        if check is not None and mine is not None:
-            offset = sums_at + 2 * check[0][self.rank]
-            metrics[offset : offset + mine.numel()] = mine
+        # a check's packed checksums, then each rank's time for them (the next check's spacing)
+        sums_at = 1 + num_p + 3 * world
+        cost_at = sums_at + (2 * check[1] if check is not None else 0)
+        metrics = torch.zeros(cost_at + (world if check is not None else 0), dtype=torch.float64, device=self.device)
+        if check is not None:
+            metrics[cost_at + self.rank] = check_s
+            if mine is not None:
+                offset = sums_at + 2 * check[0][self.rank]
+                metrics[offset : offset + mine.numel()] = mine
         if role is not None:
             if role.is_last:
                 metrics[0] = loss_sum
@@ -1020,7 +1031,10 @@ class Worker:
         gen.step_completed(time.perf_counter() - t0)  # bounds the next steps' waits (Generation.wait_timeout)
         metrics = metrics.cpu()
         if check is not None:
-            self._verify(plan, gen, check, metrics[sums_at:].tolist())
+            self._verify(plan, gen, check, metrics[sums_at:cost_at].tolist())
+            # every rank the same figures (all-reduced): the same next check
+            self.next_check = next_check(self.step, t.integrity_interval, t.integrity_max_cost,
+                                         float(metrics[cost_at:].max()), float(metrics[1 : 1 + num_p].max()))
         if role is not None:
             lr = self.complete_step()
         else:  # a spare: nothing to update, but it judges the loss as the members do (it may join them)

@@ -49,6 +49,10 @@ def non_negative(value: float) -> str | None:
     return None if value >= 0 else f"must be >= 0, got {value}"
 
 
+def cost_share(value: float) -> str | None:
+    return None if 0 <= value < 1 else f"must be a share of a step's time in [0, 1) (0: no bound), got {value}"
+
+
 def factory_string(value: str | None) -> str | None:
     if value is None or _FACTORY.match(value):
         return None
@@ -411,6 +415,8 @@ class FaultToleranceConfig:
     # Compare the replicas' per-layer checksums every this many steps (0: never); a replica that
     # disagrees is evicted and replaced from the others (docs/detection.md, "Replica integrity").
     integrity_interval: int = field(default=1, metadata=check(non_negative))
+    # ... further apart where a check's measured time exceeds this share of a step's (0: no bound)
+    integrity_max_cost: float = field(default=0.01, metadata=check(cost_share))
 
 
 def at_least_three(value: int) -> str | None:

@@ -23,6 +23,7 @@ from oobleck_slurm.engine.integrity import (
     checksum,
     flip_bit,
     needs_second_read,
+    next_check,
     pack,
     unpack,
 )
@@ -55,20 +56,22 @@ def test_the_checksum_is_of_the_bits_not_the_values():
     negative_zero[1] = -0.0
     assert torch.equal(zero, negative_zero)  # equal as values
     assert int(checksum([zero], torch.device("cpu"))) != int(checksum([negative_zero], torch.device("cpu")))
-    a, b = torch.randn(3), torch.randn(4)  # the tensor's position counts
-    assert int(checksum([a, b], torch.device("cpu"))) != int(checksum([b, a], torch.device("cpu")))
+
+
+def test_batching_small_tensors_gives_the_sum_of_every_word():
+    torch.manual_seed(1)
+    big = torch.randn(5 << 20)  # 20 MB: summed alone; the small ones are concatenated
+    tensors = [torch.randn(100), big, torch.randn(7, 3).double(), torch.tensor(4.0), torch.randn(9).half()]
+    want = sum(int(t.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+                   .to(torch.int64).sum()) for t in tensors)
+    got = int(checksum(tensors, torch.device("cpu")))
+    assert got % 2**64 == want % 2**64
 
 
 def test_packed_checksums_survive_a_float64_sum_with_zeros():
     values = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 0x1234_5678_9ABC_DEF0, -12345], dtype=torch.int64)
     packed = pack(values) + torch.zeros(2 * len(values), dtype=torch.float64)  # what the other ranks add
     assert unpack(packed.tolist()) == [v % 2**64 for v in values.tolist()]
-
-
-def test_check_due():
-    assert [s for s in range(10) if check_due(s, 1)] == list(range(1, 10))
-    assert [s for s in range(10) if check_due(s, 3)] == [3, 6, 9]
-    assert not any(check_due(s, 0) for s in range(10))
 
 
 # ---- the attribution, exhaustively ----------------------------------------------------------------
@@ -118,7 +121,7 @@ def tiny_job(steps: int, interval: int = 1) -> JobSpec:
     return JobSpec(model=ModelSpec(gpt_config("tiny")), data=DataSpec("random", num_samples=256, seed=1),
                    optim=OptimSpec("adamw", lr=3e-3, weight_decay=0.1),
                    train=TrainSpec(steps=steps, microbatch_size=2, num_microbatches=6, seed=0,
-                                   integrity_interval=interval))
+                                   integrity_interval=interval, integrity_max_cost=0.0))  # no cost bound: as asked
 
 
 def whole_state(worker: Worker) -> dict[int, list[torch.Tensor]]:
@@ -173,8 +176,8 @@ def test_with_two_replicas_a_steady_mismatch_makes_both_holders_suspects():
 
 def test_the_interval_is_kept_and_a_flip_between_checks_is_caught_at_the_next_one():
     plan = make_plan(6, [[0, 6], [0, 6], [0, 6]], [2, 2, 2])
-    results = run_until_mismatch(plan, 3, flip=(2, 0, 1), steps=5, interval=3)
-    assert [(s, e.verdict.attributed if e else None) for s, e, _ in results] == [(3, (2,))] * 3
+    results = run_until_mismatch(plan, 3, flip=(2, 0, 2), steps=6, interval=3)  # checks at steps 1, 4
+    assert [(s, e.verdict.attributed if e else None) for s, e, _ in results] == [(4, (2,))] * 3
 
 
 def test_shards_of_stages_sharded_alike_are_compared():
@@ -232,3 +235,22 @@ def test_a_corrupted_copy_with_no_other_holder_left_is_an_error_naming_the_layer
     results = adopt_with_corrupt_sender({0, 1}, transfers)  # the other holder sends corrupted copies too
     for err, _, _ in results:
         assert isinstance(err, TransferCorruptError) and "layer 0 copied to rank 2" in str(err), err
+
+
+def test_checks_are_spaced_out_to_their_cost_budget():
+    assert next_check(5, 1, 0.01, check_s=0.001, step_s=1.0) == 6  # 0.1%: every step
+    assert next_check(5, 1, 0.01, check_s=0.05, step_s=1.0) == 10  # 5%: every 5 steps for 1%
+    assert next_check(5, 3, 0.01, check_s=0.0, step_s=1.0) == 8  # never closer than the interval
+    assert next_check(5, 1, 0.0, check_s=0.5, step_s=1.0) == 6  # no bound
+    assert check_due(10, 1, first=10) and not check_due(9, 1, first=10) and not check_due(0, 1)
+    assert not any(check_due(s, 0) for s in range(10))
+
+
+def test_the_recipe_keys_are_checked_by_name(tmp_path):
+    from oobleck_slurm.recipe import RecipeError, load_recipe
+
+    for key, value in (("integrity_interval", -1), ("integrity_max_cost", 1.5)):
+        path = tmp_path / f"{key}.yaml"
+        path.write_text(f"name: t\nfault_tolerance:\n  {key}: {value}\n")
+        with pytest.raises(RecipeError, match=f"fault_tolerance.{key}"):
+            load_recipe(path)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def three_replicas_and_a_spare() -> dict:
     """One-node pipelines (every layer held three times or more), with f = 2 kept after an eviction."""
-    recipe = tiny_recipe(nodes=4, f=2, replacement="spare")
+    recipe = tiny_recipe(nodes=4, f=2, replacement="spare", integrity_max_cost=0.0)  # a check every step
     recipe["cluster"]["spare_nodes"] = 1
     return recipe
 
