@@ -29,7 +29,7 @@ import json
 import math
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:  # torch is imported only where a check runs: the agent's module import stays light
     from torch.distributed import Store
@@ -184,8 +184,10 @@ def parse_figures(output: str) -> tuple[dict[str, float], str]:
     return figures, "\n".join(rest)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
+    """The check; its verdict is the exit code, its figures and failure go to `out` (stdout)."""
     args = sys.argv[1:] if argv is None else argv
+    out = out if out is not None else sys.stdout
     if len(args) not in (5, 8):
         print("usage: python -m oobleck_slurm.agent.preflight HOST PORT PREFIX TIMEOUT JOB_DIR [THREADS DEVICE DEVICES]",
               file=sys.stderr)
@@ -204,14 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         value, link = _allreduce(store, prefix, 1, timeout_s, link=len(args) == 8)
         figures = measure(int(args[5]), args[6], int(args[7]), link) if len(args) == 8 else None
     except Exception as err:  # noqa: BLE001 - the verdict is the exit code; the message is the detail
-        print(f"health check failed: {type(err).__name__}: {err}")
+        print(f"health check failed: {type(err).__name__}: {err}", file=out)
         return 1
     if value != 2 * HEALTH_VALUE:
-        print(f"health check failed: all-reduce gave {value!r}, expected {2 * HEALTH_VALUE!r}")
+        print(f"health check failed: all-reduce gave {value!r}, expected {2 * HEALTH_VALUE!r}", file=out)
         return 1
     if figures is not None:
-        print(FIGURES_LINE + json.dumps(figures))
-    print("ok")
+        print(FIGURES_LINE + json.dumps(figures), file=out)
+    print("ok", file=out)
     return 0
 
 
