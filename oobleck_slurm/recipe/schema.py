@@ -459,7 +459,7 @@ class PreflightConfig:
     fewer than `min_nodes` nodes measured, nodes are admitted and their figures reported."""
 
     enabled: bool = True
-    min_fraction: float = field(default=0.5, metadata=check(fraction))
+    min_fraction: float = field(default=0.7, metadata=check(fraction))
     min_nodes: int = field(default=3, metadata=check(at_least_three))
 
 

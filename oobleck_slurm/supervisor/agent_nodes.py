@@ -19,6 +19,7 @@ refused on the control plane (`refused` event) and changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import itertools
 import os
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from oobleck_slurm.agent.preflight import health_peer
 from oobleck_slurm.detection.health import Rebalance
-from oobleck_slurm.detection.preflight import Verdict, decide, decide_fleet
+from oobleck_slurm.detection.preflight import LINK, Verdict, decide, decide_fleet
 from oobleck_slurm.errors import InfrastructureError, JobTimeoutError
 from oobleck_slurm.protocol import keys, signed_store
 from oobleck_slurm.protocol.events import EventLog
@@ -94,10 +95,12 @@ class BackendConfig:
     device: str = "cpu"  # cpu | cuda
     # heartbeat_lease, step_timeout, health_check_timeout, the watcher's polls (timeouts.py)
     timeouts: JobTimeouts = DEFAULT_TIMEOUTS
-    # The pre-flight check (detection/preflight.py; None: off), and whether the start's verdicts refuse
-    # (False where the nodes share one machine: the local backend's figures compare it with itself)
+    # The pre-flight check (detection/preflight.py; None: off). Where the nodes share one machine (the
+    # local backend's virtual nodes), the start's checks run one at a time, so that each measures the
+    # machine as a joining node's check will (alone), the start's verdicts do not refuse (they would
+    # compare the machine with itself), and the link figure (loopback there) is reported, not judged.
     preflight: PreflightConfig | None = None
-    refuse_at_start: bool = True
+    shared_machine: bool = False
 
 
 class AgentNodes:
@@ -133,6 +136,7 @@ class AgentNodes:
         self._start_checks: dict[str, tuple[bool, str, dict[str, float], float] | None] = {}
         self._verdicts: dict[str, Verdict] = {}  # an initial member's start verdict, until its start uses it
         self.fleet: dict[str, dict[str, float]] = {}  # the admitted nodes' figures: the median's fleet
+        self._one_at_a_time = threading.Lock()  # the start's checks on a shared machine
 
     # ---- setting up ------------------------------------------------------------------------------
 
@@ -527,12 +531,17 @@ class AgentNodes:
         if not figures:
             verdict = Verdict(False, "it reported no pre-flight figures")
         else:
-            verdict = decide(fleet, figures, self.cfg.preflight.min_fraction, self.cfg.preflight.min_nodes)
+            verdict = decide([self._judged(f) for f in fleet], self._judged(figures), self.cfg.preflight.min_fraction,
+                             self.cfg.preflight.min_nodes)
         self._log_verdict(record, "join", verdict, figures, seconds)
         if verdict.admit:
             with self._lock:
                 self.fleet[record.node_id] = figures
         return verdict
+
+    def _judged(self, figures: dict[str, float]) -> dict[str, float]:
+        """The figures a verdict weighs: on a shared machine, not the link (its loopback)."""
+        return {k: v for k, v in figures.items() if not (self.cfg.shared_machine and k == LINK)}
 
     def _log_verdict(self, record: NodeRecord, at: str, verdict: Verdict, figures: dict[str, float],
                      seconds: float) -> None:
@@ -542,8 +551,9 @@ class AgentNodes:
 
     def _start_check(self, record: NodeRecord, agent: AgentConn) -> None:
         """An initial member's pre-flight check, from its registration; the last one in decides all."""
-        t0 = time.time()
-        ok, detail, figures = self._run_check(agent, keys.health_prefix(record.node_id, time.time_ns()))
+        with self._one_at_a_time if self.cfg.shared_machine else contextlib.nullcontext():
+            t0 = time.time()
+            ok, detail, figures = self._run_check(agent, keys.health_prefix(record.node_id, time.time_ns()))
         with self._lock:
             self._start_checks[record.node_id] = (ok, detail, figures, time.time() - t0)
             if any(v is None for v in self._start_checks.values()):
@@ -555,12 +565,12 @@ class AgentNodes:
         that is waiting (`start` came first) starts now, or fails as a join would."""
         assert self.cfg.preflight is not None
         done = {n: v for n, v in self._start_checks.items() if v is not None}
-        measured = {n: figures for n, (ok, _, figures, _) in done.items() if ok and figures}
+        measured = {n: self._judged(figures) for n, (ok, _, figures, _) in done.items() if ok and figures}
         verdicts = decide_fleet(measured, self.cfg.preflight.min_fraction, self.cfg.preflight.min_nodes)
         for node, (ok, detail, figures, seconds) in done.items():
             verdict = verdicts.get(node) or Verdict(False, f"its check failed: {detail}" if not ok else
                                                     "it reported no pre-flight figures")
-            if not verdict.admit and not self.cfg.refuse_at_start:
+            if not verdict.admit and self.cfg.shared_machine:
                 verdict = Verdict(True, f"not refused (the nodes share a machine): {verdict.reason}", verdict.medians)
             self._log_verdict(self.nodes[node], "start", verdict, figures, seconds)
             if verdict.admit and figures:

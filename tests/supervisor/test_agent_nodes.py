@@ -262,7 +262,7 @@ class MeasuringAgent(threading.Thread):
 @pytest.fixture
 def preflight_backend(tmp_path: Path) -> Iterator[Backend]:
     b = Backend(tmp_path, members=["node1", "node2", "node3"], spares=["node4"],
-                preflight=PreflightConfig(min_fraction=0.5))
+                preflight=PreflightConfig())
     yield b
     b.nodes.close()
     b.log.close()
