@@ -19,7 +19,6 @@ refused on the control plane (`refused` event) and changes nothing.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import itertools
 import os
@@ -96,9 +95,8 @@ class BackendConfig:
     # heartbeat_lease, step_timeout, health_check_timeout, the watcher's polls (timeouts.py)
     timeouts: JobTimeouts = DEFAULT_TIMEOUTS
     # The pre-flight check (detection/preflight.py; None: off). Where the nodes share one machine (the
-    # local backend's virtual nodes), the start's checks run one at a time, so that each measures the
-    # machine as a joining node's check will (alone), the start's verdicts do not refuse (they would
-    # compare the machine with itself), and the link figure (loopback there) is reported, not judged.
+    # local backend's virtual nodes), the start's verdicts do not refuse (they would compare the machine
+    # with itself), and the link figure (loopback there) is reported, not judged.
     preflight: PreflightConfig | None = None
     shared_machine: bool = False
 
@@ -136,7 +134,6 @@ class AgentNodes:
         self._start_checks: dict[str, tuple[bool, str, dict[str, float], float] | None] = {}
         self._verdicts: dict[str, Verdict] = {}  # an initial member's start verdict, until its start uses it
         self.fleet: dict[str, dict[str, float]] = {}  # the admitted nodes' figures: the median's fleet
-        self._one_at_a_time = threading.Lock()  # the start's checks on a shared machine
 
     # ---- setting up ------------------------------------------------------------------------------
 
@@ -551,9 +548,8 @@ class AgentNodes:
 
     def _start_check(self, record: NodeRecord, agent: AgentConn) -> None:
         """An initial member's pre-flight check, from its registration; the last one in decides all."""
-        with self._one_at_a_time if self.cfg.shared_machine else contextlib.nullcontext():
-            t0 = time.time()
-            ok, detail, figures = self._run_check(agent, keys.health_prefix(record.node_id, time.time_ns()))
+        t0 = time.time()
+        ok, detail, figures = self._run_check(agent, keys.health_prefix(record.node_id, time.time_ns()))
         with self._lock:
             self._start_checks[record.node_id] = (ok, detail, figures, time.time() - t0)
             if any(v is None for v in self._start_checks.values()):
