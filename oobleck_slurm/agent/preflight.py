@@ -81,12 +81,12 @@ def health_peer(store: Store, prefix: str, timeout_s: float, link: bool = False)
     return _allreduce(store, prefix, 0, timeout_s, link)[0] == 2 * HEALTH_VALUE
 
 
-def runqueue_waits() -> dict[str, int]:
-    """Each thread of this process: the nanoseconds it spent runnable but waiting for a CPU (Linux's
-    schedstat; empty where there is none)."""
+def runqueue_waits(all_threads: bool = True) -> dict[str, int]:
+    """Each thread of this process (else only the calling one): the nanoseconds it spent runnable but
+    waiting for a CPU (Linux's schedstat; empty where there is none)."""
     waits = {}
     try:
-        for task in Path("/proc/self/task").iterdir():
+        for task in Path("/proc/self/task").iterdir() if all_threads else [Path("/proc/thread-self")]:
             try:
                 waits[task.name] = int((task / "schedstat").read_text().split()[1])
             except (OSError, IndexError, ValueError):
@@ -117,11 +117,12 @@ def cpu_matmul_gflops(threads: int) -> float:
     torch.mm(a, b, out=out)  # warm up (allocations, the BLAS's threads)
     best = 0.0
     for _ in range(MATMUL_REPS):
-        count, t0, waits = 0, time.perf_counter(), runqueue_waits()
+        # One thread: the matmul runs on this one (the waits of the process's others are not its own)
+        count, t0, waits = 0, time.perf_counter(), runqueue_waits(threads > 1)
         while (elapsed := time.perf_counter() - t0) < MATMUL_REP_S:
             torch.mm(a, b, out=out)
             count += 1
-        busy = max(elapsed - waited_s(waits, runqueue_waits()), elapsed / 100)  # a bound on a bad reading
+        busy = max(elapsed - waited_s(waits, runqueue_waits(threads > 1)), elapsed / 100)  # bounds a bad reading
         best = max(best, count * 2 * CPU_MATMUL_N**3 / busy)
     return best / 1e9
 
