@@ -9,7 +9,10 @@ and the node is fenced: its agent, if it still answers, kills the worker.
 
 Node ids: the coordinator's ids are Slurm node names, except requested replacements, which get a
 token ("r1", "r2", ...) when asked for (the coordinator needs an id at once) and are bound to the
-Slurm node whose agent registers with that token. Joining nodes are health-checked first.
+Slurm node whose agent registers with that token. Joining nodes are health-checked first; with the
+pre-flight check on (detection.preflight), every initial member is measured from its registration and
+starts once the start's verdicts are in, and a joining node is judged against the fleet's median
+(detection/preflight.py; a refused node is lost as a failed join).
 
 Each node id has one `NodeRecord` and a `NodeState` changed only by the pure `transition(state, event)`
 (node_table.py, which shows the table).
