@@ -30,8 +30,9 @@ Events: `register` its agent registered; `assign` `new_node` hands a spare to th
 `start_worker` its workers start (a trusted node: an initial member or one that ran before, or one
 that passed its health check); `check_health` the coordinator starts an untrusted node whose agent is
 up, or an initial member whose pre-flight verdict is pending or refused; `await_agent` the coordinator
-starts a node whose agent is not up; `stop` the coordinator stops it; `finish` every worker exited 0; `lose` a detection path named it, or its health check failed, or
-(after a supervisor's takeover) its agent did not come back; `adopt` after a takeover, its agent came
+starts a node whose agent is not up; `stop` the coordinator stops it; `finish` every worker exited 0;
+`lose` a detection path named it, or its health check failed, or (after a supervisor's takeover) its
+agent did not come back; `adopt` after a takeover, its agent came
 back with its workers running (`adopt_agents`).
 """
 
