@@ -13,8 +13,10 @@ when `detection.enabled` is false). `machine: false` when the nodes are virtual 
 per-process metrics still tell the virtual nodes apart.
 
 Drills (`kill-node --how slow|leak`, recipe `drills:`), until the node's workers are stopped:
-    slow    the node keeps working, slower: its workers are stopped with SIGSTOP for SLOW_STOP_S out
-            of every SLOW_STOP_S + SLOW_RUN_S (a duty cycle: compute takes ~3x as long). The heartbeat
+    slow    the node keeps working, slower: its workers, and a health check it runs (a spare slowed
+            before it joins fails its pre-flight check: docs/detection.md), are stopped with SIGSTOP
+            for SLOW_STOP_S out of every SLOW_STOP_S + SLOW_RUN_S (a duty cycle: compute takes ~3x as
+            long); on a node that runs nothing yet it waits until it does. The heartbeat
             reads the workers' states between two pauses: a slow node is slow, not stopped (a worker
             stopped for longer than the lease is a hang, and is named `hung`)
     leak    a metric-only fault: the agent allocates LEAK_MB_PER_S more memory every second, up to
@@ -136,7 +138,10 @@ class NodeDrills:
                 os.kill(pid, sig)
 
     def _slow(self) -> None:
-        while not self._stop.is_set() and self.pids():
+        while not self._stop.is_set():
+            if not self.pids():  # a node not running yet (a spare): slowed once it runs something
+                self._stop.wait(SLOW_RUN_S)
+                continue
             with self._running:
                 self._signal(signal.SIGSTOP)
                 self._stop.wait(SLOW_STOP_S)

@@ -13,7 +13,8 @@ protocol/messages.py):
     drill {how, worker} fault injection: "agent" (kill -9 this agent), "worker" (kill -9 a worker),
                         "hang" (SIGSTOP a worker), "slow" and "leak" (agent_health.py: the node keeps
                         working, slower; its memory grows)
-    health {...}        run a short collective with the supervisor (engine and network work here)
+    health {...}        run a short collective with the supervisor (engine and network work here) and,
+                        with `measure`, the pre-flight measurement (agent/preflight.py)
     shutdown            stop the workers and exit 0
 
 Warm workers (agent/warm.py): the agent starts its warm server first thing, before it registers;
@@ -58,6 +59,7 @@ from typing import Any
 import psutil
 
 from oobleck_slurm.agent.health import DRILLS, MetricsReporter, NodeDrills
+from oobleck_slurm.agent.preflight import parse_figures
 from oobleck_slurm.agent.warm import (
     HEALTH_MODULE,
     WORKER_MODULE,
@@ -157,7 +159,11 @@ class Agent:
         self._lock = threading.Lock()  # the channel is written by the beat loop and the command reader
         self._done = threading.Event()
         self._preempt = threading.Event()  # Slurm's SIGUSR2 arrived: relay it once
-        self.drills = NodeDrills(lambda: [w.pid for w in self.workers if w.poll() is None])
+        # Running health checks (the slow drill slows them too): a tuple replaced whole, under its lock, so
+        # that the drill's thread reads it while a check's thread changes it.
+        self.checks: tuple[WorkerProcess, ...] = ()
+        self._checks_lock = threading.Lock()
+        self.drills = NodeDrills(lambda: [w.pid for w in [*self.workers, *self.checks] if w.poll() is None])
         # Started before registering, in the main thread (its PR_SET_PDEATHSIG follows this thread): its
         # imports overlap the registration, a replacement's health check and the supervisor's planning.
         # An agent forked by the job's server (the local backend) is warm already: its server is its fork.
@@ -380,19 +386,26 @@ class Agent:
         t0 = time.time()
         fd, log = tempfile.mkstemp(prefix=f"health-{self.node}-", suffix=".log")
         os.close(fd)
+        argv = [message.host, str(message.port), message.prefix, str(message.timeout), str(self.job.path)]
+        if message.measure:  # the pre-flight measurement, on a worker's threads and the node's devices
+            argv += [str(message.threads), message.device, str(message.devices)]
         try:
-            check = self._spawn(HEALTH_MODULE, [message.host, str(message.port), message.prefix, str(message.timeout),
-                                                str(self.job.path)], dict(os.environ, OMP_NUM_THREADS="1"), log)
+            check = self._spawn(HEALTH_MODULE, argv, dict(os.environ, OMP_NUM_THREADS=str(message.threads)), log)
+            with self._checks_lock:
+                self.checks = (*self.checks, check)
             try:
                 code = check.wait(message.timeout + self.timeouts.health_check_timeout)  # its own, then its start
             except subprocess.TimeoutExpired:
                 check.kill()
                 code = check.wait()
-            detail = Path(log).read_text(errors="replace")
+            finally:
+                with self._checks_lock:
+                    self.checks = tuple(c for c in self.checks if c is not check)
+            figures, detail = parse_figures(Path(log).read_text(errors="replace"))
         finally:
             Path(log).unlink(missing_ok=True)
         self.send(HealthResult(node=self.node, prefix=message.prefix, ok=code == 0,
-                               seconds=time.time() - t0, detail=detail.strip()[-500:]))
+                               seconds=time.time() - t0, detail=detail.strip()[-500:], figures=figures))
 
     # ---- the loop ----------------------------------------------------------------------------------
 

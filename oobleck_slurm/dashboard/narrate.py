@@ -100,6 +100,11 @@ class Narrator:
         if kind == "node_lost":
             self.lost[str(e["node"])] = e
             return []
+        if kind == "preflight" and not e.get("admitted"):  # an admitted node is not news
+            when = "at the start" if e.get("at") == "start" else "before it joined"
+            return [f"{e.get('node')} refused by the pre-flight check {when}: {e.get('reason') or '?'}"]
+        if kind == "preflight" and str(e.get("reason") or "").startswith("not refused"):
+            return [f"{e.get('node')} measured slow at the start, {e['reason']}"]
         if kind == "loss_spike_stop":
             return [f"stopping: {e.get('message') or 'training.loss_spike: too many loss spikes in a row'}"]
         if kind == "failure":

@@ -24,7 +24,7 @@ NODE_ICON = {"healthy": "●", "suspect": "▲", "lost": "✗", "joining": "◐"
 STATUS_STYLE = {"running": "bold green", "recovering": "bold yellow", "waiting": "dim",
                 "completed": "bold blue", "finished": "bold blue", "failed": "bold red", "cancelled": "bold red"}
 KIND_STYLE = {"failure": "bold red", "node_lost": "red", "fault_injected": "red", "refused": "yellow", "store_rejected": "yellow", "checkpoint_fallback": "bold red", "resumed": "bold green",
-              "node_joined": "cyan", "replacement_requested": "cyan", "health_check": "cyan",
+              "node_joined": "cyan", "replacement_requested": "cyan", "health_check": "cyan", "preflight": "cyan",
               "plan": "magenta", "job_started": "blue", "job_finished": "blue", "checkpoint": "blue",
               "node": "yellow", "faulty_node": "bold red", "straggler": "yellow"}
 # Short labels keep the events panel's kind column narrow at 100 columns.

@@ -463,6 +463,13 @@ class DashboardState:
             self._node(e.node).state = "suspect"
         self._log(e.t, e.kind, f"{e.node} {'ok' if e.ok else 'FAILED'}", e.seconds)
 
+    def _preflight(self, e: ev.Preflight) -> None:
+        if not e.admitted:
+            self._node(e.node).state = "suspect"
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in (e.figures or {}).items())
+        self._log(e.t, e.kind, f"{e.node} {'admitted' if e.admitted else 'REFUSED: ' + (e.reason or '?')} ({shown})",
+                  e.seconds)
+
     def _checkpoint(self, e: ev.Checkpoint) -> None:
         if e.ok is False:
             self._log(e.t, e.kind, f"FAILED: {e.detail or '?'}")
@@ -553,6 +560,7 @@ _HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {
     "replacement_requested": DashboardState._replacement_requested,
     "node_joined": DashboardState._node_joined,
     "health_check": DashboardState._health_check,
+    "preflight": DashboardState._preflight,
     "checkpoint": DashboardState._checkpoint,
     "node_lost": DashboardState._node_lost,
     "health": DashboardState._health,

@@ -334,6 +334,22 @@ class HealthCheck(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Preflight(Event):
+    """A node's pre-flight measurement and its verdict (detection/preflight.py), at the start (every
+    member, judged against the start's median) or before a join (before its `health_check`)."""
+
+    kind = "preflight"
+    node: str = required("the node's id in the job")
+    admitted: bool = required("false: the node is not used (at the start it is lost as a failed join)")
+    at: str = required("when", choices=("start", "join"))
+    slurm_node: str | None = optional("the host")
+    reason: str | None = optional("why it was refused, or what was not judged")
+    figures: dict[str, float] | None = optional("its figures: matmul_gflops, link_mib_s, allreduce_gib_s (>= 2 GPUs)")
+    medians: dict[str, float] | None = optional("the fleet's medians it was judged against")
+    seconds: float | None = optional("the check's duration, as the supervisor saw it")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FaultInjected(Event):
     """A drill (`kill-node`) hit a node."""
 
@@ -615,7 +631,7 @@ class TransferRefetch(Event):
 SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Job": (JobStarted, AgentsReady, Takeover, Done, RunComplete, JobFinished, SlurmJob),
     "Plan and training": (Plan, Step, Eval, Checkpoint, CheckpointRequested, CheckpointFallback),
-    "Nodes": (Node, NodeLost, ReplacementRequested, NodeJoined, HealthCheck, FaultInjected, Drill, PreemptNotice,
+    "Nodes": (Node, NodeLost, ReplacementRequested, NodeJoined, HealthCheck, Preflight, FaultInjected, Drill, PreemptNotice,
               SlurmUnreachable, SlurmCalls, Refused, StoreRejected),
     "Failure and recovery": (CollectiveError, Failure, OutOfMemory, LossSpikeStop, Detection, Reform, Replan, GroupRebuild,
                              StateCopy, Replay, Resumed),

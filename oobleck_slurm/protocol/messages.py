@@ -25,7 +25,7 @@ Fields are checked from their annotations (typed.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from oobleck_slurm.protocol.typed import decode, encode, json_name, short
@@ -90,6 +90,7 @@ class HealthResult(Message):
     ok: bool
     seconds: float
     detail: str = ""
+    figures: dict[str, float] = field(default_factory=dict)  # the pre-flight measurement (detection/preflight.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,11 +175,19 @@ class Health(Message):
     port: int
     prefix: str  # the store prefix of the check's group (keys.health_prefix)
     timeout: float
+    measure: bool = False  # also the pre-flight measurement (agent/preflight.py), of:
+    threads: int = 1  # a worker's CPU threads
+    device: str = "cpu"  # cpu | cuda
+    devices: int = 1  # the node's devices (its workers)
 
     def __post_init__(self) -> None:
         _at_least(self, "port", 1)
         _at_most(self, "port", 65535)
         _at_least(self, "timeout", 0.001)
+        _at_least(self, "threads", 1)
+        _at_least(self, "devices", 1)
+        if self.device not in ("cpu", "cuda"):
+            raise ProtocolError(f"{self.TYPE}: field 'device' must be cpu or cuda, got {self.device[:20]!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

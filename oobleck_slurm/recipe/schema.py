@@ -447,6 +447,22 @@ class LoggingConfig:
     tensorboard: bool = False
 
 
+def fraction(value: float) -> str | None:
+    return None if 0 < value <= 1 else f"must be in (0, 1] (a fraction of the fleet's median), got {value}"
+
+
+@dataclass(frozen=True)
+class PreflightConfig:
+    """The pre-flight check (docs/detection.md "Pre-flight checks"): at the start and before each join
+    every node measures a short matmul and its link to the supervisor (and on >= 2 GPUs an intra-node
+    all-reduce); a node below `min_fraction` of the fleet's median on any figure is not admitted. With
+    fewer than `min_nodes` nodes measured, nodes are admitted and their figures reported."""
+
+    enabled: bool = True
+    min_fraction: float = field(default=0.7, metadata=check(fraction))
+    min_nodes: int = field(default=3, metadata=check(at_least_three))
+
+
 @dataclass(frozen=True)
 class DetectionConfig:
     """Gray failures from monitoring metrics (Minder-style) and stragglers (MegaScale-style).
@@ -476,6 +492,8 @@ class DetectionConfig:
     straggler_threshold: float = field(default=1.3, metadata=check(above_one))  # slowdown vs peers
     straggler_window: int = field(default=20, metadata=check(positive))  # recent steps per rank
     metrics_max_mb: float = field(default=64.0, metadata=check(positive))  # metrics.csv cap (all rotations)
+    # Not switched off by `enabled` (that is the metrics' and the stragglers' switch)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
 
 @dataclass(frozen=True)

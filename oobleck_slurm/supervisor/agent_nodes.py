@@ -9,7 +9,10 @@ and the node is fenced: its agent, if it still answers, kills the worker.
 
 Node ids: the coordinator's ids are Slurm node names, except requested replacements, which get a
 token ("r1", "r2", ...) when asked for (the coordinator needs an id at once) and are bound to the
-Slurm node whose agent registers with that token. Joining nodes are health-checked first.
+Slurm node whose agent registers with that token. Joining nodes are health-checked first; with the
+pre-flight check on (detection.preflight), every initial member is measured from its registration and
+starts once the start's verdicts are in, and a joining node is judged against the fleet's median
+(detection/preflight.py; a refused node is lost as a failed join).
 
 Each node id has one `NodeRecord` and a `NodeState` changed only by the pure `transition(state, event)`
 (node_table.py, which shows the table).
@@ -35,6 +38,7 @@ import torch.distributed as dist
 
 from oobleck_slurm.agent.preflight import health_peer
 from oobleck_slurm.detection.health import Rebalance
+from oobleck_slurm.detection.preflight import LINK, Verdict, decide, decide_fleet
 from oobleck_slurm.errors import InfrastructureError, JobTimeoutError
 from oobleck_slurm.protocol import keys, signed_store
 from oobleck_slurm.protocol.events import EventLog
@@ -59,6 +63,7 @@ from oobleck_slurm.protocol.messages import (
 )
 from oobleck_slurm.protocol.records import ReplicaMismatch
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
+from oobleck_slurm.recipe.schema import PreflightConfig
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.launchers import AgentLauncher
 from oobleck_slurm.supervisor.membership import Loss, LossCause, Membership
@@ -92,6 +97,11 @@ class BackendConfig:
     device: str = "cpu"  # cpu | cuda
     # heartbeat_lease, step_timeout, health_check_timeout, the watcher's polls (timeouts.py)
     timeouts: JobTimeouts = DEFAULT_TIMEOUTS
+    # The pre-flight check (detection/preflight.py; None: off). Where the nodes share one machine (the
+    # local backend's virtual nodes), the start's verdicts do not refuse (they would compare the machine
+    # with itself), and the link figure (loopback there) is reported, not judged.
+    preflight: PreflightConfig | None = None
+    shared_machine: bool = False
 
 
 class AgentNodes:
@@ -122,6 +132,11 @@ class AgentNodes:
         self._secret = secret  # its store clients are signed (protocol/signed_store.py)
         self._slurm_states: dict[str, str] = {}  # node id -> its Slurm state last seen (the Slurm poller's)
         self._watcher = threading.Thread(target=self._watch, name="agent-nodes-watch", daemon=True)
+        # Pre-flight (detection/preflight.py): the start's checks, one per initial member, run from its
+        # registration while the others register; their verdicts wait for them all (the start's median).
+        self._start_checks: dict[str, tuple[bool, str, dict[str, float], float] | None] = {}
+        self._verdicts: dict[str, Verdict] = {}  # an initial member's start verdict, until its start uses it
+        self.fleet: dict[str, dict[str, float]] = {}  # the admitted nodes' figures: the median's fleet
 
     # ---- setting up ------------------------------------------------------------------------------
 
@@ -139,6 +154,8 @@ class AgentNodes:
         """Start an agent on every node of the allocation and wait until all have registered
         (the server must be started, and its address published, before)."""
         launched = list(self.nodes.values())
+        if self.cfg.preflight is not None:  # every initial member is measured once its agent registers
+            self._start_checks = {r.node_id: None for r in launched if r.trusted}
         for record in launched:
             assert record.slurm_node is not None  # allocation nodes are named
             record.step = self.launcher.launch(record.slurm_node)
@@ -203,6 +220,9 @@ class AgentNodes:
             record = self.nodes[node]
             if record.agent is None:  # a replacement before its job runs: checked once its agent registers
                 self._fire(record, NodeEvent.AWAIT_AGENT)
+            elif record.node_id in self._start_checks or record.node_id in self._verdicts:  # after its pre-flight verdict
+                self._fire(record, NodeEvent.CHECK_HEALTH)
+                self._start_after_preflight(record)
             elif record.trusted:  # an initial member, or a restart (checkpoint fallback)
                 self._start_worker(record)
             elif self._fire(record, NodeEvent.CHECK_HEALTH) is NodeState.HEALTH_CHECK:  # a spare or replacement
@@ -423,6 +443,9 @@ class AgentNodes:
                           state="joining" if token else ("spare" if record.state is NodeState.SPARE else "healthy"),
                           agent_pid=message.pid)
             self._registered.notify_all()
+            if record.node_id in self._start_checks and self._start_checks[record.node_id] is None:
+                threading.Thread(target=self._start_check, args=(record, record.agent),
+                                 name=f"preflight-{record.node_id}", daemon=True).start()
             if record.state is NodeState.HEALTH_CHECK:  # the coordinator is waiting for it
                 self._begin_health_check(record)
 
@@ -478,25 +501,114 @@ class AgentNodes:
         threading.Thread(target=self._health_check, args=(record, record.agent, record.health_check),
                          name=f"health-{record.node_id}", daemon=True).start()
 
-    def _health_check(self, record: NodeRecord, agent: AgentConn, prefix: str) -> None:
-        """A node that joins proves it can run a collective (here: with the supervisor) first."""
-        t0 = time.time()
+    def _run_check(self, agent: AgentConn, prefix: str) -> tuple[bool, str, dict[str, float]]:
+        """One check with the node's agent (agent/preflight.py): (passed, detail, pre-flight figures)."""
         results: queue.Queue[HealthResult] = queue.Queue()
         with self._lock:
             agent.checks[prefix] = results
         timeout = self.cfg.timeouts.health_check_timeout
-        agent.send(Health(host=self.cfg.store_host, port=self.cfg.store_port, prefix=prefix, timeout=timeout))
+        measure = self.cfg.preflight is not None
+        agent.send(Health(host=self.cfg.store_host, port=self.cfg.store_port, prefix=prefix, timeout=timeout,
+                          measure=measure, threads=self.cfg.threads_per_worker, device=self.cfg.device,
+                          devices=self.cfg.workers_per_node))
         try:
             store = signed_store.connect(self.cfg.store_host, self.cfg.store_port, dt.timedelta(seconds=timeout),
                                          self._secret, self.log, "supervisor", self.cfg.timeouts.forged_value_poll)
-            ok_here = health_peer(store, prefix, timeout)
+            ok_here = health_peer(store, prefix, timeout, link=measure)
             result = results.get(timeout=timeout)
-            ok, detail = ok_here and result.ok, result.detail
+            return ok_here and result.ok, result.detail, dict(result.figures)
         except Exception as err:  # noqa: BLE001 - any failure means "not healthy"
-            ok, detail = False, f"{type(err).__name__}: {err}"
+            return False, f"{type(err).__name__}: {err}", {}
         finally:
             with self._lock:
                 del agent.checks[prefix]
+
+    def _judge_join(self, record: NodeRecord, figures: dict[str, float], seconds: float) -> Verdict:
+        """A joining node's pre-flight verdict against the fleet (the admitted nodes' figures)."""
+        assert self.cfg.preflight is not None
+        with self._lock:
+            fleet = list(self.fleet.values())
+        if not figures:
+            verdict = Verdict(False, "it reported no pre-flight figures")
+        else:
+            verdict = decide([self._judged(f) for f in fleet], self._judged(figures), self.cfg.preflight.min_fraction,
+                             self.cfg.preflight.min_nodes)
+        self._log_verdict(record, "join", verdict, figures, seconds)
+        if verdict.admit:
+            with self._lock:
+                self.fleet[record.node_id] = figures
+        return verdict
+
+    def _judged(self, figures: dict[str, float]) -> dict[str, float]:
+        """The figures a verdict weighs: on a shared machine, not the link (its loopback)."""
+        return {k: v for k, v in figures.items() if not (self.cfg.shared_machine and k == LINK)}
+
+    def _log_verdict(self, record: NodeRecord, at: str, verdict: Verdict, figures: dict[str, float],
+                     seconds: float) -> None:
+        self.log.emit("preflight", node=record.node_id, slurm_node=record.slurm_node, at=at, admitted=verdict.admit,
+                      reason=verdict.reason or None, figures={k: round(v, 3) for k, v in figures.items()},
+                      medians={k: round(v, 3) for k, v in verdict.medians.items()}, seconds=round(seconds, 3))
+
+    def _start_check(self, record: NodeRecord, agent: AgentConn) -> None:
+        """An initial member's pre-flight check, from its registration; the last one in decides all."""
+        t0 = time.time()
+        ok, detail, figures = self._run_check(agent, keys.health_prefix(record.node_id, time.time_ns()))
+        with self._lock:
+            self._start_checks[record.node_id] = (ok, detail, figures, time.time() - t0)
+            if any(v is None for v in self._start_checks.values()):
+                return
+            self._decide_start()
+
+    def _decide_start(self) -> None:
+        """Every initial member measured (lock held): their verdicts against the start's median; a member
+        that is waiting (`start` came first) starts now, or fails as a join would."""
+        assert self.cfg.preflight is not None
+        done = {n: v for n, v in self._start_checks.items() if v is not None}
+        measured = {n: self._judged(figures) for n, (ok, _, figures, _) in done.items() if ok and figures}
+        verdicts = decide_fleet(measured, self.cfg.preflight.min_fraction, self.cfg.preflight.min_nodes)
+        for node, (ok, detail, figures, seconds) in done.items():
+            verdict = verdicts.get(node) or Verdict(False, f"its check failed: {detail}" if not ok else
+                                                    "it reported no pre-flight figures")
+            if not verdict.admit and self.cfg.shared_machine:
+                verdict = Verdict(True, f"not refused (the nodes share a machine): {verdict.reason}", verdict.medians)
+            self._log_verdict(self.nodes[node], "start", verdict, figures, seconds)
+            if verdict.admit and figures:
+                self.fleet[node] = figures
+            self._verdicts[node] = verdict
+        self._start_checks = {}
+        for node in list(self._verdicts):
+            record = self.nodes[node]
+            if record.state is NodeState.HEALTH_CHECK and record.health_check is None:
+                self._start_after_preflight(record)
+
+    def _start_after_preflight(self, record: NodeRecord) -> None:
+        """An initial member that the coordinator started (lock held): once its start verdict is in,
+        its workers start, or it is lost as a failed join (the coordinator recovers without it)."""
+        verdict = self._verdicts.pop(record.node_id, None)
+        if verdict is None:
+            return  # decided with the others (_decide_start), which comes back here
+        if record.state is not NodeState.HEALTH_CHECK:
+            return
+        if verdict.admit and record.agent is not None:
+            self._start_worker(record)
+        else:
+            self._join_failed(record, f"pre-flight check: {verdict.reason}" if not verdict.admit else
+                              "its agent went away")
+
+    def _join_failed(self, record: NodeRecord, why: str) -> None:
+        loss = Loss(record.node_id, LossCause.JOIN_FAILED, why, time.time())
+        self._fire(record, NodeEvent.LOSE)
+        record.loss = loss
+        self._exits.put((record.node_id, loss))
+
+    def _health_check(self, record: NodeRecord, agent: AgentConn, prefix: str) -> None:
+        """A node that joins proves it can run a collective (here: with the supervisor) first, and
+        (pre-flight) that it is not slower than the fleet."""
+        t0 = time.time()
+        ok, detail, figures = self._run_check(agent, prefix)
+        if ok and self.cfg.preflight is not None:
+            verdict = self._judge_join(record, figures, time.time() - t0)
+            ok, detail = verdict.admit, (detail if verdict.admit else f"pre-flight check: {verdict.reason}")
         self.log.emit("health_check", node=record.node_id, slurm_node=record.slurm_node, ok=ok,
                       seconds=time.time() - t0, detail=detail)
         with self._lock:
@@ -506,11 +618,7 @@ class AgentNodes:
             if ok and record.agent is agent:
                 self._start_worker(record)
             else:
-                why = detail if not ok else "its agent went away"
-                loss = Loss(record.node_id, LossCause.JOIN_FAILED, f"health check failed: {why}", time.time())
-                self._fire(record, NodeEvent.LOSE)
-                record.loss = loss
-                self._exits.put((record.node_id, loss))
+                self._join_failed(record, f"health check failed: {detail if not ok else 'its agent went away'}")
 
     # ---- detection ---------------------------------------------------------------------------------
 

@@ -362,7 +362,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     nodes_backend = AgentNodes(load_secret(job.path), launcher, log, BackendConfig(
         replacement=ft.replacement, store_host=host, store_port=store.port,
         workers_per_node=cluster.devices_per_node, threads_per_worker=cluster.threads_per_worker,
-        device="cuda" if cluster.gpus_per_node else "cpu", timeouts=timeouts), members, observer, spares,
+        device="cuda" if cluster.gpus_per_node else "cpu", timeouts=timeouts,
+        preflight=detection.preflight if detection.preflight.enabled else None,
+        shared_machine=nodes_share_a_machine(backend, members + spares)), members, observer, spares,
         on_preempt=on_preempt,
         drills=recipe.drills if meta.get("drills", True) and not requeued and takeover is None else (), health=health,
         requested=list(takeover.state.pending_joins or {}) if takeover is not None else ())

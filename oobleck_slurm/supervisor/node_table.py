@@ -21,16 +21,18 @@ States: `launching` an allocation member whose agent's step is launched and has 
 `spare` an allocation node held in reserve (its agent waits); `requested` a replacement asked of Slurm;
 `idle` an agent may be up, no worker runs (before the start, or stopped by the coordinator);
 `awaiting_agent` started by the coordinator before its agent registered (a replacement whose job has
-not started); `health_check` a joining node proves it can run a collective; `running` its workers run
+not started); `health_check` a joining node proves it can run a collective and passes the pre-flight
+check (an initial member, with pre-flight on, waits here for the start's verdicts); `running` its workers run
 and every detection path watches it; `finished` its workers completed training; `lost` named lost by
 the first evidence, or its join failed: reported to the coordinator once, fenced, never started again
 under this id (a start, stop or finish that races with the report leaves it lost).
 Events: `register` its agent registered; `assign` `new_node` hands a spare to the coordinator;
 `start_worker` its workers start (a trusted node: an initial member or one that ran before, or one
 that passed its health check); `check_health` the coordinator starts an untrusted node whose agent is
-up; `await_agent` the coordinator starts a node whose agent is not up; `stop` the coordinator stops it;
-`finish` every worker exited 0; `lose` a detection path named it, or its health check failed, or
-(after a supervisor's takeover) its agent did not come back; `adopt` after a takeover, its agent came
+up, or an initial member whose pre-flight verdict is pending or refused; `await_agent` the coordinator
+starts a node whose agent is not up; `stop` the coordinator stops it; `finish` every worker exited 0;
+`lose` a detection path named it, or its health check failed, or (after a supervisor's takeover) its
+agent did not come back; `adopt` after a takeover, its agent came
 back with its workers running (`adopt_agents`).
 """
 

@@ -90,3 +90,16 @@ def test_a_metrics_flag_says_whether_the_node_was_evicted_or_only_reported() -> 
     assert reported.startswith("node3 flagged from its metrics (procs.rss_gib") and "reported only, it keeps training" in reported
     (evicted,) = Narrator().lines({**flag, "action": "evict"})
     assert evicted.endswith(": evicting it")
+
+
+def test_a_pre_flight_refusal_is_said_with_its_reason_and_an_admission_is_not() -> None:
+    narrator = Narrator()
+    refused = {"t": 1.0, "kind": "preflight", "node": "node5", "at": "join", "admitted": False,
+               "reason": "matmul 11.05 GFLOP/s is 0.12 x the fleet's median 93.07 (below 0.7)"}
+    assert narrator.lines(refused) == ["node5 refused by the pre-flight check before it joined: matmul 11.05 GFLOP/s "
+                                       "is 0.12 x the fleet's median 93.07 (below 0.7)"]
+    assert narrator.lines({**refused, "at": "start"})[0].startswith("node5 refused by the pre-flight check at the start")
+    assert narrator.lines({**refused, "admitted": True, "reason": None}) == []
+    (line,) = narrator.lines({**refused, "at": "start", "admitted": True,
+                              "reason": "not refused (the nodes share a machine): matmul 40 GFLOP/s is 0.4 x"})
+    assert line == "node5 measured slow at the start, not refused (the nodes share a machine): matmul 40 GFLOP/s is 0.4 x"

@@ -5,9 +5,11 @@ that sends what the supervisor does not take."""
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from oobleck_slurm.protocol.messages import (
     parse,
 )
 from oobleck_slurm.protocol.wire import Channel, ProtocolError, connect
+from oobleck_slurm.recipe.schema import PreflightConfig
 from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
 from oobleck_slurm.supervisor.launchers import LocalLauncher
 from oobleck_slurm.supervisor.membership import LossCause
@@ -49,7 +52,8 @@ def until(what: str, check: Callable[[], Any], timeout: float = IO_TIMEOUT_S) ->
 
 
 class Backend:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, members: tuple[str, ...] | list[str] = ("node1", "node2"),
+                 spares: tuple[str, ...] | list[str] = ("node3",), preflight: PreflightConfig | None = None) -> None:
         self.job_dir, self.events = tmp_path, tmp_path / "events.jsonl"
         self.secret = create_secret(tmp_path)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -59,8 +63,8 @@ class Backend:
         self.observer = StoreObserver(self.store, timeouts, workers_per_node=2)  # no training here: not started
         self.nodes = AgentNodes(self.secret, LocalLauncher(tmp_path), self.log, BackendConfig(
             replacement="spare", store_host="127.0.0.1", store_port=self.store.port, workers_per_node=2,
-            threads_per_worker=3, timeouts=timeouts), members=["node1", "node2"], observer=self.observer,
-            spares=["node3"])
+            threads_per_worker=3, timeouts=timeouts, preflight=preflight), members=list(members),
+            observer=self.observer, spares=list(spares))
         self.nodes.server.start()
 
     def agent(self, node: str, message: Message | None = None) -> Channel:
@@ -230,3 +234,98 @@ def test_an_invalid_message_drops_the_peer(backend: Backend, raw: dict[str, Any]
     with pytest.raises((EOFError, OSError, ProtocolError)):
         channel.recv()
     assert until("refused", lambda: [e for e in backend.kinds("refused") if reason in e["reason"]])
+
+
+# ---- pre-flight (detection/preflight.py) ---------------------------------------------------------
+
+class MeasuringAgent(threading.Thread):
+    """The agent's side of a pre-flight check: the real child (collective, link rounds with the
+    supervisor, matmul) in a thread; `result` is the HealthResult the agent would send, its figures
+    scaled by `slowdown` where the test plays a slow node's agent."""
+
+    def __init__(self, node: str, check: Health, job_dir: Path, slowdown: float = 1.0) -> None:
+        super().__init__()
+        self.node, self.check, self.job_dir, self.slowdown = node, check, job_dir, slowdown
+        self.result: HealthResult | None = None
+        self.start()
+
+    def run(self) -> None:
+        c = self.check
+        assert c.measure and (c.threads, c.device, c.devices) == (3, "cpu", 2)
+        out = io.StringIO()
+        code = health.main([c.host, str(c.port), c.prefix, str(c.timeout), str(self.job_dir), "1", c.device,
+                            str(c.devices)], out)
+        figures, detail = health.parse_figures(out.getvalue())
+        self.result = HealthResult(node=self.node, prefix=c.prefix, ok=code == 0, seconds=0.1, detail=detail,
+                                   figures={k: v / self.slowdown for k, v in figures.items()})
+
+
+@pytest.fixture
+def preflight_backend(tmp_path: Path) -> Iterator[Backend]:
+    b = Backend(tmp_path, members=["node1", "node2", "node3"], spares=["node4"],
+                preflight=PreflightConfig())
+    yield b
+    b.nodes.close()
+    b.log.close()
+
+
+def test_at_the_start_a_slow_member_is_refused_and_the_others_start(preflight_backend: Backend) -> None:
+    b = preflight_backend
+    b.nodes._start_checks = {n: None for n in ("node1", "node2", "node3")}  # what launch_agents sets
+    agents = {n: registered(b, n) for n in ("node1", "node2", "node3")}
+    checks = {n: parse(a.recv()) for n, a in agents.items()}  # each measured from its registration
+    for node in ("node1", "node2"):
+        b.nodes.start(node)  # the coordinator's start may come before the verdicts: the workers wait
+        assert b.state(node) is NodeState.HEALTH_CHECK
+    peers = {n: MeasuringAgent(n, c, b.job_dir) for n, c in checks.items()}  # type: ignore[arg-type]
+    for peer in peers.values():
+        peer.join(IO_TIMEOUT_S * 3)
+        assert peer.result is not None and peer.result.ok, peer.result
+    # Three real checks ran (collective, link rounds, matmul) in threads of this one process, which share
+    # its cores: each agent reports node1's figures (node3's a quarter of them), so the verdict is the
+    # test's and not this machine's noise.
+    base = peers["node1"].result.figures  # type: ignore[union-attr]
+    for node, peer in peers.items():
+        scale = 4.0 if node == "node3" else 1.0
+        assert peer.result is not None and set(peer.result.figures) == set(base)
+        agents[node].send(replace(peer.result, figures={k: v / scale for k, v in base.items()}).to_dict())
+    for node in ("node1", "node2"):
+        assert parse(agents[node].recv()) == Start(node_id=node, workers=2, threads=3, device="cpu")
+    verdicts = {e["node"]: e for e in until("three verdicts", lambda: len(b.kinds("preflight")) == 3 and b.kinds("preflight"))}
+    assert {n: e["admitted"] for n, e in verdicts.items()} == {"node1": True, "node2": True, "node3": False}
+    assert all(e["at"] == "start" and set(e["figures"]) == {"matmul_gflops", "link_mib_s"} for e in verdicts.values())
+    assert "matmul" in verdicts["node3"]["reason"] and "fleet's median" in verdicts["node3"]["reason"]
+    assert b.state("node3") is NodeState.IDLE  # decided; its start uses the verdict
+    b.nodes.start("node3")
+    (loss,) = until("the refused member's loss", b.nodes.exited).values()
+    assert loss.cause is LossCause.JOIN_FAILED and loss.detail.startswith("pre-flight check: ") and "matmul" in loss.detail
+    assert b.state("node3") is NodeState.LOST
+    assert set(b.nodes.fleet) == {"node1", "node2"}  # the admitted: the fleet a join is judged against
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 4.0])
+def test_a_joining_node_is_judged_against_the_fleet(preflight_backend: Backend, slowdown: float) -> None:
+    b = preflight_backend
+    agent = registered(b, "node4")
+    # The fleet as the start measured it (CPU figures of this machine, from a first real measurement)
+    assert b.nodes.new_node() == "node4"
+    b.nodes.start("node4")
+    check = parse(agent.recv())
+    peer = MeasuringAgent("node4", check, b.job_dir, slowdown)  # type: ignore[arg-type]
+    peer.join(IO_TIMEOUT_S * 3)
+    assert peer.result is not None and peer.result.ok
+    measured = {k: v * slowdown for k, v in peer.result.figures.items()}
+    b.nodes.fleet = {f"node{i}": measured for i in (1, 2, 3)}
+    agent.send(peer.result.to_dict())
+    (verdict,) = until("the verdict", lambda: b.kinds("preflight"))
+    (checked,) = until("the health check", lambda: b.kinds("health_check"))
+    assert verdict["at"] == "join" and verdict["admitted"] == (slowdown == 1.0)
+    assert verdict["figures"]["matmul_gflops"] > 0 and verdict["figures"]["link_mib_s"] > 0
+    assert checked["ok"] == (slowdown == 1.0)
+    if slowdown == 1.0:
+        assert parse(agent.recv()) == Start(node_id="node4", workers=2, threads=3, device="cpu")
+        assert b.state("node4") is NodeState.RUNNING and "node4" in b.nodes.fleet
+    else:
+        assert checked["detail"].startswith("pre-flight check: ") and "0.25 x the fleet's median" in checked["detail"]
+        (loss,) = until("the refused join", b.nodes.exited).values()
+        assert loss.cause is LossCause.JOIN_FAILED and b.state("node4") is NodeState.LOST
