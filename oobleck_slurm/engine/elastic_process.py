@@ -448,7 +448,7 @@ class ElasticWorker:
         if verdict is None or policy is None or w.spike is None:
             return
         if self.writer is not None:
-            self.writer.flush()
+            self.writer.flush(())  # a failed write was reported (_write_failed): the newest complete one is named
         gen.wait(gen.world.barrier())  # every rank's writes are on disk: all name the same newest checkpoint
         checkpoint = latest_complete(self.checkpoint_root, w.keys)
         message = stop_message(policy, w.spike.spikes, verdict, checkpoint)
@@ -521,12 +521,25 @@ class ElasticWorker:
             return
         if self.writer is None or str(self.writer.root) != root:
             if self.writer is not None:
-                self.writer.flush()
-            self.writer = CheckpointWriter(root, self.worker.data_record)
+                self.writer.flush(())  # its periodic writes that failed were reported (_write_failed)
+            self.writer = self._new_writer(root)
         for i in self._first_held(w):
             if (payload := w.layer_payload(i)) is not None:
                 self.writer.submit(w.step, w.keys[i], payload)
-        self.writer.flush()
+        self.writer.flush([w.step])  # the trained model or the requeue's checkpoint: its failure fails the run
+
+    def _new_writer(self, root: str) -> CheckpointWriter:
+        return CheckpointWriter(root, self.worker.data_record, on_error=self._write_failed)
+
+    def _write_failed(self, step: int, error: Exception) -> None:
+        """A checkpoint write failed (the writer's thread): said in the event log and the worker's log;
+        training goes on, and the next interval writes a checkpoint afresh. Every failure is reported,
+        with this worker's count, so that a disk that stays full is seen (dashboard, `status`)."""
+        failures = self.writer.failures if self.writer is not None else 1
+        detail = f"{type(error).__name__}: {error}"
+        print(f"worker {self.name}: the checkpoint of step {step} was not written ({detail}); training goes on",
+              file=sys.stderr, flush=True)
+        self.log.emit("checkpoint", step=step, ok=False, worker=self.name, failures=failures, detail=detail)
 
     @staticmethod
     def _first_held(w: Worker) -> list[int]:
@@ -552,7 +565,7 @@ class ElasticWorker:
         if not layers:
             return
         if self.writer is None:
-            self.writer = CheckpointWriter(self.checkpoint_root, self.worker.data_record)
+            self.writer = self._new_writer(self.checkpoint_root)
         for i in layers:
             if (payload := w.layer_payload(i)) is not None:
                 self.writer.submit(w.step, w.keys[i], payload)
