@@ -166,10 +166,10 @@ def start_from(job: JobDir, recipe: Any, path: str | os.PathLike[str]) -> Resume
     spec = job_from_recipe(recipe, token_file_for(recipe, job.data), validation_file_for(recipe, job.data))
     keys = spec.model.keys()
     source = find_source(path, keys)
+    check_model(source, spec.model, spec.train.seed)
     if source.step >= spec.train.steps:
         raise CheckpointError(f"{source.path}: the checkpoint is of step {source.step} and training.steps is "
                               f"{spec.train.steps}: nothing is left to train (raise training.steps)")
-    check_model(source, spec.model, spec.train.seed)
     prepare_data(spec, str(source.root), source.step)  # DataChangedError naming what changed, as a requeue
     how = link_into(source, job.checkpoints, keys)
     job.update_meta(resumed_from={"path": str(source.path), "step": source.step, "how": how})

@@ -87,7 +87,8 @@ def test_a_new_job_goes_on_from_another_jobs_checkpoint_on_other_nodes_and_f(
         tmp_path: Path, templates_cache: Path, old_job: JobRun) -> None:
     before = _digest(old_job.job.checkpoints)
     job = _prepare(tmp_path, _recipe(nodes=3, f=0), templates_cache, step_dir(old_job.job.checkpoints, 3))
-    assert job.meta()["resumed_from"]["step"] == 3
+    assert job.meta()["resumed_from"] == {"path": str(step_dir(old_job.job.checkpoints, 3)), "step": 3,
+                                          "how": "linked"}  # one filesystem: hard links, no bytes copied
     new = start_and_wait(job, JOB_TIMEOUT_S)
     assert new.exit_code == 0, new.log_tails()
 
@@ -158,7 +159,7 @@ def test_bad_checkpoints_to_start_from_are_refused_by_name_leaving_no_job(
     refused(CheckpointError, rf"incomplete checkpoint: 1 of {len(keys)} layer files missing \({keys[2]}", incomplete)
     refused(CheckpointError, "no such file|incomplete checkpoint", incomplete.parent)
     refused(CheckpointError, r"param\.\S+ is \(.*\) in the checkpoint, \(.*\) in the recipe's model",
-            step_dir(old, 3), model={"ffn_dim": 96})
+            step_dir(old, 3), model={"d_model": 32})
     refused(CheckpointError, "that the recipe's model .* does not have: a checkpoint of another model",
             step_dir(old, 3), model={"n_layer": 2})
     refused(DataChangedError, "data.seed was 0, is 1", step_dir(old, 3), training={"seed": 1})
@@ -169,7 +170,7 @@ def test_bad_checkpoints_to_start_from_are_refused_by_name_leaving_no_job(
 def test_the_command_says_what_is_wrong_without_a_traceback(tmp_path: Path, templates_cache: Path,
                                                             old_job: JobRun) -> None:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe(model={"ffn_dim": 96}), sort_keys=False))
+    recipe.write_text(yaml.safe_dump(_recipe(model={"d_model": 32}), sort_keys=False))
     done = subprocess.run(
         [sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--from-checkpoint", str(old_job.job.path),
          "--detach", "--cache", str(templates_cache), "--estimate", "A100-40", "--job-root", str(tmp_path / "jobs")],
