@@ -21,9 +21,11 @@ from typing import Any
 import pytest
 import torch
 import yaml
-
 from jobrun import JobRun, assert_tensors_match, run_job, start_and_wait, tiny_recipe
+
 from oobleck_slurm.cluster.jobdir import JobDir
+from oobleck_slurm.commands.status import summarize
+from oobleck_slurm.dashboard.narrate import Narrator
 from oobleck_slurm.engine.checkpoint import (
     DATA_FILE,
     CheckpointError,
@@ -122,6 +124,12 @@ def test_a_changed_global_batch_goes_on_from_the_cursor_through_a_failed_write_k
     failed = [e for e in new.kind("checkpoint") if e.get("ok") is False]
     assert failed and {e["step"] for e in failed} == {7}, failed
     assert all(e["worker"] and "step7" in e["detail"] and e["failures"] == 1 for e in failed), failed
+    # Said where people look: the narration `submit` prints, and `status`.
+    narrator = Narrator()
+    said = [line for e in new.events for line in narrator.lines(e)]
+    assert any("checkpoint of step 7 NOT written" in line for line in said), said
+    assert any("starting from another job's checkpoint" in line for line in said), said
+    assert [f["step"] for f in summarize(new.events)["checkpoint_failures"]] == [7] * len(failed)
     keys = new.spec().model.keys()
     # The next interval wrote a checkpoint again; retention kept the 2 newest complete ones.
     assert latest_complete(job.checkpoints, keys) == 9
