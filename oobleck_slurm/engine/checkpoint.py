@@ -7,7 +7,7 @@ buffers; a non-persistent one is remade by the seed build the load starts from),
 "oobleck-slurm-layer", "version": "1", "step": "<S>"}: no pickles, and readable by any safetensors
 reader. A file appears only complete, and stays complete after a crash (cluster/durable.py: temp file,
 fsync, rename, fsync of the folder), so a checkpoint is complete when every layer's file exists. Every
-`interval` steps, the holder of each layer in the first pipeline clones the layer's parameters and
+`interval` steps, one holder of each layer (pipeline i mod the pipelines for layer i) clones the layer's parameters and
 optimizer state (a memory copy, the only cost on the training path) and a background thread
 serialises them.
 """
