@@ -66,7 +66,10 @@ def _step_number(folder: Path) -> int | None:
 
 def find_source(path: str | os.PathLike[str], keys: list[str]) -> ResumeSource:
     """The complete checkpoint `path` names (SOURCE_HELP); CheckpointError saying what is wrong otherwise."""
-    p = Path(path).expanduser()
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError:  # "~nobody/...": no such user, so no such folder
+        p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"{p}: {'not a folder' if p.exists() else 'does not exist'} (a checkpoint to start "
                               f"from is {SOURCE_HELP})")
@@ -149,7 +152,10 @@ def link_into(source: ResumeSource, root: str | os.PathLike[str], keys: list[str
         try:
             os.link(src, dst)
         except OSError:  # another filesystem (EXDEV), or one without hard links: a whole copy, atomically
-            durable.write_with(dst, partial(shutil.copyfile, src))
+            try:
+                durable.write_with(dst, partial(shutil.copyfile, src))
+            except OSError as e:  # the old job deleted it meanwhile (its retention), or a full disk
+                raise CheckpointError(f"{src}: could not be copied into {dest} ({type(e).__name__}: {e})") from None
             how = "copied"
     durable.fsync_dir(dest)
     durable.fsync_dir(dest.parent)

@@ -449,7 +449,10 @@ def _resolve_paths(recipe: schema.Recipe, source: Source) -> schema.Recipe:
                     for s in data.sources)
     ft = recipe.fault_tolerance
     if ft.resume_from:
-        ft = replace(ft, resume_from=str(_recipe_path(source, ("fault_tolerance", "resume_from"), ft.resume_from)))
+        try:
+            ft = replace(ft, resume_from=str(_recipe_path(source, ("fault_tolerance", "resume_from"), ft.resume_from)))
+        except (RuntimeError, ValueError, OSError):
+            pass  # "~nobody/...", a NUL byte: submit names it as a checkpoint that does not exist
     return replace(recipe, data=replace(data, **resolved, sources=sources), model=model, fault_tolerance=ft,
                    source=source.root_file)
 
