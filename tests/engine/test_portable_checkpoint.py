@@ -240,3 +240,21 @@ def test_a_failed_write_is_reported_once_per_step_and_the_next_step_is_written(t
     assert (2, "a") not in writer.submitted  # a recovery resuming at step 2 would write it again
     with pytest.raises(CheckpointError, match="step 2 .* failed: FileExistsError"):
         writer.flush([2])
+
+
+def test_checkpoint_writes_are_spread_over_the_pipelines_one_writer_per_layer() -> None:
+    from types import SimpleNamespace
+
+    from exec_plans import make_plan
+    from oobleck_slurm.engine.elastic_process import ElasticWorker
+
+    plan = make_plan(6, [[0, 6], [0, 3, 6], [0, 2, 4, 6]], [2, 2, 2])  # ranks 0 | 1 2 | 3 4 5
+    writes = {}
+    for rank in range(6):
+        p = plan.role(rank)
+        assert p is not None
+        worker = SimpleNamespace(plan=plan, rank=rank, layers=dict.fromkeys(p.layers))
+        writes[rank] = ElasticWorker._writes(worker)  # type: ignore[arg-type]
+    by_layer = sorted(i for layers in writes.values() for i in layers)
+    assert by_layer == list(range(6))  # every layer once
+    assert writes == {0: [0, 3], 1: [1], 2: [4], 3: [], 4: [2], 5: [5]}  # layer i by pipeline i mod 3
