@@ -16,11 +16,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import yaml
+from exec_plans import make_plan
 from jobrun import JobRun, assert_tensors_match, run_job, start_and_wait, tiny_recipe
 
 from oobleck_slurm.cluster.jobdir import JobDir
@@ -39,6 +41,7 @@ from oobleck_slurm.engine.checkpoint import (
     save_layer,
     step_dir,
 )
+from oobleck_slurm.engine.elastic_process import ElasticWorker
 from oobleck_slurm.exit_codes import EXIT_BAD_INPUT
 from oobleck_slurm.recipe import load_recipe
 from oobleck_slurm.submission import prepare_job
@@ -243,11 +246,6 @@ def test_a_failed_write_is_reported_once_per_step_and_the_next_step_is_written(t
 
 
 def test_checkpoint_writes_are_spread_over_the_pipelines_one_writer_per_layer() -> None:
-    from types import SimpleNamespace
-
-    from exec_plans import make_plan
-    from oobleck_slurm.engine.elastic_process import ElasticWorker
-
     plan = make_plan(6, [[0, 6], [0, 3, 6], [0, 2, 4, 6]], [2, 2, 2])  # ranks 0 | 1 2 | 3 4 5
     writes = {}
     for rank in range(6):
