@@ -181,9 +181,9 @@ def test_bad_checkpoints_to_start_from_are_refused_by_name_leaving_no_job(
 def test_the_command_says_what_is_wrong_without_a_traceback(tmp_path: Path, templates_cache: Path,
                                                             old_job: JobRun) -> None:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe(model={"d_model": 32}), sort_keys=False))
+    recipe.write_text(yaml.safe_dump(_recipe(model={"d_model": 32}), sort_keys=False))  # --resume-from: the alias
     done = subprocess.run(
-        [sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--from-checkpoint", str(old_job.job.path),
+        [sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--resume-from", str(old_job.job.path),
          "--detach", "--cache", str(templates_cache), "--estimate", "A100-40", "--job-root", str(tmp_path / "jobs")],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == EXIT_BAD_INPUT, done.stderr
