@@ -30,10 +30,13 @@ from oobleck_slurm.recipe import Recipe
 def prepare_job(recipe: Recipe, *, cache_dir: str | os.PathLike[str] = "templates_cache",
                 profile_file: str | os.PathLike[str] | None = None, estimate_gpu: str | None = None,
                 job_root: str | os.PathLike[str] | None = None, faults: Sequence[dict[str, Any]] | None = None,
-                drills: bool = True, progress: Progress | None = None) -> JobDir:
+                drills: bool = True, progress: Progress | None = None,
+                resume_from: str | os.PathLike[str] | None = None) -> JobDir:
     """Plan before the job (so recovery never waits for planning) and create its folder.
 
-    `drills=False` leaves out the recipe's scripted drills (`submit --no-drills`).
+    `drills=False` leaves out the recipe's scripted drills (`submit --no-drills`). `resume_from` (or the
+    recipe's fault_tolerance.resume_from) names another job's checkpoint to start from (engine/resume.py):
+    a bad one is a BadInputError naming the file, and leaves no job folder behind.
     Raises PlanningError / ProfileError (a plan that cannot fit says so with its figures), and
     ValueError for a bad faults list, before anything starts."""
     profile, templates = pregenerate(recipe, cache_dir, profile_file=profile_file, estimate_gpu=estimate_gpu,
@@ -44,6 +47,14 @@ def prepare_job(recipe: Recipe, *, cache_dir: str | os.PathLike[str] = "template
     job.update_meta(templates_cache=str(Path(cache_dir).resolve()), estimate_gpu=estimate_gpu, drills=drills)
     if profile_file is not None:
         shutil.copyfile(profile_file, job.profile)
+    if source := resume_from or recipe.fault_tolerance.resume_from:
+        from oobleck_slurm.engine.resume import start_from
+
+        try:
+            start_from(job, recipe, source)
+        except BaseException:
+            shutil.rmtree(job.path, ignore_errors=True)  # the new job's own folder: nothing else is touched
+            raise
     if faults:
         from oobleck_slurm.engine.faults import load_faults
 

@@ -32,6 +32,14 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         kind = e["kind"]
         if kind == "job_started":
             out.update(state="running", started=e["t"], backend=e.get("backend"), slurm_job_id=e.get("slurm_job_id"))
+            if e.get("resumed_from"):
+                out["resumed_from"] = e["resumed_from"]
+        elif kind == "checkpoint":  # the newest written, and every failed write (a disk that stays full shows)
+            if e.get("ok") is False:
+                failed = out.setdefault("checkpoint_failures", [])
+                failed.append({k: e.get(k) for k in ("step", "worker", "detail") if e.get(k) is not None})
+            elif e.get("step") is not None:
+                out["checkpoint"] = {"step": e["step"], "path": e.get("path")}
         elif kind == "plan":
             out["plan"] = {"generation": e["generation"], "pipelines": [p["nodes"] for p in e["pipelines"]]}
         elif kind == "step":
@@ -112,6 +120,15 @@ def _print(s: dict[str, Any]) -> None:
     if "step" in s:
         console.print(f"step {s['step']} (generation {s.get('generation')}), loss {s.get('loss', float('nan')):.4f}",
                       highlight=False)
+    if s.get("resumed_from"):
+        console.print(f"started from the checkpoint {escape(str(s['resumed_from']))}", highlight=False)
+    if s.get("checkpoint"):
+        console.print(f"newest checkpoint: step {s['checkpoint']['step']} ({escape(str(s['checkpoint']['path']))})",
+                      highlight=False)
+    if failed := s.get("checkpoint_failures"):
+        last = failed[-1]
+        console.print(f"[yellow]{len(failed)} checkpoint write(s) failed[/], the last at step {last.get('step')} "
+                      f"({escape(str(last.get('worker')))}: {escape(str(last.get('detail')))})", highlight=False)
     if "plan" in s:
         pipes = "  ".join("[" + ",".join(p) + "]" for p in s["plan"]["pipelines"])
         console.print(f"plan (generation {s['plan']['generation']}): {escape(pipes)}", highlight=False)

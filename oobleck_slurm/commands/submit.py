@@ -39,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-dashboard", action="store_true", help="print sentences instead of the live dashboard")
     parser.add_argument("--json", action="store_true",
                         help="print the job's events as JSON lines on stdout (everything else on stderr)")
+    parser.add_argument("--from-checkpoint", "--resume-from", type=Path, default=None, metavar="PATH",
+                        help="start from another job's checkpoint: its folder (the newest complete one) or one of "
+                             "its step<S> folders; node count, f and non-model training keys may differ")
     parser.add_argument("--no-drills", action="store_true", help="leave out the recipe's scripted drills (drills:)")
 
 
@@ -46,14 +49,15 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe_or_report(args.recipe, check_model=True)
     if recipe is None:
         return EXIT_BAD_INPUT
-    from oobleck_slurm.planning import PlanningError, ProfileError, UnknownGPU
+    from oobleck_slurm.errors import BadInputError  # a plan that cannot fit, a profile, a checkpoint to start from
     from oobleck_slurm.submission import prepare_job, start_local
 
     try:
         with planning_progress(console.is_terminal) as progress:
             job = prepare_job(recipe, cache_dir=args.cache, profile_file=args.profile, estimate_gpu=args.estimate,
-                              job_root=args.job_root, drills=not args.no_drills, progress=progress)
-    except (PlanningError, ProfileError, UnknownGPU) as err:
+                              job_root=args.job_root, drills=not args.no_drills, progress=progress,
+                              resume_from=args.from_checkpoint)
+    except BadInputError as err:
         return fail(str(err))
     if recipe.cluster.backend == "slurm":
         return _submit_slurm(job, recipe, args)

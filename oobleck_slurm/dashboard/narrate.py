@@ -71,9 +71,15 @@ class Narrator:
         if kind == "job_started":
             self.total_steps = e.get("steps")
             spares = f" and {len(e['spares'])} spare(s)" if e.get("spares") else ""
-            return [f"job {e.get('job_id') or '?'} started on {len(e.get('nodes') or [])} nodes{spares} "
-                    f"({e.get('backend') or '?'} backend): {self.total_steps} steps, surviving "
-                    f"{e.get('f')} failure(s) at a time"]
+            started = [f"job {e.get('job_id') or '?'} started on {len(e.get('nodes') or [])} nodes{spares} "
+                       f"({e.get('backend') or '?'} backend): {self.total_steps} steps, surviving "
+                       f"{e.get('f')} failure(s) at a time"]
+            if e.get("resumed_from"):
+                started.append(f"starting from another job's checkpoint: {e['resumed_from']}")
+            return started
+        if kind == "checkpoint" and e.get("ok") is False and e.get("worker"):
+            return [f"checkpoint of step {e.get('step')} NOT written by {e['worker']} ({e.get('detail') or '?'}; "
+                    f"{e.get('failures') or 1} failed so far): training goes on, the next interval tries again"]
         if kind == "plan":
             self.spares = frozenset(map(str, e.get("spares") or ()))
             if e.get("generation") is not None:

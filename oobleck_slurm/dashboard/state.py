@@ -472,7 +472,8 @@ class DashboardState:
 
     def _checkpoint(self, e: ev.Checkpoint) -> None:
         if e.ok is False:
-            self._log(e.t, e.kind, f"FAILED: {e.detail or '?'}")
+            by = f" by {e.worker}" if e.worker else ""
+            self._log(e.t, e.kind, f"step {_fmt(e.step)} FAILED{by}: {e.detail or '?'}")
             return
         cp = Checkpoint(e.t, e.step, e.seconds, e.path)
         self.checkpoints.append(cp)

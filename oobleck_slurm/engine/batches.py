@@ -248,16 +248,17 @@ def document_eos(spec: DataSpec) -> int:
     return ids.pop()
 
 
-def prepare_data(job: JobSpec, checkpoint_root: str | None) -> DataSpec:
+def prepare_data(job: JobSpec, checkpoint_root: str | None, step: int | None = None) -> DataSpec:
     """The job's DataSpec with its identity and the stream's origin: (0, 0), or the (step, consumed
-    samples) of the last complete checkpoint under `checkpoint_root`, whose data must be this data
-    (DataChangedError naming what changed); with document masking, the end-of-document id
-    (`document_eos`). Refuses (BadInputError) a run whose steps would take more passes over a source
-    than `data.epochs` allows."""
+    samples) of the checkpoint of `step` (by default the last complete one) under `checkpoint_root`,
+    whose data must be this data (DataChangedError naming what changed); with document masking, the
+    end-of-document id (`document_eos`). Refuses (BadInputError) a run whose steps would take more passes
+    over a source than `data.epochs` allows."""
     spec, t = job.data, job.train
     identity = data_identity(spec, job.model.seq_len, t.global_batch_size, t.seed)
     origin = (0, 0)
-    step = latest_complete(checkpoint_root, job.model.keys()) if checkpoint_root else None
+    if step is None and checkpoint_root:
+        step = latest_complete(checkpoint_root, job.model.keys())
     if step is not None:
         record = read_data_record(checkpoint_root or "", step)
         if record is None:  # written before checkpoints recorded their data: its order is unknown

@@ -7,7 +7,7 @@ buffers; a non-persistent one is remade by the seed build the load starts from),
 "oobleck-slurm-layer", "version": "1", "step": "<S>"}: no pickles, and readable by any safetensors
 reader. A file appears only complete, and stays complete after a crash (cluster/durable.py: temp file,
 fsync, rename, fsync of the folder), so a checkpoint is complete when every layer's file exists. Every
-`interval` steps, the holder of each layer in the first pipeline clones the layer's parameters and
+`interval` steps, one holder of each layer (pipeline i mod the pipelines for layer i) clones the layer's parameters and
 optimizer state (a memory copy, the only cost on the training path) and a background thread
 serialises them.
 """
@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -213,17 +214,49 @@ def latest_complete(root: str | os.PathLike[str], keys: list[str]) -> int | None
     return None
 
 
+def prune(root: str | os.PathLike[str], keys: list[str], keep: int, protect: Collection[int] = ()) -> list[int]:
+    """Retention (fault_tolerance.checkpoint_keep): delete the complete checkpoints older than the `keep`
+    newest, and the incomplete step folders older than the newest complete one (a write that failed or
+    was cut short: nothing completes them later); returns the deleted steps. `keep` 0 deletes nothing,
+    and the newest complete checkpoint is never deleted, nor a step in `protect` (one workers are loading).
+    Folders newer than the newest complete one are being written: they stay."""
+    root = Path(root)
+    if keep <= 0 or not root.is_dir():
+        return []
+    steps = sorted((int(d.name[4:]) for d in root.glob("step*") if d.is_dir() and d.name[4:].isdigit()), reverse=True)
+    complete = [s for s in steps if all(layer_file(root, s, k).exists() for k in keys)]
+    if not complete:
+        return []
+    kept = set(complete[:keep]) | set(protect)
+    doomed = [s for s in steps if s < complete[0] and s not in kept]
+    for s in doomed:
+        shutil.rmtree(step_dir(root, s), ignore_errors=True)  # unlinks: a hard-linked source job keeps its files
+    if doomed:
+        durable.fsync_dir(root)
+    return doomed
+
+
 class CheckpointWriter:
-    """Serialises layer payloads in a background thread (one at a time, in order)."""
+    """Serialises layer payloads in a background thread (one at a time, in order).
+
+    A write that fails (a full disk, a folder it may not write, a file where its folder should be) is a
+    failed checkpoint, not a failed run: `on_error(step, error)` is told once per step (the worker logs
+    it), the step's other layers queued here are skipped (its folder can no longer be complete, and
+    `latest_complete` never takes it), and the next step's payloads are written as usual. `flush(steps)`
+    raises for the steps its caller waits on (the final and on-demand checkpoints, which are the point
+    of the call); a periodic checkpoint is last-resort and only reported."""
 
     def __init__(self, root: str | os.PathLike[str],
-                 data_record: Callable[[int], dict[str, Any]] | None = None) -> None:
+                 data_record: Callable[[int], dict[str, Any]] | None = None,
+                 on_error: Callable[[int, Exception], None] | None = None) -> None:
         self.root = Path(root)
         self.data_record = data_record  # step -> its DATA_FILE record (StepBatches.record)
+        self.on_error = on_error
         self._recorded: set[int] = set()
         self.submitted: set[tuple[int, str]] = set()  # (step, layer key): written or queued
         self._queue: queue.Queue = queue.Queue()
-        self._error: Exception | None = None
+        self._failed: dict[int, Exception] = {}  # step -> its first failed write, until a flush takes it
+        self.failures = 0  # steps whose write failed, over the writer's life
         self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-writer")
         self._thread.start()
 
@@ -235,18 +268,30 @@ class CheckpointWriter:
         while True:
             step, key, payload = self._queue.get()
             try:
+                if step in self._failed:  # this step's checkpoint is incomplete already
+                    self.submitted.discard((step, key))
+                    continue
                 if self.data_record is not None and step not in self._recorded:
                     write_data_record(self.root, step, self.data_record(step))
                     self._recorded.add(step)
                 save_layer(self.root, step, key, payload)
-            except Exception as err:  # noqa: BLE001 - kept for flush() to raise in the training thread
-                self._error = err
+            except Exception as err:  # noqa: BLE001 - reported, and raised by flush() for the steps waited on
+                self._failed[step] = err
+                self.failures += 1
+                self.submitted.discard((step, key))  # not written: a recovery at this step may write it again
+                if self.on_error is not None:
+                    try:
+                        self.on_error(step, err)
+                    except Exception:  # noqa: BLE001, S110 - a report that fails must not stop the writer
+                        pass
             finally:
                 self._queue.task_done()
 
-    def flush(self) -> None:
-        """Wait until everything submitted is on disk; raises the first write that failed (a full disk)."""
+    def flush(self, steps: Iterable[int] | None = None) -> None:
+        """Wait until everything submitted is on disk (or failed); raises CheckpointError for the first
+        failed write of `steps` (every step by default)."""
         self._queue.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"writing a checkpoint under {self.root} failed: {type(error).__name__}: {error}") from error
+        for step in sorted(self._failed) if steps is None else steps:
+            if (error := self._failed.pop(step, None)) is not None:
+                raise CheckpointError(f"writing the checkpoint of step {step} under {self.root} failed: "
+                                      f"{type(error).__name__}: {error}") from error

@@ -7,9 +7,9 @@ agent pins it to GPU LOCAL before CUDA initialises (see agent/main.py). It follo
 coordinator through the store (keys: oobleck_slurm/protocol/keys.py).
 
 A config with `stop` ends the worker; with `save` {root, step} it first writes its layers (those it
-holds first in its plan) as the checkpoint of `step`, completing its pending step if it is one behind
+writes in its plan: `_writes`) as the checkpoint of `step`, completing its pending step if it is one behind
 (an on-demand checkpoint at preemption: the requeued job resumes from it). After the last step every
-worker writes the layers it holds first as the final checkpoint (`checkpoints/step{steps}`): the
+worker writes its share of the layers as the final checkpoint (`checkpoints/step{steps}`): the
 trained model.
 
 Survivors never restart: they keep their process, their layers and optimizer state, and build the
@@ -448,7 +448,7 @@ class ElasticWorker:
         if verdict is None or policy is None or w.spike is None:
             return
         if self.writer is not None:
-            self.writer.flush()
+            self.writer.flush(())  # a failed write was reported (_write_failed): the newest complete one is named
         gen.wait(gen.world.barrier())  # every rank's writes are on disk: all name the same newest checkpoint
         checkpoint = latest_complete(self.checkpoint_root, w.keys)
         message = stop_message(policy, w.spike.spikes, verdict, checkpoint)
@@ -513,7 +513,7 @@ class ElasticWorker:
         return int(flag.item()) > 0
 
     def save_checkpoint(self, root: str, step: int) -> None:
-        """Write this worker's share of the checkpoint of `step` (layers it holds first) and wait for it."""
+        """Write this worker's share of the checkpoint of `step` (`_writes`) and wait for it."""
         w = self.worker
         reach_step(w, step)
         self.phase = "checkpoint"
@@ -521,18 +521,40 @@ class ElasticWorker:
             return
         if self.writer is None or str(self.writer.root) != root:
             if self.writer is not None:
-                self.writer.flush()
-            self.writer = CheckpointWriter(root, self.worker.data_record)
-        for i in self._first_held(w):
+                self.writer.flush(())  # its periodic writes that failed were reported (_write_failed)
+            self.writer = self._new_writer(root)
+        for i in self._writes(w):
             if (payload := w.layer_payload(i)) is not None:
                 self.writer.submit(w.step, w.keys[i], payload)
-        self.writer.flush()
+        self.writer.flush([w.step])  # the trained model or the requeue's checkpoint: its failure fails the run
+
+    def _new_writer(self, root: str) -> CheckpointWriter:
+        return CheckpointWriter(root, self.worker.data_record, on_error=self._write_failed)
+
+    def _write_failed(self, step: int, error: Exception) -> None:
+        """A checkpoint write failed (the writer's thread): said in the event log and the worker's log;
+        training goes on, and the next interval writes a checkpoint afresh. Every failure is reported,
+        with this worker's count, so that a disk that stays full is seen (dashboard, `status`)."""
+        failures = self.writer.failures if self.writer is not None else 1
+        detail = f"{type(error).__name__}: {error}"
+        print(f"worker {self.name}: the checkpoint of step {step} was not written ({detail}); training goes on",
+              file=sys.stderr, flush=True)
+        self.log.emit("checkpoint", step=step, ok=False, worker=self.name, failures=failures, detail=detail)
 
     @staticmethod
-    def _first_held(w: Worker) -> list[int]:
-        """The layers this worker helps write: those whose first pipeline's stage it is part of (a
-        wide stage gathers them, its first rank writes)."""
-        return [i for i in sorted(w.layers) if w.plan is not None and w.rank in w.plan.holder_stages(i)[0]]
+    def _writes(w: Worker) -> list[int]:
+        """The layers this worker helps write: layer i is written by its holder in pipeline i mod the
+        number of pipelines (a wide stage gathers it, its first rank writes). Every rank derives the
+        same choice from the plan alone, and the copy each checkpoint costs the training path is spread
+        over the replicas instead of all falling on the first pipeline's ranks."""
+        if w.plan is None:
+            return []
+        mine = []
+        for i in sorted(w.layers):
+            holders = w.plan.holder_stages(i)
+            if w.rank in holders[i % len(holders)]:
+                mine.append(i)
+        return mine
 
     def _checkpoint_due(self, step: int) -> bool:
         """A periodic checkpoint is written after every `checkpoint_interval` steps (the last step's is
@@ -543,7 +565,7 @@ class ElasticWorker:
     def _maybe_checkpoint(self) -> None:
         if self._checkpoint_due(self.worker.step):
             self.phase = "checkpoint"
-            self._submit_layers(self._first_held(self.worker))
+            self._submit_layers(self._writes(self.worker))
 
     def _submit_layers(self, layers: list[int]) -> None:
         """Queue `layers` for the checkpoint of the worker's step: cloned now (the next step changes the
@@ -552,7 +574,7 @@ class ElasticWorker:
         if not layers:
             return
         if self.writer is None:
-            self.writer = CheckpointWriter(self.checkpoint_root, self.worker.data_record)
+            self.writer = self._new_writer(self.checkpoint_root)
         for i in layers:
             if (payload := w.layer_payload(i)) is not None:
                 self.writer.submit(w.step, w.keys[i], payload)
@@ -567,7 +589,7 @@ class ElasticWorker:
         if not self._checkpoint_due(w.step):
             return
         self.phase = "checkpoint"
-        mine = self._first_held(w)
+        mine = self._writes(w)
         seen = torch.zeros(len(w.keys), dtype=torch.int64, device=w.device)
         queued = self.writer.submitted if self.writer is not None else set()
         for i in mine:

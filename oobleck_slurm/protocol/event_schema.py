@@ -112,6 +112,8 @@ class JobStarted(Event):
     requeued: bool | None = optional("this run resumes a requeued job")
     workers_per_node: int | None = optional("workers (devices) per node")
     device: str | None = optional('"cuda" or "cpu"')
+    resumed_from: str | None = optional("another job's checkpoint (its step folder) this job started from "
+                                        "(`submit --from-checkpoint`)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +248,11 @@ class Checkpoint(Event):
     ok: bool | None = optional("false when it could not be written")
     on_demand: bool | None = optional("written for a preemption or the time limit")
     detail: str | None = optional("why it could not be written")
+    worker: str | None = optional("the worker whose write failed (ok false, written by that worker; training goes "
+                                  "on, the next interval tries again)")
+    failures: int | None = optional("that worker's failed checkpoint writes in this run so far")
+    pruned: list[int] | None = optional("older checkpoints' steps deleted once this one was complete "
+                                        "(fault_tolerance.checkpoint_keep)")
 
 
 @dataclass(frozen=True, kw_only=True)

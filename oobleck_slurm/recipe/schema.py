@@ -417,6 +417,12 @@ class FaultToleranceConfig:
     integrity_interval: int = field(default=1, metadata=check(non_negative))
     # ... further apart where a check's measured time exceeds this share of a step's (0: no bound)
     integrity_max_cost: float = field(default=0.01, metadata=check(cost_share))
+    # Complete checkpoints kept in the job folder, newest first; older ones are deleted once a newer one is
+    # complete. 0 keeps every one: deleting is the one thing here that cannot be undone, so it is asked for.
+    checkpoint_keep: int = field(default=0, metadata=check(non_negative))
+    # Another job's checkpoint this job starts from (a job folder: its newest complete one; or one of its
+    # step<S> folders): `submit --from-checkpoint` sets it too. Relative to the recipe file.
+    resume_from: str = ""
 
 
 def at_least_three(value: int) -> str | None:

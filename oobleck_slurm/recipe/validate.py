@@ -447,7 +447,14 @@ def _resolve_paths(recipe: schema.Recipe, source: Source) -> schema.Recipe:
         model = replace(model, hf=str(_recipe_path(source, ("model", "hf"), model.hf)))
     sources = tuple(replace(s, path=str(_recipe_path(source, ("data", "sources"), s.path)) if s.path else s.path)
                     for s in data.sources)
-    return replace(recipe, data=replace(data, **resolved, sources=sources), model=model, source=source.root_file)
+    ft = recipe.fault_tolerance
+    if ft.resume_from:
+        try:
+            ft = replace(ft, resume_from=str(_recipe_path(source, ("fault_tolerance", "resume_from"), ft.resume_from)))
+        except (RuntimeError, ValueError, OSError):
+            pass  # "~nobody/...", a NUL byte: submit names it as a checkpoint that does not exist
+    return replace(recipe, data=replace(data, **resolved, sources=sources), model=model, fault_tolerance=ft,
+                   source=source.root_file)
 
 
 def recipe_to_dict(obj: Any) -> Any:

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from oobleck_slurm.detection.health import Rebalance
-from oobleck_slurm.engine.checkpoint import latest_complete, layer_file, step_dir
+from oobleck_slurm.engine.checkpoint import latest_complete, layer_file, prune, step_dir
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.errors import JobTimeoutError, OobleckError, UnrecoverableError
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
@@ -127,6 +127,7 @@ class CoordinatorConfig:
     replacement: bool = False  # ask the backend for a new node after each loss
     mode: str = "memory"  # "memory": checkpoint-free recovery; "checkpoint": always restart from one
     checkpoint_dir: str = ""
+    checkpoint_keep: int = 0  # complete checkpoints kept (engine/checkpoint.prune); 0: every one
     devices_per_node: int = 1
     # Used here: reconfiguration_timeout (collecting reports after an abort), run_timeout,
     # checkpoint_timeout (an on-demand checkpoint, from request to complete), heartbeat_lease (a worker's
@@ -326,6 +327,7 @@ class Coordinator:
             action = on_tick(self._observe())
             if isinstance(action, Finish):
                 # A recovery that resumed and finished since the last view: its events, from a fresh one.
+                self._next_checkpoint_look = 0.0  # and the final checkpoint, now complete
                 self._watch_progress(self._seen(self.observer.fresh()))
                 self._to(Phase.DONE)
                 self.log.emit("done", generation=self.gen, note=action.note or None)
@@ -692,7 +694,7 @@ class Coordinator:
             time.sleep(self.cfg.timeouts.coordinator_poll)
         self.checkpoints_seen.add(step)
         self.log.emit("checkpoint", step=step, ok=True, on_demand=True, seconds=time.time() - t0,
-                      path=str(step_dir(root, step)))
+                      path=str(step_dir(root, step)), pruned=self._prune() or None)
         self._stopped(step)
 
     def _stopped(self, step: int | None) -> None:
@@ -734,4 +736,11 @@ class Coordinator:
                 self.checkpoints_seen.add(step)
                 d = step_dir(self.cfg.checkpoint_dir, step)
                 secs = [float(p.read_text()) for p in Path(d).glob(".*.seconds")]
-                self.log.emit("checkpoint", step=step, seconds=max(secs, default=0.0), path=str(d))
+                self.log.emit("checkpoint", step=step, seconds=max(secs, default=0.0), path=str(d),
+                              pruned=self._prune() or None)
+
+    def _prune(self) -> list[int]:
+        """Retention, once a newer checkpoint is complete. While workers may still be loading the
+        checkpoint this generation started from (a restart that has not trained a step), it stays."""
+        loading = {self.start_step} if self.phase in (Phase.RESTARTING, Phase.REPLAYING) else set()
+        return prune(self.cfg.checkpoint_dir, self.keys, self.cfg.checkpoint_keep, loading)

@@ -18,7 +18,7 @@ Judgement is held while the job is not training normally: from a generation's ab
 until the next generation's first step, and at the start (generation 0's first step), then for one
 denoising window, so that the uneven moments of a recovery (some nodes copy state, others wait) and of
 the start never count; also while a checkpoint is being written (from its step until every
-layer's file is there), since only the first pipeline's nodes write it (engine/checkpoint.py); a newly
+layer's file is there), since only one holder of each layer writes it (engine/checkpoint.py); a newly
 joined node is not judged for `detection.grace` seconds (the detector's grace); nor is any node for
 `grace` seconds after judgement resumes under a new plan, while it learns its new role's normal
 (`MinderDetector.relearn`: on heterogeneous pipelines, a role's memory and CPU differ from another's). The first step of each generation is not timed for stragglers (layers just copied,

@@ -299,7 +299,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
                  recipe_path=str(job.recipe_path), nodes=members, spares=spares, f=ft.f, steps=recipe.training.steps,
                  pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
                  supervisor_node=os.environ.get("SLURMD_NODENAME"), requeued=requeued,
-                 workers_per_node=cluster.devices_per_node, device="cuda" if cluster.gpus_per_node else "cpu")
+                 workers_per_node=cluster.devices_per_node, device="cuda" if cluster.gpus_per_node else "cpu",
+                 resumed_from=(meta.get("resumed_from") or {}).get("path"))
 
     token_file = token_file_for(recipe, job.data)
     try:  # `submit` checked a factory; a job started otherwise is told here
@@ -315,7 +316,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     # a preemption, a node-failure requeue), a folder holding a complete checkpoint never trains from
     # step 0 again, nor writes an earlier step's checkpoint over a later one.
     resume_from = latest_complete(job.checkpoints, list(spec.model.keys()))
-    requeued = requeued or resume_from is not None
+    # A job started from another job's checkpoint (engine/resume.py) holds it from the start: no requeue.
+    requeued = requeued or (resume_from is not None and resume_from != (meta.get("resumed_from") or {}).get("step"))
 
     if takeover is None:
         epoch = current_epoch(job) + 1  # 1, or the requeued run's next
@@ -381,6 +383,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         if previous_host and not isinstance(launcher, NodeJobLauncher):
             launcher.lost(previous_host)  # the batch host: replacements and a requeue avoid it
     config = CoordinatorConfig(f=ft.f, replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
+                               checkpoint_keep=ft.checkpoint_keep,
                                devices_per_node=cluster.devices_per_node, timeouts=timeouts)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config, observer,
                               total_steps=recipe.training.steps, state_file=job.supervisor_state, epoch=epoch)
