@@ -215,7 +215,7 @@ def latest_complete(root: str | os.PathLike[str], keys: list[str]) -> int | None
 
 
 def prune(root: str | os.PathLike[str], keys: list[str], keep: int, protect: Collection[int] = ()) -> list[int]:
-    """Retention (fault_tolerance.checkpoint_keep): delete the complete checkpoints older than the `keep`
+    """Retention (fault_tolerance.keep_checkpoints): delete the complete checkpoints older than the `keep`
     newest, and the incomplete step folders older than the newest complete one (a write that failed or
     was cut short: nothing completes them later); returns the deleted steps. `keep` 0 deletes nothing,
     and the newest complete checkpoint is never deleted, nor a step in `protect` (one workers are loading).

@@ -252,7 +252,7 @@ class Checkpoint(Event):
                                   "on, the next interval tries again)")
     failures: int | None = optional("that worker's failed checkpoint writes in this run so far")
     pruned: list[int] | None = optional("older checkpoints' steps deleted once this one was complete "
-                                        "(fault_tolerance.checkpoint_keep)")
+                                        "(fault_tolerance.keep_checkpoints)")
 
 
 @dataclass(frozen=True, kw_only=True)

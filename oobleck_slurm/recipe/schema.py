@@ -419,7 +419,7 @@ class FaultToleranceConfig:
     integrity_max_cost: float = field(default=0.01, metadata=check(cost_share))
     # Complete checkpoints kept in the job folder, newest first; older ones are deleted once a newer one is
     # complete. 0 keeps every one: deleting is the one thing here that cannot be undone, so it is asked for.
-    checkpoint_keep: int = field(default=0, metadata=check(non_negative))
+    keep_checkpoints: int = field(default=0, metadata=check(non_negative))
     # Another job's checkpoint this job starts from (a job folder: its newest complete one; or one of its
     # step<S> folders): `submit --from-checkpoint` sets it too. Relative to the recipe file.
     resume_from: str = ""

@@ -127,7 +127,7 @@ class CoordinatorConfig:
     replacement: bool = False  # ask the backend for a new node after each loss
     mode: str = "memory"  # "memory": checkpoint-free recovery; "checkpoint": always restart from one
     checkpoint_dir: str = ""
-    checkpoint_keep: int = 0  # complete checkpoints kept (engine/checkpoint.prune); 0: every one
+    keep_checkpoints: int = 0  # complete checkpoints kept (engine/checkpoint.prune); 0: every one
     devices_per_node: int = 1
     # Used here: reconfiguration_timeout (collecting reports after an abort), run_timeout,
     # checkpoint_timeout (an on-demand checkpoint, from request to complete), heartbeat_lease (a worker's
@@ -743,4 +743,4 @@ class Coordinator:
         """Retention, once a newer checkpoint is complete. While workers may still be loading the
         checkpoint this generation started from (a restart that has not trained a step), it stays."""
         loading = {self.start_step} if self.phase in (Phase.RESTARTING, Phase.REPLAYING) else set()
-        return prune(self.cfg.checkpoint_dir, self.keys, self.cfg.checkpoint_keep, loading)
+        return prune(self.cfg.checkpoint_dir, self.keys, self.cfg.keep_checkpoints, loading)

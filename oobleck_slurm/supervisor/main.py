@@ -383,7 +383,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
         if previous_host and not isinstance(launcher, NodeJobLauncher):
             launcher.lost(previous_host)  # the batch host: replacements and a requeue avoid it
     config = CoordinatorConfig(f=ft.f, replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
-                               checkpoint_keep=ft.checkpoint_keep,
+                               keep_checkpoints=ft.keep_checkpoints,
                                devices_per_node=cluster.devices_per_node, timeouts=timeouts)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config, observer,
                               total_steps=recipe.training.steps, state_file=job.supervisor_state, epoch=epoch)

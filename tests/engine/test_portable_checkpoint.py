@@ -115,7 +115,7 @@ def test_a_changed_global_batch_goes_on_from_the_cursor_through_a_failed_write_k
         tmp_path: Path, templates_cache: Path, old_job: JobRun) -> None:
     before = _digest(old_job.job.checkpoints)
     recipe = _recipe(nodes=2, f=0, steps=9, training={"global_batch_size": 2 * GBS},
-                     fault_tolerance={"checkpoint_interval": 1, "checkpoint_keep": 2})
+                     fault_tolerance={"checkpoint_interval": 1, "keep_checkpoints": 2})
     job = _prepare(tmp_path, recipe, templates_cache, old_job.job.path)  # the job folder: its newest, step 6
     assert job.meta()["resumed_from"]["step"] == 6
     # A real failing write: a file where the step 7 folder should go (its mkdir fails, whoever runs it).
