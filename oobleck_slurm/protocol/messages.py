@@ -148,6 +148,9 @@ class StatusResult(Message):
     states: dict[str, str]  # node id -> its NodeState (agent_nodes.py)
 
 
+DEVICES = ("cpu", "cuda")  # what a node's workers compute on
+
+
 # ---- supervisor -> agent ------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +164,7 @@ class Start(Message):
     def __post_init__(self) -> None:
         _at_least(self, "workers", 1)
         _at_least(self, "threads", 1)
+        _one_of(self, "device", DEVICES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,8 +190,7 @@ class Health(Message):
         _at_least(self, "timeout", 0.001)
         _at_least(self, "threads", 1)
         _at_least(self, "devices", 1)
-        if self.device not in ("cpu", "cuda"):
-            raise ProtocolError(f"{self.TYPE}: field 'device' must be cpu or cuda, got {self.device[:20]!r}")
+        _one_of(self, "device", DEVICES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,6 +242,12 @@ def expect(data: Any, cls: type[M]) -> M:
 def _at_least(message: Message, name: str, low: float) -> None:
     if getattr(message, name) < low:
         raise ProtocolError(f"{message.TYPE} message: field {name!r} must be at least {low:g}, "
+                            f"got {short(getattr(message, name))}")
+
+
+def _one_of(message: Message, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(message, name) not in choices:
+        raise ProtocolError(f"{message.TYPE} message: field {name!r} must be one of {', '.join(choices)}, "
                             f"got {short(getattr(message, name))}")
 
 
