@@ -23,6 +23,8 @@ ask `JobDir` for the paths):
         requeue         marker written on preemption / time limit: the requeued run resumes from a checkpoint
         data/           token files prepared for the job
         checkpoints/    step<S>/<layer>.safetensors: periodic, on-demand and final checkpoints
+        tensorboard/    TensorBoard scalars (`logging.tensorboard`), events.offset: what is exported
+        wandb/          W&B's files (`logging.wandb`), run_id: the job's one run, events.offset
         logs/           per-process logs: supervisor.log (local backend), supervisor.err (its traceback),
                         agent-<node>.log, worker-<node id>-<i>.log
         submitit/       submitit's files and Slurm's output of the allocation and of replacement jobs
@@ -153,6 +155,10 @@ class JobDir:
     @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / "wandb"
 
     @property
     def logs(self) -> Path:

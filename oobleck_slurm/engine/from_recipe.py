@@ -88,4 +88,5 @@ def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str],
                         integrity_interval=recipe.fault_tolerance.integrity_interval,
                         integrity_max_cost=recipe.fault_tolerance.integrity_max_cost),
         backend="nccl" if recipe.cluster.gpus_per_node > 0 else "gloo",
+        peak_tflops=recipe.logging.peak_tflops,
     )

@@ -196,6 +196,18 @@ class Plan(RecoveryEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsLogger(Event):
+    """The supervisor started a metrics logger (`logging.tensorboard`, `logging.wandb`), or could not:
+    training goes on without it."""
+
+    kind = "metrics_logger"
+    logger: str = required("which", ("tensorboard", "wandb"))
+    folder: str | None = optional("where its files go")
+    run_id: str | None = optional("W&B: the job's run id (one across requeues and takeovers)")
+    error: str | None = optional("why it did not start")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Step(Event):
     """One optimizer step finished (written once per step, by rank 0)."""
 
@@ -206,6 +218,15 @@ class Step(Event):
     lr: float | None = optional("learning rate")
     seconds: float | None = optional("rank 0's wall time for the step")
     samples_per_s: float | None = optional("global batch / seconds")
+    tokens_per_s: float | None = optional("tokens of the global batch / seconds")
+    devices: int | None = optional("ranks that trained the step (spares excluded): the per-device figures' divisor")
+    tokens_per_s_per_device: float | None = optional("tokens_per_s / devices")
+    tflops_per_device: float | None = optional("model FLOPs of the step (forward + backward, no recompute: "
+                                               "planning/flops.py) / seconds / devices, in TFLOP/s; absent "
+                                               "for a model without FLOP counts")
+    mfu: float | None = optional("model FLOPs utilisation: tflops_per_device over one device's peak (its "
+                                 "GPU's data-sheet bf16 figure or `logging.peak_tflops`); absent without "
+                                 "a peak (a CPU)")
     pipeline_seconds: list[float | None] | None = optional("per pipeline id: its first stage's schedule time (s)")
     compute_seconds: list[float | None] | None = optional("per rank: forward and backward only (s)")
     peak_memory: list[float | None] | None = optional("per rank: peak bytes allocated on its GPU during the step")
@@ -643,6 +664,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Failure and recovery": (CollectiveError, Failure, OutOfMemory, LossSpikeStop, Detection, Reform, Replan, GroupRebuild,
                              StateCopy, Replay, Resumed),
     "Faulty machines and stragglers": (Health, FaultyNode, Straggler, ReplicaMismatch, TransferRefetch),
+    "Metrics": (MetricsLogger,),
 }
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for group in SECTIONS.values() for cls in group}
 RECOVERY_FIELDS = tuple(f.name for f in fields(RecoveryEvent) if f.name != "t")

@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from oobleck_slurm.agent.warm import ignore_step_signals, in_slurm_step, write_output_to
 from oobleck_slurm.cluster.jobdir import META_FILE, JobDir
@@ -58,6 +58,16 @@ from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 if TYPE_CHECKING:
     from oobleck_slurm.agent.warm import WarmServer
+    from oobleck_slurm.protocol.events import EventLog
+    from oobleck_slurm.recipe import Recipe
+
+
+class Exporter(Protocol):
+    """A metrics logger following the event log (dashboard/tensorboard.py, dashboard/wandb_logger.py)."""
+
+    def export(self) -> int: ...
+
+    def close(self) -> None: ...
 
 # Statuses after which a requeue cannot help (a job's meta from before `requeue` was recorded).
 OVER = ("unrecoverable", "completed", "cancelled")
@@ -399,7 +409,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
                             candidates=members + spares)
                if failover else None)
     observer.start()
-    tensorboard = TensorBoardThread(job, timeouts.tensorboard_poll, lease.check) if recipe.logging.tensorboard else None
+    exporters = metrics_exporters(job, recipe, log)
+    tensorboard = MetricsThread(exporters, timeouts.tensorboard_poll, lease.check) if exporters else None
     slurm_job_id = os.environ.get("SLURM_JOB_ID") if backend == "slurm" else None
     time_limit = TimeLimitNotice(slurm_job_id, cluster.signal_delay_s, on_preempt) if slurm_job_id else None
     try:
@@ -515,30 +526,57 @@ class TimeLimitNotice:
         self._stop.set()
 
 
-class TensorBoardThread:
-    """The job's metrics to TensorBoard while it runs (`logging.tensorboard`, dashboard/tensorboard.py):
+def metrics_exporters(job: JobDir, recipe: Recipe, log: EventLog) -> list[Exporter]:
+    """The recipe's metric loggers (`logging.tensorboard`, `logging.wandb`), each following the event
+    log from where the job's last supervisor left it. W&B failing to start (online without a network,
+    a bad key) is logged and leaves training alone: metrics are not worth a job."""
+    exporters: list[Exporter] = []
+    if recipe.logging.tensorboard:
+        from oobleck_slurm.dashboard.tensorboard import TensorBoardExporter
+
+        exporters.append(TensorBoardExporter(job.events, job.tensorboard))
+        log.emit("metrics_logger", logger="tensorboard", folder=str(job.tensorboard))
+    if (wb := recipe.logging.wandb) is not None:
+        import yaml
+
+        from oobleck_slurm.dashboard.wandb_logger import WandbExporter
+
+        try:
+            exporter = WandbExporter(job.events, job.wandb, project=wb.project, entity=wb.entity, mode=wb.mode,
+                                     name=job.job_id,
+                                     config=yaml.safe_load(job.recipe_path.read_text()) or {})
+        except Exception as err:  # wandb's own errors are many and not one type
+            log.emit("metrics_logger", logger="wandb", folder=str(job.wandb), error=f"{type(err).__name__}: {err}")
+        else:
+            exporters.append(exporter)
+            log.emit("metrics_logger", logger="wandb", folder=str(job.wandb), run_id=exporter.run_id)
+    return exporters
+
+
+class MetricsThread:
+    """The job's metrics to TensorBoard and W&B while it runs (dashboard/tensorboard.py, wandb_logger.py):
     new events exported every `poll` seconds, the rest at `stop`. `fence` first: a primary thawed after
     a takeover exports nothing (the new one goes on from the exported offset)."""
 
-    def __init__(self, job: JobDir, poll: float, fence: Callable[[], None]) -> None:
-        from oobleck_slurm.dashboard.tensorboard import TensorBoardExporter
-
-        self.exporter = TensorBoardExporter(job.events, job.tensorboard)
+    def __init__(self, exporters: list[Exporter], poll: float, fence: Callable[[], None]) -> None:
+        self.exporters = exporters
         self.poll, self.fence = poll, fence
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tensorboard", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
             self.fence()
-            self.exporter.export()
+            for exporter in self.exporters:
+                exporter.export()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
         self.fence()
-        self.exporter.close()
+        for exporter in self.exporters:
+            exporter.close()
 
 
 class LeaseKeeper:

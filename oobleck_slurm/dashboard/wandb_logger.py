@@ -1,0 +1,99 @@
+"""The job's metrics to Weights & Biases (recipe `logging.wandb`), read from its event log.
+
+The same scalars as TensorBoard (`tensorboard.Scalars`: train/loss, train/tokens_per_s_per_device,
+train/mfu, eval/loss, recovery/seconds, cluster/ranks, ...), logged by the supervisor (the process that
+already follows the log for TensorBoard). One W&B run per job: its id is made once and kept in
+JOB/wandb/run_id, and every supervisor of the job (a requeue, a standby that took over) resumes it
+(`resume="allow"`), going on from the byte offset of the log already logged (JOB/wandb/events.offset),
+so nothing is logged twice and nothing is left out. W&B's own files go to JOB/wandb too: with
+`mode: offline` (no network on compute nodes) `wandb sync JOB/wandb/wandb/offline-run-*` uploads them.
+
+The x axis is the training step (`job/step`), not W&B's own counter: a step replayed after a recovery is
+logged again at its own step (W&B drops a `step=` lower than one it has seen).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from oobleck_slurm.dashboard.tensorboard import ExportedTail, Scalars
+from oobleck_slurm.errors import BadInputError
+
+RUN_ID_FILE = "run_id"
+STEP_METRIC = "job/step"
+
+
+class WandbUnavailable(BadInputError):
+    """`logging.wandb` asked for, but the `wandb` package is not installed."""
+
+
+def job_run_id(folder: Path) -> str:
+    """The job's W&B run id: read from `folder`, or made and written once (a link is atomic and
+    exclusive: of two writers, both read the same id)."""
+    path = folder / RUN_ID_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{RUN_ID_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(secrets.token_hex(8))  # W&B ids: letters and digits
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path.read_text().strip()
+
+
+def _settings(wandb: Any) -> Any:
+    """No console capture (the supervisor's log is its own) and no system-metrics sampler (the node
+    agents sample those; on a busy login or compute node it costs CPU)."""
+    try:
+        return wandb.Settings(console="off", silent=True, x_disable_stats=True)
+    except Exception:  # a wandb without these settings: its defaults
+        return wandb.Settings()
+
+
+class WandbExporter:
+    def __init__(self, events: str | os.PathLike[str], folder: str | os.PathLike[str], *, project: str,
+                 entity: str | None = None, mode: Literal["online", "offline"] = "online", name: str | None = None,
+                 config: Mapping[str, Any] | None = None) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise WandbUnavailable("logging.wandb: the `wandb` package is not installed "
+                                   "(pip install 'oobleck-slurm[wandb]')") from err
+        self.folder = Path(folder)
+        self._tail = ExportedTail(events, self.folder)
+        self.run_id = job_run_id(self.folder)
+        self.run = wandb.init(project=project, entity=entity, mode=mode, id=self.run_id, resume="allow",
+                              dir=str(self.folder), name=name, config=dict(config or {}),
+                              settings=_settings(wandb))
+        self.run.define_metric(STEP_METRIC)
+        self.run.define_metric("*", step_metric=STEP_METRIC)
+        self._scalars = Scalars()
+
+    def export(self) -> int:
+        """Log the scalars of the events new since the last call; returns how many events were read."""
+        records = self._tail.poll()
+        for record in records:
+            by_step: dict[int, dict[str, float]] = {}
+            for tag, value, step in self._scalars.of(record):
+                by_step.setdefault(step, {})[tag] = value
+            for step, values in by_step.items():
+                self.run.log({**values, STEP_METRIC: step})
+        if records:
+            # W&B's writer is asynchronous: an offset a little ahead of what it wrote loses at most the
+            # records of a supervisor killed in between (the same holds for its own buffers)
+            self._tail.commit()
+        return len(records)
+
+    def close(self) -> None:
+        self.export()
+        self.run.finish()
