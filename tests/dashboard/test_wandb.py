@@ -3,7 +3,6 @@ writes are read back (wandb_files.py) and compared with the job's events."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
