@@ -184,6 +184,13 @@ class JobTimeouts:
     # read when it changed): a frozen supervisor keeps their connections open, so only a higher epoch
     # tells them that a standby took over. Bounds how late they follow it.
     epoch_poll: float = 0.25
+    # Workers look at the job folder's requests (engine/requests.py: `profile-steps`, a hang's dumps) this
+    # often, from a thread: a stat of two files, nothing on the training path. Bounds how late a hang's
+    # dump starts and how many steps ahead `profile-steps` places its window.
+    request_poll: float = 0.5
+    # On a hang verdict the supervisor waits this long for every worker's stacks and flight-recorder
+    # dump before it stops the hung node (its workers may be past answering: it goes on without them).
+    hang_dump_wait: float = 5.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

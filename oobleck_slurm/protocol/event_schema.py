@@ -208,6 +208,43 @@ class MetricsLogger(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TraceRequested(Event):
+    """`profile-steps` asked every worker to trace steps [start, stop) with torch.profiler."""
+
+    kind = "trace_requested"
+    id: int = required("the request's id: its traces go to JOB/traces/<id>/")
+    start: int = required("the first traced step")
+    stop: int = required("the step after the last traced one")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceWritten(Event):
+    """A worker wrote its Chrome trace of a `profile-steps` request (steps cut short by a failure: the
+    ones it traced)."""
+
+    kind = "trace_written"
+    node: str = required("the worker's node")
+    worker: int | None = optional("the worker's index on that node")
+    rank: int | None = optional("its rank in the generation that traced")
+    start: int | None = optional("the first traced step")
+    stop: int | None = optional("the step after the last traced one")
+    path: str | None = optional("the trace file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangDump(Event):
+    """A hang verdict: before stopping the hung node the supervisor asked every worker for its Python
+    stacks and flight-recorder dump (engine/requests.py) and waited up to `hang_dump_wait`."""
+
+    kind = "hang_dump"
+    nodes: list[str] = required("the nodes declared hung")
+    folder: str | None = optional("where the dumps are (JOB/dumps/<id>)")
+    dumped: list[str] | None = optional("workers that wrote their dumps")
+    missing: list[str] | None = optional("workers that did not within the wait (a stopped process cannot)")
+    seconds: float | None = optional("how long the supervisor waited")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Step(Event):
     """One optimizer step finished (written once per step, by rank 0)."""
 
@@ -664,7 +701,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Failure and recovery": (CollectiveError, Failure, OutOfMemory, LossSpikeStop, Detection, Reform, Replan, GroupRebuild,
                              StateCopy, Replay, Resumed),
     "Faulty machines and stragglers": (Health, FaultyNode, Straggler, ReplicaMismatch, TransferRefetch),
-    "Metrics": (MetricsLogger,),
+    "Metrics": (MetricsLogger, TraceRequested, TraceWritten, HangDump),
 }
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for group in SECTIONS.values() for cls in group}
 RECOVERY_FIELDS = tuple(f.name for f in fields(RecoveryEvent) if f.name != "t")

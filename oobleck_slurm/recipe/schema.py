@@ -465,6 +465,9 @@ class LoggingConfig:
     # One device's peak dense TFLOP/s for MFU; unset: the GPU's data-sheet figure (planning/flops.py), and
     # no MFU where none is known (a CPU, an unlisted GPU).
     peak_tflops: float | None = field(default=None, metadata=check(optional(positive)))
+    # collectives torch's flight recorder keeps per process group, dumped from every rank on a hang verdict
+    # (engine/requests.py); unset: 2000 on GPUs, 0 (off) on CPUs
+    flight_recorder: int | None = field(default=None, metadata=check(optional(non_negative)))
     # the same scalars to W&B, from the supervisor (dashboard/wandb_logger.py); null: off
     wandb: WandbConfig | None = None
 

@@ -276,6 +276,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     from oobleck_slurm.protocol.signed_store import serve as serve_store
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
+    from oobleck_slurm.supervisor.hang_dumps import HangDumps
     from oobleck_slurm.supervisor.health_monitor import HealthMonitor
     from oobleck_slurm.supervisor.launchers import LocalLauncher, NodeJobLauncher, SrunLauncher
     from oobleck_slurm.supervisor.observer import StoreObserver
@@ -398,6 +399,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config, observer,
                               total_steps=recipe.training.steps, state_file=job.supervisor_state, epoch=epoch)
     coordinator.preemption = preemption
+    # a hang verdict saves every worker's stacks and flight recorder first (JOB/dumps, engine/requests.py)
+    coordinator.hang_dumps = nodes_backend.hang_dumps = HangDumps(job.path, log, cluster.devices_per_node,
+                                                                  timeouts.hang_dump_wait)
     lease = LeaseKeeper(job, epoch, ft.heartbeat_interval)
     coordinator.fence = log.fence = lease.check
     if threading.current_thread() is threading.main_thread():
