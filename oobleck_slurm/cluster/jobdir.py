@@ -26,8 +26,8 @@ ask `JobDir` for the paths):
         trace_request.json  `profile-steps`: the steps every worker traces with torch.profiler (engine/requests.py)
         traces/<id>/    the Chrome traces of request <id>, one per worker: <worker>-rank<r>.json
         dump_request.json   a hang verdict: every worker dumps its stacks and flight recorder now
-        dumps/<id>/     <worker>.stacks.txt (every thread's Python stack), <worker>.fr.pkl (torch's flight
-                        recorder: NCCL or gloo collectives), <worker>.done
+        dumps/<id>/     <worker>.stacks.txt (every thread's Python stack), flight_recorder/rank_<r> (torch's
+                        flight recorder: NCCL or gloo collectives), <worker>.done
         tensorboard/    TensorBoard scalars (`logging.tensorboard`), events.offset: what is exported
         wandb/          W&B's files (`logging.wandb`), run_id: the job's one run, events.offset
         logs/           per-process logs: supervisor.log (local backend), supervisor.err (its traceback),

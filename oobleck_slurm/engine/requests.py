@@ -10,8 +10,9 @@ is on the training path: the training loop reads an attribute the thread sets.
                         (commands/profile_steps.py).
     dump_request.json   {"id": n, "reason": "..."}: every worker writes, at once and from the watcher
                         thread (the training thread may be stuck), dumps/<n>/<worker>.stacks.txt (every
-                        thread's Python stack, faulthandler) and <worker>.fr.pkl (torch's flight
-                        recorder, when the process records: `FLIGHT_RECORDER_ENV`), then <worker>.done.
+                        thread's Python stack, faulthandler) and flight_recorder/rank_<r> (torch's
+                        flight recorder, when the process records: `FLIGHT_RECORDER_ENV`), then
+                        <worker>.done.
                         The supervisor writes it on a hang verdict and waits for the .done files
                         (`request_dumps`) before it stops the hung node.
 
@@ -37,6 +38,7 @@ from oobleck_slurm.cluster.jobdir import DUMP_REQUEST_FILE, DUMPS_DIR, TRACE_REQ
 
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"  # torch < 2.7 read TORCH_NCCL_TRACE_BUFFER_SIZE (set too)
 LEGACY_FLIGHT_RECORDER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+FLIGHT_RECORDER_DIR = "flight_recorder"  # in a dump's folder: rank_<r>, one per rank
 
 
 def file_stem(worker: str) -> str:
@@ -107,10 +109,13 @@ def dump_worker(folder: Path, worker: str, rank: int | None) -> list[Path]:
         (folder / f"{stem}.fr.error").write_text(f"{type(err).__name__}: {err}\n")
         trace = None
     if trace is not None:
-        fr = folder / f"{stem}.fr.pkl"
+        # named as torch's analyser expects: one file per rank, <prefix>_<rank>, alone in its folder
+        fr = folder / FLIGHT_RECORDER_DIR / (f"rank_{rank}" if rank is not None else f"rank_{stem}")
+        fr.parent.mkdir(exist_ok=True)
         fr.write_bytes(trace)
         written.append(fr)
-    (folder / f"{stem}.done").write_text(json.dumps({"rank": rank, "files": [p.name for p in written]}))
+    (folder / f"{stem}.done").write_text(json.dumps({"rank": rank, "files": [str(p.relative_to(folder))
+                                                                            for p in written]}))
     return written
 
 

@@ -90,7 +90,10 @@ def test_a_hang_verdict_saves_every_worker_s_stacks_and_flight_recorder_first(tm
     folder = Path(dump["folder"])
     hung = (folder / "node3-0.stacks.txt").read_text()
     assert "faults.py" in hung and "Thread" in hung  # the hung training thread, in the fault's sleep
-    for w in WORKERS:
-        trace = pickle.loads((folder / f"{file_stem(w)}.fr.pkl").read_bytes())
+    ranks = sorted(json.loads((folder / f"{file_stem(w)}.done").read_text())["rank"] for w in WORKERS)
+    assert ranks == [0, 1, 2, 3]
+    for rank in ranks:
+        trace = pickle.loads((folder / "flight_recorder" / f"rank_{rank}").read_bytes())
         names = {entry["profiling_name"] for entry in trace["entries"]}
         assert any(n.startswith("gloo:") for n in names), names  # the collectives and p2p ops of the steps
+
