@@ -546,6 +546,12 @@ _NOTES: dict[str, Callable[[Any], str]] = {
     "refused": lambda e: f"refused {e.peer}: {e.reason}",
     "store_rejected": lambda e: f"store: refused {e.key} ({e.reason}, {e.reader or '?'})",
     "drill": lambda e: f"scripted drill at step {_fmt(e.step)}: {e.how} on {e.node}",
+    "metrics_logger": lambda e: (f"{e.logger} not started: {e.error}" if e.error else
+                                 f"{e.logger} logging" + (f" to run {e.run_id}" if e.run_id else "")),
+    "trace_requested": lambda e: f"profiler: every worker traces steps {e.start}..{e.stop - 1}",
+    "trace_written": lambda e: f"trace of {e.node} (rank {_fmt(e.rank)}) written",
+    "hang_dump": lambda e: (f"hang dumps of {len(e.dumped or [])} workers in {e.folder}"
+                            + (f", missing {', '.join(e.missing)}" if e.missing else "")),
 }
 
 _HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {

@@ -67,7 +67,7 @@ from oobleck_slurm.recipe.schema import PreflightConfig
 from oobleck_slurm.supervisor.hang_dumps import HangDumps
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.launchers import AgentLauncher
-from oobleck_slurm.supervisor.membership import Loss, LossCause, Membership
+from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, LossCause, Membership
 from oobleck_slurm.supervisor.node_table import (
     AgentConn,
     IllegalTransition,
@@ -628,7 +628,9 @@ class AgentNodes:
         """Report a loss once: to the coordinator as an exit, to the log with cause and timing."""
         record = self.nodes[loss.node]
         if loss.cause is LossCause.HUNG and self.hang_dumps is not None:  # before its stop and the abort
-            self.hang_dumps.collect([loss.node], sorted(self.membership.watched))
+            watched = sorted(self.membership.watched)
+            self.hang_dumps.collect([loss.node], watched, [n for n in watched if self.membership.worker_state.get(n)
+                                                           in STOPPED_STATES])
         self._fire(record, NodeEvent.LOSE)
         record.loss = loss
         fault = record.fault_at

@@ -23,11 +23,13 @@ class HangDumps:
     def __init__(self, job_dir: Path, log: EventLog, workers_per_node: int, wait: float) -> None:
         self.job_dir, self.log, self.workers_per_node, self.wait = job_dir, log, workers_per_node, wait
 
-    def collect(self, hung: Sequence[str], members: Sequence[str]) -> None:
+    def collect(self, hung: Sequence[str], members: Sequence[str], stopped: Sequence[str] = ()) -> None:
         """Ask every worker of `members` (the hung nodes among them) for its dumps; a `hang_dump` event
-        says which came within the wait."""
-        workers = [w for n in members for w in keys.node_workers(n, self.workers_per_node)]
+        says which came within the wait. The workers of `stopped` nodes (SIGSTOPped: they cannot answer)
+        are not waited for."""
+        workers = [w for n in members if n not in stopped for w in keys.node_workers(n, self.workers_per_node)]
         t0 = time.time()
         ident, done, missing = request_dumps(self.job_dir, f"hung: {', '.join(hung)}", workers, self.wait)
+        missing += [w for n in stopped for w in keys.node_workers(n, self.workers_per_node)]
         self.log.emit("hang_dump", nodes=list(hung), folder=str(self.job_dir / DUMPS_DIR / str(ident)), dumped=done,
                       missing=missing, seconds=time.time() - t0)
