@@ -530,46 +530,58 @@ class TimeLimitNotice:
         self._stop.set()
 
 
-def metrics_exporters(job: JobDir, recipe: Recipe, log: EventLog) -> list[Exporter]:
-    """The recipe's metric loggers (`logging.tensorboard`, `logging.wandb`), each following the event
-    log from where the job's last supervisor left it. W&B failing to start (online without a network,
-    a bad key) is logged and leaves training alone: metrics are not worth a job."""
-    exporters: list[Exporter] = []
+def metrics_exporters(job: JobDir, recipe: Recipe, log: EventLog) -> list[Callable[[], Exporter | None]]:
+    """The recipe's metric loggers (`logging.tensorboard`, `logging.wandb`), as makers that MetricsThread
+    calls in its own thread (W&B's start talks to its servers: never on the supervisor's path). Each
+    follows the event log from where the job's last supervisor left it. W&B failing to start (online
+    without a network, a bad key) is logged and leaves training alone: metrics are not worth a job."""
+    makers: list[Callable[[], Exporter | None]] = []
     if recipe.logging.tensorboard:
-        from oobleck_slurm.dashboard.tensorboard import TensorBoardExporter
+        def tensorboard() -> Exporter:
+            from oobleck_slurm.dashboard.tensorboard import TensorBoardExporter
 
-        exporters.append(TensorBoardExporter(job.events, job.tensorboard))
-        log.emit("metrics_logger", logger="tensorboard", folder=str(job.tensorboard))
+            exporter = TensorBoardExporter(job.events, job.tensorboard)
+            log.emit("metrics_logger", logger="tensorboard", folder=str(job.tensorboard))
+            return exporter
+
+        makers.append(tensorboard)
     if (wb := recipe.logging.wandb) is not None:
-        import yaml
+        def wandb() -> Exporter | None:
+            import yaml
 
-        from oobleck_slurm.dashboard.wandb_logger import WandbExporter
+            from oobleck_slurm.dashboard.wandb_logger import WandbExporter
 
-        try:
-            exporter = WandbExporter(job.events, job.wandb, project=wb.project, entity=wb.entity, mode=wb.mode,
-                                     name=job.job_id,
-                                     config=yaml.safe_load(job.recipe_path.read_text()) or {})
-        except Exception as err:  # wandb's own errors are many and not one type
-            log.emit("metrics_logger", logger="wandb", folder=str(job.wandb), error=f"{type(err).__name__}: {err}")
-        else:
-            exporters.append(exporter)
+            try:
+                exporter = WandbExporter(job.events, job.wandb, project=wb.project, entity=wb.entity, mode=wb.mode,
+                                         name=job.job_id, config=yaml.safe_load(job.recipe_path.read_text()) or {})
+            except Exception as err:  # wandb's own errors are many and not one type
+                log.emit("metrics_logger", logger="wandb", folder=str(job.wandb),
+                         error=f"{type(err).__name__}: {err}")
+                return None
             log.emit("metrics_logger", logger="wandb", folder=str(job.wandb), run_id=exporter.run_id)
-    return exporters
+            return exporter
+
+        makers.append(wandb)
+    return makers
 
 
 class MetricsThread:
     """The job's metrics to TensorBoard and W&B while it runs (dashboard/tensorboard.py, wandb_logger.py):
-    new events exported every `poll` seconds, the rest at `stop`. `fence` first: a primary thawed after
-    a takeover exports nothing (the new one goes on from the exported offset)."""
+    the loggers made in this thread, then new events exported every `poll` seconds, the rest at `stop`.
+    `fence` first: a primary thawed after a takeover exports nothing (the new one goes on from the
+    exported offset)."""
 
-    def __init__(self, exporters: list[Exporter], poll: float, fence: Callable[[], None]) -> None:
-        self.exporters = exporters
-        self.poll, self.fence = poll, fence
+    def __init__(self, makers: list[Callable[[], Exporter | None]], poll: float, fence: Callable[[], None]) -> None:
+        self.makers, self.poll, self.fence = makers, poll, fence
+        self.exporters: list[Exporter] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        for make in self.makers:
+            if (exporter := make()) is not None:
+                self.exporters.append(exporter)
         while not self._stop.wait(self.poll):
             self.fence()
             for exporter in self.exporters:
