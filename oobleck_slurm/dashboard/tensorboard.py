@@ -67,9 +67,15 @@ class ExportedTail:
     def poll(self) -> list[dict[str, Any]]:
         return self._tail.poll()
 
-    def commit(self) -> None:
+    @property
+    def offset(self) -> int:
+        """Bytes of the log returned so far, as whole records."""
+        return self._tail.offset
+
+    def commit(self, offset: int | None = None) -> None:
+        """Record `offset` (default: all returned so far) as exported."""
         tmp = self._offset_path.with_name(f".{OFFSET_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(str(self._tail.offset))
+        tmp.write_text(str(self._tail.offset if offset is None else offset))
         os.replace(tmp, self._offset_path)
 
 

@@ -4,9 +4,11 @@ The same scalars as TensorBoard (`tensorboard.Scalars`: train/loss, train/tokens
 train/mfu, eval/loss, recovery/seconds, cluster/ranks, ...), logged by the supervisor (the process that
 already follows the log for TensorBoard). One W&B run per job: its id is made once and kept in
 JOB/wandb/run_id, and every supervisor of the job (a requeue, a standby that took over) resumes it
-(`resume="allow"`), going on from the byte offset of the log already logged (JOB/wandb/events.offset),
-so nothing is logged twice and nothing is left out. W&B's own files go to JOB/wandb too: with
-`mode: offline` (no network on compute nodes) `wandb sync JOB/wandb/wandb/offline-run-*` uploads them.
+(`resume="allow"`), going on from the byte offset of the log already logged (JOB/wandb/events.offset):
+nothing is left out, and after a supervisor killed mid-run only its last export's records (a few
+seconds of steps) are logged twice, at their own steps. W&B's own files go to JOB/wandb/start-<n>/ (one per
+supervisor): with `mode: offline` (no network on compute nodes) `wandb sync
+JOB/wandb/start-*/wandb/offline-run-*` uploads them into the one run.
 
 The x axis is the training step (`job/step`), not W&B's own counter: a step replayed after a recovery is
 logged again at its own step (W&B drops a `step=` lower than one it has seen).
@@ -51,6 +53,19 @@ def job_run_id(folder: Path) -> str:
     return path.read_text().strip()
 
 
+def start_folder(folder: Path) -> Path:
+    """A new folder for this supervisor's W&B files, `start-<n>`: W&B names a run's folder by the second
+    it started and the run id, so two starts of one job within a second would share (and overwrite) one."""
+    n = len(list(folder.glob("start-*")))
+    while True:
+        n += 1
+        try:
+            (folder / f"start-{n}").mkdir(parents=True)
+            return folder / f"start-{n}"
+        except FileExistsError:
+            continue
+
+
 def _settings(wandb: Any) -> Any:
     """No console capture (the supervisor's log is its own) and no system-metrics sampler (the node
     agents sample those; on a busy login or compute node it costs CPU)."""
@@ -73,11 +88,12 @@ class WandbExporter:
         self._tail = ExportedTail(events, self.folder)
         self.run_id = job_run_id(self.folder)
         self.run = wandb.init(project=project, entity=entity, mode=mode, id=self.run_id, resume="allow",
-                              dir=str(self.folder), name=name, config=dict(config or {}),
+                              dir=str(start_folder(self.folder)), name=name, config=dict(config or {}),
                               settings=_settings(wandb))
         self.run.define_metric(STEP_METRIC)
         self.run.define_metric("*", step_metric=STEP_METRIC)
         self._scalars = Scalars()
+        self._logged = self._tail.offset  # the offset of the records logged by the previous export
 
     def export(self) -> int:
         """Log the scalars of the events new since the last call; returns how many events were read."""
@@ -89,11 +105,14 @@ class WandbExporter:
             for step, values in by_step.items():
                 self.run.log({**values, STEP_METRIC: step})
         if records:
-            # W&B's writer is asynchronous: an offset a little ahead of what it wrote loses at most the
-            # records of a supervisor killed in between (the same holds for its own buffers)
-            self._tail.commit()
+            # W&B writes asynchronously (its own process), with no flush to wait for: the offset kept is
+            # one export behind, so a supervisor killed before W&B wrote the last export's records leaves
+            # them to its successor, which logs them again at the same steps (kept: duplicates, not gaps)
+            self._tail.commit(self._logged)
+            self._logged = self._tail.offset
         return len(records)
 
     def close(self) -> None:
         self.export()
-        self.run.finish()
+        self.run.finish()  # waits for W&B to write everything
+        self._tail.commit()

@@ -3,6 +3,8 @@ writes are read back (wandb_files.py) and compared with the job's events."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from oobleck_slurm.dashboard.wandb_logger import RUN_ID_FILE, STEP_METRIC, Wandb
 from oobleck_slurm.protocol.events import read_events  # noqa: E402
 
 LOGS = Path(__file__).parent / "logs"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -65,22 +68,31 @@ def test_a_recipe_asking_for_wandb_without_the_package_is_refused(tmp_path: Path
 
 @pytest.mark.slow
 def test_a_job_keeps_one_run_across_a_supervisor_takeover(tmp_path: Path, templates_cache: Path) -> None:
+    from job_events import wait_for
     from jobrun import run_job, tiny_recipe
 
-    recipe = tiny_recipe(steps=8)
+    def kill_once_logging(job) -> None:  # noqa: ANN001 - a JobDir
+        # W&B starts in the supervisor's metrics thread: once it logged, its supervisor is killed (kill -9)
+        wait_for(job.path, "W&B logging", lambda ev: [e for e in ev if e["kind"] == "metrics_logger"])
+        wait_for(job.path, "W&B logged steps", lambda ev: offline_runs(job.wandb) and history(offline_runs(job.wandb)[0]))
+        subprocess.run([sys.executable, "-m", "oobleck_slurm", "kill-node", str(job.path), "supervisor"],
+                       cwd=REPO, check=True, capture_output=True, timeout=60)
+
+    recipe = tiny_recipe(steps=60)
     # a peak for the CPU (no table entry): MFU is reported as for a GPU
     recipe["logging"] = {"wandb": {"project": "t", "mode": "offline"}, "peak_tflops": 0.01}
-    recipe["drills"] = [{"step": 3, "how": "supervisor"}]
-    run = run_job(tmp_path, recipe, templates_cache)
+    run = run_job(tmp_path, recipe, templates_cache, alongside=kill_once_logging)
     assert run.kind("takeover")
     started = [e for e in run.kind("metrics_logger") if e["logger"] == "wandb"]
     assert len(started) == 2 and started[0]["run_id"] == started[1]["run_id"] and "error" not in started[1]
     runs = offline_runs(run.job.wandb)
     assert len(runs) == 2 and all(p.name == f"run-{started[0]['run_id']}.wandb" for p in runs)
+    first, second = ({row[STEP_METRIC] for row in history(p) if "train/loss" in row} for p in runs)
+    assert first and second  # each supervisor logged
     logged = {row[STEP_METRIC]: row for p in runs for row in history(p) if "train/loss" in row}
     steps = {e["step"]: e for e in run.kind("step")}
     # the killed supervisor's last records may be logged again by its successor, never left out
-    assert set(logged) == set(steps) == set(range(8))
+    assert set(logged) == set(steps) == set(range(60))
     for step, e in steps.items():
         assert e["devices"] == 4 and e["tokens_per_s"] == pytest.approx(16 * 64 / e["seconds"])
         assert e["mfu"] == pytest.approx(e["tflops_per_device"] / 0.01)

@@ -35,8 +35,8 @@ def _chunks(data: bytes) -> list[bytes]:
 
 
 def offline_runs(folder: Path) -> list[Path]:
-    """The offline runs' files under a W&B `dir`, oldest first."""
-    return sorted(folder.glob("wandb/offline-run-*/run-*.wandb"))
+    """The offline runs' files under a job's W&B folder (one `start-<n>` per supervisor), oldest first."""
+    return sorted(folder.glob("start-*/wandb/offline-run-*/run-*.wandb"), key=lambda p: int(p.parts[-4][6:]))
 
 
 def history(path: Path) -> list[dict[str, Any]]:
