@@ -191,6 +191,11 @@ class JobTimeouts:
     # On a hang verdict the supervisor waits this long for every worker's stacks and flight-recorder
     # dump before it stops the hung node (its workers may be past answering: it goes on without them).
     hang_dump_wait: float = 5.0
+    # The W&B logger records as exported only the log offset it reached this long ago: W&B writes from its
+    # own process with no flush to wait on, so a supervisor killed with kill -9 leaves the last records
+    # it logged to its successor (logged again: duplicates, never a gap). One export period (2 s) of lag
+    # was not enough once under load.
+    wandb_commit_lag: float = 10.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -5,8 +5,8 @@ train/mfu, eval/loss, recovery/seconds, cluster/ranks, ...), logged by the super
 already follows the log for TensorBoard). One W&B run per job: its id is made once and kept in
 JOB/wandb/run_id, and every supervisor of the job (a requeue, a standby that took over) resumes it
 (`resume="allow"`), going on from the byte offset of the log already logged (JOB/wandb/events.offset):
-nothing is left out, and after a supervisor killed mid-run only its last export's records (a few
-seconds of steps) are logged twice, at their own steps. W&B's own files go to JOB/wandb/start-<n>/ (one per
+nothing is left out, and after a supervisor killed mid-run the records of its last `wandb_commit_lag`
+seconds are logged twice, at their own steps. W&B's own files go to JOB/wandb/start-<n>/ (one per
 supervisor): with `mode: offline` (no network on compute nodes) `wandb sync
 JOB/wandb/start-*/wandb/offline-run-*` uploads them into the one run.
 
@@ -16,14 +16,17 @@ logged again at its own step (W&B drops a `step=` lower than one it has seen).
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from oobleck_slurm.dashboard.tensorboard import ExportedTail, Scalars
 from oobleck_slurm.errors import BadInputError
+from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
 
 RUN_ID_FILE = "run_id"
 STEP_METRIC = "job/step"
@@ -78,7 +81,8 @@ def _settings(wandb: Any) -> Any:
 class WandbExporter:
     def __init__(self, events: str | os.PathLike[str], folder: str | os.PathLike[str], *, project: str,
                  entity: str | None = None, mode: Literal["online", "offline"] = "online", name: str | None = None,
-                 config: Mapping[str, Any] | None = None) -> None:
+                 config: Mapping[str, Any] | None = None,
+                 commit_lag: float = DEFAULT_TIMEOUTS.wandb_commit_lag) -> None:
         try:
             import wandb
         except ImportError as err:
@@ -93,7 +97,8 @@ class WandbExporter:
         self.run.define_metric(STEP_METRIC)
         self.run.define_metric("*", step_metric=STEP_METRIC)
         self._scalars = Scalars()
-        self._logged = self._tail.offset  # the offset of the records logged by the previous export
+        self.commit_lag = commit_lag
+        self._exported: collections.deque[tuple[float, int]] = collections.deque()  # (when, offset) per export
 
     def export(self) -> int:
         """Log the scalars of the events new since the last call; returns how many events were read."""
@@ -106,10 +111,15 @@ class WandbExporter:
                 self.run.log({**values, STEP_METRIC: step})
         if records:
             # W&B writes asynchronously (its own process), with no flush to wait for: the offset kept is
-            # one export behind, so a supervisor killed before W&B wrote the last export's records leaves
-            # them to its successor, which logs them again at the same steps (kept: duplicates, not gaps)
-            self._tail.commit(self._logged)
-            self._logged = self._tail.offset
+            # the one reached `commit_lag` seconds ago, so a supervisor killed before W&B wrote its last
+            # records leaves them to its successor, which logs them again at the same steps
+            now = time.monotonic()
+            self._exported.append((now, self._tail.offset))
+            settled = None
+            while self._exported and self._exported[0][0] <= now - self.commit_lag:
+                settled = self._exported.popleft()[1]
+            if settled is not None:
+                self._tail.commit(settled)
         return len(records)
 
     def close(self) -> None:
