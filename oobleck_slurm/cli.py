@@ -12,7 +12,7 @@ from oobleck_slurm.exit_codes import EXIT_BAD_INPUT
 
 # Order shown in --help. Modules import heavy dependencies (torch) inside run(), so --help is fast.
 COMMANDS = ("validate", "prepare", "profile", "plan", "submit", "dashboard", "report", "status", "events", "cancel",
-            "kill_node", "export", "detect", "simulate")
+            "kill_node", "profile_steps", "export", "detect", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -184,6 +184,18 @@ class JobTimeouts:
     # read when it changed): a frozen supervisor keeps their connections open, so only a higher epoch
     # tells them that a standby took over. Bounds how late they follow it.
     epoch_poll: float = 0.25
+    # Workers look at the job folder's requests (engine/requests.py: `profile-steps`, a hang's dumps) this
+    # often, from a thread: a stat of two files, nothing on the training path. Bounds how late a hang's
+    # dump starts and how many steps ahead `profile-steps` places its window.
+    request_poll: float = 0.5
+    # On a hang verdict the supervisor waits this long for every worker's stacks and flight-recorder
+    # dump before it stops the hung node (its workers may be past answering: it goes on without them).
+    hang_dump_wait: float = 5.0
+    # The W&B logger records as exported only the log offset it reached this long ago: W&B writes from its
+    # own process with no flush to wait on, so a supervisor killed with kill -9 leaves the last records
+    # it logged to its successor (logged again: duplicates, never a gap). One export period (2 s) of lag
+    # was not enough once under load.
+    wandb_commit_lag: float = 10.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -104,6 +104,9 @@ def section_job_drill(s: Settings, rec: Record) -> None:
         "losses_uninterrupted": plain.losses(), "losses_drill": drill.losses(), "vs_uninterrupted": cmp,
         "wall_s": {"uninterrupted": plain.wall_s, "drill": drill.wall_s}, "started": t0,
         "peak_memory_allocated_per_rank": {e["step"]: e.get("peak_memory") for e in drill.kind("step")},
+        # planning/flops.py: tokens/s per device and MFU against the device's data-sheet peak
+        "throughput_uninterrupted": {e["step"]: {k: e.get(k) for k in ("tokens_per_s_per_device", "tflops_per_device",
+                                                                      "mfu", "devices")} for e in plain.kind("step")},
     }
     if mem.samples:
         t_kill = min((e.get("t", 0.0) for e in lost), default=None)
@@ -119,6 +122,11 @@ def section_job_drill(s: Settings, rec: Record) -> None:
         out["unplanned_bytes_per_rank"] = {k: (used[k] - sum(planned_bytes)) / (nodes + 1) if used.get(k) else None
                                            for k in ("before_kill", "recovery", "after")}
     rec.results.update(out)
+    steps = plain.kind("step")
+    # on a GPU of the peak table every step has an MFU in (0, 1); on the CPU none (no peak)
+    rec.check("step_events_have_mfu", bool(steps) and all(
+        (0 < (e.get("mfu") or 0) < 1) if s.cuda else "mfu" not in e for e in steps)
+        and all((e.get("tokens_per_s_per_device") or 0) > 0 for e in steps), f"{out['throughput_uninterrupted']}")
     rec.check("node_lost_is_node2", [e["node"] for e in lost] == ["node2"], f"{[(e['node'], e['cause']) for e in lost]}")
     rec.check("recovered_in_memory", not drill.kind("checkpoint_fallback") and bool(resumed),
               f"resumed {resumed}, fallback {drill.kind('checkpoint_fallback')}")

@@ -23,6 +23,13 @@ ask `JobDir` for the paths):
         requeue         marker written on preemption / time limit: the requeued run resumes from a checkpoint
         data/           token files prepared for the job
         checkpoints/    step<S>/<layer>.safetensors: periodic, on-demand and final checkpoints
+        trace_request.json  `profile-steps`: the steps every worker traces with torch.profiler (engine/requests.py)
+        traces/<id>/    the Chrome traces of request <id>, one per worker: <worker>-rank<r>.json
+        dump_request.json   a hang verdict: every worker dumps its stacks and flight recorder now
+        dumps/<id>/     <worker>.stacks.txt (every thread's Python stack), flight_recorder/rank_<r> (torch's
+                        flight recorder: NCCL or gloo collectives), <worker>.done
+        tensorboard/    TensorBoard scalars (`logging.tensorboard`), events.offset: what is exported
+        wandb/          W&B's files (`logging.wandb`), run_id: the job's one run, events.offset
         logs/           per-process logs: supervisor.log (local backend), supervisor.err (its traceback),
                         agent-<node>.log, worker-<node id>-<i>.log
         submitit/       submitit's files and Slurm's output of the allocation and of replacement jobs
@@ -65,6 +72,10 @@ LOGS_DIR = "logs"
 SUBMITIT_DIR = "submitit"
 SUPERVISOR_LOG = "supervisor.log"
 SUPERVISOR_ERROR = "supervisor.err"
+TRACE_REQUEST_FILE = "trace_request.json"
+TRACES_DIR = "traces"
+DUMP_REQUEST_FILE = "dump_request.json"
+DUMPS_DIR = "dumps"
 
 SECRET_BYTES = 32
 
@@ -153,6 +164,26 @@ class JobDir:
     @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / "wandb"
+
+    @property
+    def trace_request(self) -> Path:
+        return self.path / TRACE_REQUEST_FILE
+
+    @property
+    def traces(self) -> Path:
+        return self.path / TRACES_DIR
+
+    @property
+    def dump_request(self) -> Path:
+        return self.path / DUMP_REQUEST_FILE
+
+    @property
+    def dumps(self) -> Path:
+        return self.path / DUMPS_DIR
 
     @property
     def logs(self) -> Path:

@@ -99,8 +99,12 @@ class Narrator:
             if step % self._every() and not last:
                 return []
             of = f"/{self.total_steps}" if self.total_steps else ""
+            per_device = e.get("tokens_per_s_per_device")
+            mfu = e.get("mfu")
             return [f"step {step}{of}: loss {e.get('loss', float('nan')):.4f}, "
-                    f"{e.get('samples_per_s') or 0:,.1f} samples/s"]
+                    f"{e.get('samples_per_s') or 0:,.1f} samples/s"
+                    + (f", {per_device:,.0f} tokens/s per device" if isinstance(per_device, (int, float)) else "")
+                    + (f", MFU {mfu:.1%}" if isinstance(mfu, (int, float)) else "")]
         if kind == "eval":
             return [f"eval after {e.get('step')} steps: loss {e.get('loss', float('nan')):.4f} ({e.get('samples')} samples)"]
         if kind == "node_lost":

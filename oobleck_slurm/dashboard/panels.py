@@ -89,6 +89,10 @@ def header(state: DashboardState, view: View) -> Panel:
     if state.evals:
         bottom.append("  eval ", "dim").append(_num(state.eval_loss, ".4f"), "bold")
     bottom.append("  samples/s ", "dim").append(_num(state.samples_per_s, ".1f"), "bold")
+    if state.tokens_per_s_per_device is not None:
+        bottom.append("  tokens/s/device ", "dim").append(_num(state.tokens_per_s_per_device, ",.0f"), "bold")
+    if state.mfu is not None:
+        bottom.append("  MFU ", "dim").append(f"{state.mfu:.1%}", "bold")
     bottom.append("  elapsed ", "dim").append(duration(state.elapsed))
     failures = [r for r in state.recoveries if r.trigger == "failure"]
     if failures:

@@ -46,6 +46,8 @@ def render_html(state: DashboardState, log: Path) -> str:
     useful = useful_fraction(state)
     failures = [r for r in state.recoveries if r.trigger == "failure"]
     rates = [p.samples_per_s for p in state.history if p.samples_per_s is not None]
+    per_device = [p.tokens_per_s_per_device for p in state.history if p.tokens_per_s_per_device is not None]
+    mfus = [p.mfu for p in state.history if p.mfu is not None]
     summary = [
         ("job", state.job_id or "-"), ("backend", state.backend or "-"),
         ("recipe", f"{state.recipe or '-'} ({state.recipe_path or '-'})"),
@@ -54,6 +56,9 @@ def render_html(state: DashboardState, log: Path) -> str:
         ("final loss", f"{state.loss:.4f}" if state.loss is not None else "-"),
         ("final eval loss", f"{state.eval_loss:.4f} (after {max(state.evals)} steps)" if state.evals else "-"),
         ("mean samples/s", f"{sum(rates) / len(rates):.1f}" if rates else "-"),
+        ("mean tokens/s per device", f"{sum(per_device) / len(per_device):,.0f}" if per_device else "-"),
+        ("mean MFU", f"{sum(mfus) / len(mfus):.1%}" if mfus else "- (no device peak: a CPU, or set "
+                                                               "logging.peak_tflops)"),
         ("elapsed", duration(state.elapsed)),
         ("failures", str(len(failures))),
         ("time recovering", duration(split["recovering"])),

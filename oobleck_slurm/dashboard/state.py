@@ -75,6 +75,8 @@ class StepPoint:
     loss: float | None
     samples_per_s: float | None
     step_time: float | None = None
+    tokens_per_s_per_device: float | None = None
+    mfu: float | None = None  # absent without a device peak (a CPU)
 
 
 @dataclass
@@ -169,6 +171,8 @@ class DashboardState:
         self.step: int | None = None
         self.loss: float | None = None
         self.samples_per_s: float | None = None
+        self.tokens_per_s_per_device: float | None = None
+        self.mfu: float | None = None
         self.step_time: float | None = None
         self.history: list[StepPoint] = []
         # Validation loss by steps done: (time first measured, loss); a recovery may repeat one.
@@ -341,7 +345,11 @@ class DashboardState:
         self.loss = e.loss if e.loss is not None else self.loss
         self.samples_per_s = e.samples_per_s if e.samples_per_s is not None else self.samples_per_s
         self.step_time = e.seconds if e.seconds is not None else self.step_time
-        self.history.append(StepPoint(e.t, e.step, e.loss, e.samples_per_s, e.seconds))
+        self.tokens_per_s_per_device = (e.tokens_per_s_per_device if e.tokens_per_s_per_device is not None
+                                        else self.tokens_per_s_per_device)
+        self.mfu = e.mfu if e.mfu is not None else self.mfu
+        self.history.append(StepPoint(e.t, e.step, e.loss, e.samples_per_s, e.seconds, e.tokens_per_s_per_device,
+                                      e.mfu))
         if self.status in ("waiting", "recovering") and self.current_recovery is None:
             self.status = "running"
         times = dict(enumerate(e.pipeline_seconds or []))
@@ -538,6 +546,12 @@ _NOTES: dict[str, Callable[[Any], str]] = {
     "refused": lambda e: f"refused {e.peer}: {e.reason}",
     "store_rejected": lambda e: f"store: refused {e.key} ({e.reason}, {e.reader or '?'})",
     "drill": lambda e: f"scripted drill at step {_fmt(e.step)}: {e.how} on {e.node}",
+    "metrics_logger": lambda e: (f"{e.logger} not started: {e.error}" if e.error else
+                                 f"{e.logger} logging" + (f" to run {e.run_id}" if e.run_id else "")),
+    "trace_requested": lambda e: f"profiler: every worker traces steps {e.start}..{e.stop - 1}",
+    "trace_written": lambda e: f"trace of {e.node} (rank {_fmt(e.rank)}) written",
+    "hang_dump": lambda e: (f"hang dumps of {len(e.dumped or [])} workers in {e.folder}"
+                            + (f", missing {', '.join(e.missing)}" if e.missing else "")),
 }
 
 _HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {

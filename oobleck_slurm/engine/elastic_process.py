@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE, JobDir, load_secret
+from oobleck_slurm.cluster.jobdir import CHECKPOINTS_DIR, ELASTIC_FILE, JOB_SPEC_FILE, TRACES_DIR, JobDir, load_secret
 from oobleck_slurm.cluster.lease import PublishedEpoch, read_lease
 from oobleck_slurm.engine.abort import AbortableGeneration, GenerationAborted, build_generation, clone_store
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, latest_complete, layer_file
@@ -48,6 +48,7 @@ from oobleck_slurm.engine.integrity import CORRUPT_BIT, ReplicaMismatchError, fl
 from oobleck_slurm.engine.layout import ExecPlan
 from oobleck_slurm.engine.loss_spike import stop_message
 from oobleck_slurm.engine.recovery import can_complete, reach_step
+from oobleck_slurm.engine.requests import RequestWatcher, StepTracer, enable_flight_recorder
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.errors import OobleckError
@@ -162,7 +163,11 @@ class ElasticWorker:
             threading.Thread(target=self._watch_epoch, args=(PublishedEpoch(job_dir / ELASTIC_FILE),),
                              name="epoch-watch", daemon=True).start()
         device = torch.device("cuda", torch.cuda.current_device()) if self.job.backend == "nccl" else None
+        enable_flight_recorder(self.job.flight_recorder)  # before any process group: torch reads it then
         self.worker = Worker(self.job, 0, device)
+        # profile-steps and a hang's dumps (engine/requests.py): a thread looks at the job folder
+        self.requests = RequestWatcher(job_dir, self.name, self.timeouts.request_poll, lambda: self.worker.rank)
+        self.tracer = StepTracer(job_dir / TRACES_DIR, self.name, device is not None, self._trace_written)
         self.faults = FaultHooks(self.job.extra.get("faults", []), self.store, node, local, self.timeouts)
         self.worker.before_update = self.faults.before_update
         self.worker.before_scatter = self.faults.before_scatter
@@ -176,6 +181,10 @@ class ElasticWorker:
         self.writer: CheckpointWriter | None = None
         self.eval_logged: int | None = None  # the step of the last evaluation this worker logged (as rank 0)
         self.phase = "groups"  # what it does now, for a report of running out of device memory
+
+    def _trace_written(self, path: Path, start: int, stop: int) -> None:
+        self.log.emit("trace_written", node=self.node, worker=self.local, rank=self.worker.rank, start=start,
+                      stop=stop, path=str(path))
 
     def _on_wait(self) -> None:
         self.faults.before_wait(self.worker.step)
@@ -398,6 +407,7 @@ class ElasticWorker:
             self._train(g, gen)
         finally:  # leaving the generation (done, failed or aborted): its reader thread stops with it
             w.stop_reads(self.timeouts.prefetch_stop)
+            self.tracer.finish(w.rank)  # a trace cut short by a failure: the steps it holds
 
     def _train(self, g: int, gen: AbortableGeneration) -> None:
         """Generation g's steps, from the worker's step on; then the final checkpoint."""
@@ -415,10 +425,12 @@ class ElasticWorker:
                 self.faults.before_replay(w.step)
             self.faults.at_step_start(w.step)
             self.step_reported = False
+            self.tracer.before_step(w.step, self.requests.trace)
             try:
                 result = w.train_step()
             except ReplicaMismatchError as err:
                 self._replica_mismatch(g, err)
+            self.tracer.after_step(result.step, w.rank)
             self.faults.at_step_end()
             self.last_step = LastStep(result=result, generation=g, global_batch_size=self.job.train.global_batch_size)
             if w.rank == 0:

@@ -12,6 +12,11 @@ from oobleck_slurm.engine.loss_spike import SpikePolicy
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.models import with_layers
 
+# Flight-recorder entries on GPUs unless the recipe says otherwise: NCCL operations take milliseconds,
+# a record costs microseconds. Off on CPUs, where a gloo operation of the tiny test models takes tens of
+# microseconds and the record (with its stack) as much again.
+DEFAULT_FLIGHT_RECORDER = 2000
+
 
 def tokenizer_for(recipe: Any) -> str:
     """The recipe's tokenizer: data.tokenizer, except that with the default ('byte') a Hugging Face
@@ -88,4 +93,7 @@ def job_from_recipe(recipe: Any, token_file: str | os.PathLike[str],
                         integrity_interval=recipe.fault_tolerance.integrity_interval,
                         integrity_max_cost=recipe.fault_tolerance.integrity_max_cost),
         backend="nccl" if recipe.cluster.gpus_per_node > 0 else "gloo",
+        peak_tflops=recipe.logging.peak_tflops,
+        flight_recorder=(recipe.logging.flight_recorder if recipe.logging.flight_recorder is not None
+                         else DEFAULT_FLIGHT_RECORDER if recipe.cluster.gpus_per_node > 0 else 0),
     )

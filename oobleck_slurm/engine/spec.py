@@ -162,6 +162,8 @@ class JobSpec:
     optim: OptimSpec
     train: TrainSpec
     backend: str = "gloo"  # "nccl": one CUDA device per worker
+    peak_tflops: float | None = None  # one device's peak for MFU (recipe logging.peak_tflops); None: its GPU's
+    flight_recorder: int = 0  # collectives torch's flight recorder keeps (engine/requests.py); 0: off
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -183,5 +185,7 @@ class JobSpec:
             train=TrainSpec(**{**d["train"], "loss_spike": SpikePolicy(**spike)
                                if (spike := d["train"].get("loss_spike")) is not None else None}),
             backend=d.get("backend", "gloo"),
+            peak_tflops=d.get("peak_tflops"),
+            flight_recorder=int(d.get("flight_recorder", 0)),
             extra=d.get("extra", {}),
         )

@@ -91,6 +91,7 @@ from oobleck_slurm.optim import optimizer_state_tensors
 from oobleck_slurm.optim.came_sharded import ShardedCAME
 from oobleck_slurm.peak_memory import StepPeak
 from oobleck_slurm.planning.cost import stage_fold
+from oobleck_slurm.planning.flops import flops_per_token, peak_flops
 from oobleck_slurm.protocol.records import StepResult
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS
 
@@ -220,6 +221,11 @@ class Worker:
         self.rank = rank
         self.device = device or torch.device("cpu")
         self.peak = StepPeak(self.device)
+        # the step event's throughput: model FLOPs per token, and this device's peak (rank 0's stands for
+        # all: MFU assumes like devices)
+        self.flops_per_token = flops_per_token(job.model.config) or 0.0
+        self.peak_flops = peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+                                     job.peak_tflops) or 0.0
         self.keys = job.model.keys()
         self.step = 0
         self.layers: dict[int, nn.Module] = {}
@@ -1054,6 +1060,10 @@ class Worker:
             skipped=role is not None and self.skipped,
             skip_reason=self.skip_reason if role is not None else None,
             loss_threshold=self.judgement.threshold if self.judgement is not None else None,
+            tokens=(tokens := self.job.train.global_batch_size * self.job.model.seq_len),
+            devices=len(plan.ranks),  # spares excluded
+            flops=tokens * self.flops_per_token,
+            peak_flops=self.peak_flops,
         )
 
     # ---- replica integrity (engine/integrity.py) -------------------------------------------------

@@ -196,6 +196,55 @@ class Plan(RecoveryEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsLogger(Event):
+    """The supervisor started a metrics logger (`logging.tensorboard`, `logging.wandb`), or could not:
+    training goes on without it."""
+
+    kind = "metrics_logger"
+    logger: str = required("which", ("tensorboard", "wandb"))
+    folder: str | None = optional("where its files go")
+    run_id: str | None = optional("W&B: the job's run id (one across requeues and takeovers)")
+    error: str | None = optional("why it did not start")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceRequested(Event):
+    """`profile-steps` asked every worker to trace steps [start, stop) with torch.profiler."""
+
+    kind = "trace_requested"
+    id: int = required("the request's id: its traces go to JOB/traces/<id>/")
+    start: int = required("the first traced step")
+    stop: int = required("the step after the last traced one")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceWritten(Event):
+    """A worker wrote its Chrome trace of a `profile-steps` request (steps cut short by a failure: the
+    ones it traced)."""
+
+    kind = "trace_written"
+    node: str = required("the worker's node")
+    worker: int | None = optional("the worker's index on that node")
+    rank: int | None = optional("its rank in the generation that traced")
+    start: int | None = optional("the first traced step")
+    stop: int | None = optional("the step after the last traced one")
+    path: str | None = optional("the trace file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangDump(Event):
+    """A hang verdict: before stopping the hung node the supervisor asked every worker for its Python
+    stacks and flight-recorder dump (engine/requests.py) and waited up to `hang_dump_wait`."""
+
+    kind = "hang_dump"
+    nodes: list[str] = required("the nodes declared hung")
+    folder: str | None = optional("where the dumps are (JOB/dumps/<id>)")
+    dumped: list[str] | None = optional("workers that wrote their dumps")
+    missing: list[str] | None = optional("workers that did not within the wait (a stopped process cannot)")
+    seconds: float | None = optional("how long the supervisor waited")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Step(Event):
     """One optimizer step finished (written once per step, by rank 0)."""
 
@@ -206,6 +255,15 @@ class Step(Event):
     lr: float | None = optional("learning rate")
     seconds: float | None = optional("rank 0's wall time for the step")
     samples_per_s: float | None = optional("global batch / seconds")
+    tokens_per_s: float | None = optional("tokens of the global batch / seconds")
+    devices: int | None = optional("ranks that trained the step (spares excluded): the per-device figures' divisor")
+    tokens_per_s_per_device: float | None = optional("tokens_per_s / devices")
+    tflops_per_device: float | None = optional("model FLOPs of the step (forward + backward, no recompute: "
+                                               "planning/flops.py) / seconds / devices, in TFLOP/s; absent "
+                                               "for a model without FLOP counts")
+    mfu: float | None = optional("model FLOPs utilisation: tflops_per_device over one device's peak (its "
+                                 "GPU's data-sheet bf16 figure or `logging.peak_tflops`); absent without "
+                                 "a peak (a CPU)")
     pipeline_seconds: list[float | None] | None = optional("per pipeline id: its first stage's schedule time (s)")
     compute_seconds: list[float | None] | None = optional("per rank: forward and backward only (s)")
     peak_memory: list[float | None] | None = optional("per rank: peak bytes allocated on its GPU during the step")
@@ -643,6 +701,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Failure and recovery": (CollectiveError, Failure, OutOfMemory, LossSpikeStop, Detection, Reform, Replan, GroupRebuild,
                              StateCopy, Replay, Resumed),
     "Faulty machines and stragglers": (Health, FaultyNode, Straggler, ReplicaMismatch, TransferRefetch),
+    "Metrics": (MetricsLogger, TraceRequested, TraceWritten, HangDump),
 }
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for group in SECTIONS.values() for cls in group}
 RECOVERY_FIELDS = tuple(f.name for f in fields(RecoveryEvent) if f.name != "t")

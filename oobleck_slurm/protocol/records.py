@@ -91,6 +91,25 @@ class StepResult:
     skipped: bool = False  # no rank applied the update (engine/worker.py complete_step); `skip_reason` says why
     skip_reason: str | None = None  # "non_finite" (gradient norm or loss) | "loss_spike" (training.loss_spike)
     loss_threshold: float | None = None  # the loss-spike policy's bar for this step (None: off or warming up)
+    # Throughput (planning/flops.py): tokens of the global batch, ranks that trained (spares excluded),
+    # the step's model FLOPs (0: unknown, a factory model) and one device's peak FLOP/s (0: unknown, a CPU)
+    tokens: int = 0
+    devices: int = 0
+    flops: float = 0.0
+    peak_flops: float = 0.0
+
+    def throughput(self) -> dict[str, float | int]:
+        """tokens/s, per device, achieved TFLOP/s per device and MFU: those the step's figures allow."""
+        if self.seconds <= 0 or self.tokens <= 0 or self.devices <= 0:
+            return {}
+        out: dict[str, float | int] = {"tokens_per_s": self.tokens / self.seconds, "devices": self.devices,
+                                       "tokens_per_s_per_device": self.tokens / self.seconds / self.devices}
+        if self.flops > 0:
+            per_device = self.flops / self.seconds / self.devices
+            out["tflops_per_device"] = per_device / 1e12
+            if self.peak_flops > 0:
+                out["mfu"] = per_device / self.peak_flops
+        return out
 
     def event(self, generation: int, global_batch_size: int) -> dict[str, Any]:
         """The `step` event rank 0 writes to the job's log."""
@@ -102,6 +121,7 @@ class StepResult:
             "peak_memory": list(self.peak_memory), "data_s": self.data_s, "generation": generation,
             **({"skipped": True, "skip_reason": self.skip_reason} if self.skipped else {}),
             **({"loss_threshold": self.loss_threshold} if self.loss_threshold is not None else {}),
+            **self.throughput(),
         }
 
 

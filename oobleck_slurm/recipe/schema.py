@@ -445,12 +445,31 @@ def metric_weights(value: Mapping[str, float]) -> str | None:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (`logging.wandb`): one run per job, its id kept in JOB/wandb across requeues and
+    supervisor takeovers; needs the `wandb` extra."""
+
+    project: str = "oobleck-slurm"
+    entity: str | None = None
+    # "online", or "offline" (files in JOB/wandb, `wandb sync` them later: compute nodes without internet)
+    mode: Literal["online", "offline"] = "online"
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     """Where the job's metrics go besides its event log (which always holds everything)."""
 
     # TensorBoard scalars in JOB/tensorboard, written live by the supervisor (dashboard/tensorboard.py);
     # needs the `tensorboard` extra.
     tensorboard: bool = False
+    # One device's peak dense TFLOP/s for MFU; unset: the GPU's data-sheet figure (planning/flops.py), and
+    # no MFU where none is known (a CPU, an unlisted GPU).
+    peak_tflops: float | None = field(default=None, metadata=check(optional(positive)))
+    # collectives torch's flight recorder keeps per process group, dumped from every rank on a hang verdict
+    # (engine/requests.py); unset: 2000 on GPUs, 0 (off) on CPUs
+    flight_recorder: int | None = field(default=None, metadata=check(optional(non_negative)))
+    # the same scalars to W&B, from the supervisor (dashboard/wandb_logger.py); null: off
+    wandb: WandbConfig | None = None
 
 
 def fraction(value: float) -> str | None:

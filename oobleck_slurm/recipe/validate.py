@@ -186,6 +186,9 @@ def cross_checks(recipe: schema.Recipe, source: Source) -> list[RecipeIssue]:
     if recipe.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         add(("logging", "tensorboard"), "the `tensorboard` package is not installed (pip install "
             "'oobleck-slurm[tensorboard]'), or set it to false")
+    if recipe.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
+        add(("logging", "wandb"), "the `wandb` package is not installed (pip install 'oobleck-slurm[wandb]'), "
+            "or remove the key")
     if t.global_batch_size % t.microbatch_size:
         add(("training", "microbatch_size"),
             f"global_batch_size {t.global_batch_size} is not divisible by microbatch_size {t.microbatch_size}")

@@ -64,9 +64,10 @@ from oobleck_slurm.protocol.messages import (
 from oobleck_slurm.protocol.records import ReplicaMismatch
 from oobleck_slurm.protocol.wire import Channel, ProtocolError
 from oobleck_slurm.recipe.schema import PreflightConfig
+from oobleck_slurm.supervisor.hang_dumps import HangDumps
 from oobleck_slurm.supervisor.health_monitor import HealthMonitor, parse_metrics
 from oobleck_slurm.supervisor.launchers import AgentLauncher
-from oobleck_slurm.supervisor.membership import Loss, LossCause, Membership
+from oobleck_slurm.supervisor.membership import STOPPED_STATES, Loss, LossCause, Membership
 from oobleck_slurm.supervisor.node_table import (
     AgentConn,
     IllegalTransition,
@@ -112,6 +113,7 @@ class AgentNodes:
         self.observer = observer  # the job's store, as its one poller last read it (the watcher follows it)
         self.health = health  # metrics and stragglers (None: detection.enabled is false)
         self.on_preempt = on_preempt  # called with the signal's name when an agent relays Slurm's notice
+        self.hang_dumps: HangDumps | None = None  # every worker's stacks and flight recorder on a hang verdict
         self.drills = sorted(drills, key=lambda d: d.step)  # recipe DrillConfigs not yet run
         self.membership = Membership(config.timeouts.heartbeat_lease, config.timeouts.step_timeout)
         self.nodes: dict[str, NodeRecord] = {  # node id -> record; members first, then spares, then replacements
@@ -625,6 +627,10 @@ class AgentNodes:
     def _lost(self, loss: Loss) -> None:
         """Report a loss once: to the coordinator as an exit, to the log with cause and timing."""
         record = self.nodes[loss.node]
+        if loss.cause is LossCause.HUNG and self.hang_dumps is not None:  # before its stop and the abort
+            watched = sorted(self.membership.watched)
+            self.hang_dumps.collect([loss.node], watched, [n for n in watched if self.membership.worker_state.get(n)
+                                                           in STOPPED_STATES])
         self._fire(record, NodeEvent.LOSE)
         record.loss = loss
         fault = record.fault_at

@@ -92,6 +92,7 @@ from oobleck_slurm.supervisor.decisions import (
     unreachable,
     whole_holders,
 )
+from oobleck_slurm.supervisor.hang_dumps import HangDumps
 from oobleck_slurm.supervisor.membership import Loss, LossCause
 from oobleck_slurm.supervisor.observer import StoreObserver, StoreView
 from oobleck_slurm.supervisor.preemption import Preemption
@@ -221,6 +222,7 @@ class Coordinator:
         self._supersedes: int | None = None  # an unfinished recovery that the change being collected replaces
         self._next_checkpoint_look = 0.0
         self.preemption = Preemption()  # replaced by the supervisor's, which its signal handler sets
+        self.hang_dumps: HangDumps | None = None  # set by the supervisor: dumps before a hung member's stop
 
     # ---- phase and events --------------------------------------------------------------------------
 
@@ -600,6 +602,8 @@ class Coordinator:
 
     def _lose_hung(self, g: int, late: list[str], waited: float) -> None:
         """Members that did not leave generation g while every peer did: hung inside the step."""
+        if self.hang_dumps is not None:  # before they are stopped: what they and their peers were doing
+            self.hang_dumps.collect(late, self.members)
         self.backend.stop(late)
         t_fault = self._killed_at(late)
         now = time.time()

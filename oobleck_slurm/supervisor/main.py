@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from oobleck_slurm.agent.warm import ignore_step_signals, in_slurm_step, write_output_to
 from oobleck_slurm.cluster.jobdir import META_FILE, JobDir
@@ -58,6 +58,16 @@ from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 if TYPE_CHECKING:
     from oobleck_slurm.agent.warm import WarmServer
+    from oobleck_slurm.protocol.events import EventLog
+    from oobleck_slurm.recipe import Recipe
+
+
+class Exporter(Protocol):
+    """A metrics logger following the event log (dashboard/tensorboard.py, dashboard/wandb_logger.py)."""
+
+    def export(self) -> int: ...
+
+    def close(self) -> None: ...
 
 # Statuses after which a requeue cannot help (a job's meta from before `requeue` was recorded).
 OVER = ("unrecoverable", "completed", "cancelled")
@@ -266,6 +276,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     from oobleck_slurm.protocol.signed_store import serve as serve_store
     from oobleck_slurm.supervisor.agent_nodes import AgentNodes, BackendConfig
     from oobleck_slurm.supervisor.coordinator import Coordinator, CoordinatorConfig
+    from oobleck_slurm.supervisor.hang_dumps import HangDumps
     from oobleck_slurm.supervisor.health_monitor import HealthMonitor
     from oobleck_slurm.supervisor.launchers import LocalLauncher, NodeJobLauncher, SrunLauncher
     from oobleck_slurm.supervisor.observer import StoreObserver
@@ -388,6 +399,9 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config, observer,
                               total_steps=recipe.training.steps, state_file=job.supervisor_state, epoch=epoch)
     coordinator.preemption = preemption
+    # a hang verdict saves every worker's stacks and flight recorder first (JOB/dumps, engine/requests.py)
+    coordinator.hang_dumps = nodes_backend.hang_dumps = HangDumps(job.path, log, cluster.devices_per_node,
+                                                                  timeouts.hang_dump_wait)
     lease = LeaseKeeper(job, epoch, ft.heartbeat_interval)
     coordinator.fence = log.fence = lease.check
     if threading.current_thread() is threading.main_thread():
@@ -399,7 +413,8 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
                             candidates=members + spares)
                if failover else None)
     observer.start()
-    tensorboard = TensorBoardThread(job, timeouts.tensorboard_poll, lease.check) if recipe.logging.tensorboard else None
+    exporters = metrics_exporters(job, recipe, log)
+    tensorboard = MetricsThread(exporters, timeouts.tensorboard_poll, lease.check) if exporters else None
     slurm_job_id = os.environ.get("SLURM_JOB_ID") if backend == "slurm" else None
     time_limit = TimeLimitNotice(slurm_job_id, cluster.signal_delay_s, on_preempt) if slurm_job_id else None
     try:
@@ -515,30 +530,69 @@ class TimeLimitNotice:
         self._stop.set()
 
 
-class TensorBoardThread:
-    """The job's metrics to TensorBoard while it runs (`logging.tensorboard`, dashboard/tensorboard.py):
-    new events exported every `poll` seconds, the rest at `stop`. `fence` first: a primary thawed after
-    a takeover exports nothing (the new one goes on from the exported offset)."""
+def metrics_exporters(job: JobDir, recipe: Recipe, log: EventLog) -> list[Callable[[], Exporter | None]]:
+    """The recipe's metric loggers (`logging.tensorboard`, `logging.wandb`), as makers that MetricsThread
+    calls in its own thread (W&B's start talks to its servers: never on the supervisor's path). Each
+    follows the event log from where the job's last supervisor left it. W&B failing to start (online
+    without a network, a bad key) is logged and leaves training alone: metrics are not worth a job."""
+    makers: list[Callable[[], Exporter | None]] = []
+    if recipe.logging.tensorboard:
+        def tensorboard() -> Exporter:
+            from oobleck_slurm.dashboard.tensorboard import TensorBoardExporter
 
-    def __init__(self, job: JobDir, poll: float, fence: Callable[[], None]) -> None:
-        from oobleck_slurm.dashboard.tensorboard import TensorBoardExporter
+            exporter = TensorBoardExporter(job.events, job.tensorboard)
+            log.emit("metrics_logger", logger="tensorboard", folder=str(job.tensorboard))
+            return exporter
 
-        self.exporter = TensorBoardExporter(job.events, job.tensorboard)
-        self.poll, self.fence = poll, fence
+        makers.append(tensorboard)
+    if (wb := recipe.logging.wandb) is not None:
+        def wandb() -> Exporter | None:
+            import yaml
+
+            from oobleck_slurm.dashboard.wandb_logger import WandbExporter
+
+            try:
+                exporter = WandbExporter(job.events, job.wandb, project=wb.project, entity=wb.entity, mode=wb.mode,
+                                         name=job.job_id, config=yaml.safe_load(job.recipe_path.read_text()) or {})
+            except Exception as err:  # wandb's own errors are many and not one type
+                log.emit("metrics_logger", logger="wandb", folder=str(job.wandb),
+                         error=f"{type(err).__name__}: {err}")
+                return None
+            log.emit("metrics_logger", logger="wandb", folder=str(job.wandb), run_id=exporter.run_id)
+            return exporter
+
+        makers.append(wandb)
+    return makers
+
+
+class MetricsThread:
+    """The job's metrics to TensorBoard and W&B while it runs (dashboard/tensorboard.py, wandb_logger.py):
+    the loggers made in this thread, then new events exported every `poll` seconds, the rest at `stop`.
+    `fence` first: a primary thawed after a takeover exports nothing (the new one goes on from the
+    exported offset)."""
+
+    def __init__(self, makers: list[Callable[[], Exporter | None]], poll: float, fence: Callable[[], None]) -> None:
+        self.makers, self.poll, self.fence = makers, poll, fence
+        self.exporters: list[Exporter] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tensorboard", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        for make in self.makers:
+            if (exporter := make()) is not None:
+                self.exporters.append(exporter)
         while not self._stop.wait(self.poll):
             self.fence()
-            self.exporter.export()
+            for exporter in self.exporters:
+                exporter.export()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
         self.fence()
-        self.exporter.close()
+        for exporter in self.exporters:
+            exporter.close()
 
 
 class LeaseKeeper:

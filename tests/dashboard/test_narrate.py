@@ -103,3 +103,12 @@ def test_a_pre_flight_refusal_is_said_with_its_reason_and_an_admission_is_not() 
     (line,) = narrator.lines({**refused, "at": "start", "admitted": True,
                               "reason": "not refused (the nodes share a machine): matmul 40 GFLOP/s is 0.4 x"})
     assert line == "node5 measured slow at the start, not refused (the nodes share a machine): matmul 40 GFLOP/s is 0.4 x"
+
+
+def test_a_step_line_gives_tokens_per_device_and_mfu_when_the_event_has_them() -> None:
+    narrator = Narrator()
+    step = {"t": 1.0, "kind": "step", "step": 0, "loss": 2.5, "samples_per_s": 10.0,
+            "tokens_per_s_per_device": 2048.4}
+    assert narrator.lines(step) == ["step 0: loss 2.5000, 10.0 samples/s, 2,048 tokens/s per device"]
+    assert narrator.lines({**step, "mfu": 0.412}) == [
+        "step 0: loss 2.5000, 10.0 samples/s, 2,048 tokens/s per device, MFU 41.2%"]

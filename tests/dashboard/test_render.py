@@ -147,3 +147,14 @@ def test_a_sharded_stage_shows_its_width():
     pipelines = panel(render(state, 160, 48), "pipelines")
     assert "node1 L0-2 x2" in pipelines and "node2 L4-5 x4" in pipelines
     assert "node3 L0-5 x" not in pipelines  # a one-worker stage shows no width
+
+
+@pytest.mark.parametrize("width,height", SIZES)
+def test_tokens_per_device_and_mfu_in_the_header(width, height):
+    # a GPU run's step events carry them (planning/flops.py); a CPU run's have no MFU and show none
+    events = [{**e, "tokens_per_s_per_device": 12345.6, "mfu": 0.4013} if e["kind"] == "step" else e
+              for e in recorded("healthy")]
+    screen = render(DashboardState().apply_all(events), width, height)
+    header = panel(screen, "oobleck-slurm")
+    assert "tokens/s/device 12,346" in header and "MFU 40.1%" in header and "elapsed" in header
+    assert "MFU" not in panel(render(state_of("healthy"), width, height), "oobleck-slurm")

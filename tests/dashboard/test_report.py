@@ -83,3 +83,22 @@ def test_dashboard_command_prints_a_frame_when_not_a_terminal(job_dir, capsys):
     assert run_command(dashboard_command, ["dashboard", str(job_dir("join"))]) == 0
     out = capsys.readouterr().out
     assert "COMPLETED" in out and "gen 2 (join)" in out and "r1 healthy" in out and "q quit" not in out
+
+
+def test_report_gives_mean_tokens_per_device_and_mfu(tmp_path):
+    from dash_helpers import recorded
+
+    from oobleck_slurm.dashboard.report import render_html
+    from oobleck_slurm.dashboard.state import DashboardState
+
+    events = recorded("healthy")
+    steps = [e for e in events if e["kind"] == "step"]
+    # alternate two figures: their means are exact
+    marked = {id(e): (1000.0, 0.3) if i % 2 else (3000.0, 0.5) for i, e in enumerate(steps)}
+    events = [{**e, "tokens_per_s_per_device": marked[id(e)][0], "mfu": marked[id(e)][1]} if id(e) in marked else e
+              for e in events]
+    assert len(steps) % 2 == 0
+    html = render_html(DashboardState().apply_all(events), tmp_path / "events.jsonl")
+    assert "<th>mean tokens/s per device</th><td>2,000</td>" in html and "<th>mean MFU</th><td>40.0%</td>" in html
+    cpu = render_html(DashboardState().apply_all(recorded("healthy")), tmp_path / "events.jsonl")
+    assert "<th>mean MFU</th><td>- (no device peak" in cpu
