@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
   "$PY" -m pip install --quiet torch==2.13.0
 fi
-"$PY" -m pip install --quiet -e '.[test,dev,hf,tensorboard,data]'
+"$PY" -m pip install --quiet -e '.[test,dev,hf,tensorboard,data,wandb]'
 
 # Lint and import order, then types (configs in pyproject.toml): a finding fails the run before any test.
 "$PY" -m ruff check oobleck_slurm tests benchmarks

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README_MAX_BYTES = 12_500
+README_MAX_BYTES = 13_500  # a page for users; what runs long goes to docs/
 
 # [text](target) and [text](target "title"); images too. Inline code and fenced blocks are removed first.
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-dashboard", action="store_true", help="print sentences instead of the live dashboard")
     parser.add_argument("--json", action="store_true",
                         help="print the job's events as JSON lines on stdout (everything else on stderr)")
-    parser.add_argument("--from-checkpoint", "--resume-from", type=Path, default=None, metavar="PATH",
+    parser.add_argument("--resume-from", type=Path, default=None, metavar="PATH",
                         help="start from another job's checkpoint: its folder (the newest complete one) or one of "
                              "its step<S> folders; node count, f and non-model training keys may differ")
     parser.add_argument("--no-drills", action="store_true", help="leave out the recipe's scripted drills (drills:)")
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         with planning_progress(console.is_terminal) as progress:
             job = prepare_job(recipe, cache_dir=args.cache, profile_file=args.profile, estimate_gpu=args.estimate,
                               job_root=args.job_root, drills=not args.no_drills, progress=progress,
-                              resume_from=args.from_checkpoint)
+                              resume_from=args.resume_from)
     except BadInputError as err:
         return fail(str(err))
     if recipe.cluster.backend == "slurm":

@@ -1,4 +1,4 @@
-"""A new job from another job's checkpoint: `submit RECIPE --from-checkpoint PATH` (or the recipe's
+"""A new job from another job's checkpoint: `submit RECIPE --resume-from PATH` (or the recipe's
 `fault_tolerance.resume_from`).
 
 PATH names an old job's folder, its `checkpoints/` folder (the newest checkpoint complete for this

@@ -113,7 +113,7 @@ class JobStarted(Event):
     workers_per_node: int | None = optional("workers (devices) per node")
     device: str | None = optional('"cuda" or "cpu"')
     resumed_from: str | None = optional("another job's checkpoint (its step folder) this job started from "
-                                        "(`submit --from-checkpoint`)")
+                                        "(`submit --resume-from`)")
 
 
 @dataclass(frozen=True, kw_only=True)

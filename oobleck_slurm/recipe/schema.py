@@ -421,7 +421,7 @@ class FaultToleranceConfig:
     # complete. 0 keeps every one: deleting is the one thing here that cannot be undone, so it is asked for.
     keep_checkpoints: int = field(default=0, metadata=check(non_negative))
     # Another job's checkpoint this job starts from (a job folder: its newest complete one; or one of its
-    # step<S> folders): `submit --from-checkpoint` sets it too. Relative to the recipe file.
+    # step<S> folders): `submit --resume-from` sets it too. Relative to the recipe file.
     resume_from: str = ""
 
 
