@@ -26,6 +26,7 @@ ask `JobDir` for the paths):
         trace_request.json  `profile-steps`: the steps every worker traces with torch.profiler (engine/requests.py)
         traces/<id>/    the Chrome traces of request <id>, one per worker: <worker>-rank<r>.json
         dump_request.json   a hang verdict: every worker dumps its stacks and flight recorder now
+        corrupt_request.json  `kill-node --how corrupt`: one worker flips a bit of a parameter (a drill)
         dumps/<id>/     <worker>.stacks.txt (every thread's Python stack), flight_recorder/rank_<r> (torch's
                         flight recorder: NCCL or gloo collectives), <worker>.done
         tensorboard/    TensorBoard scalars (`logging.tensorboard`), events.offset: what is exported
@@ -76,6 +77,7 @@ TRACE_REQUEST_FILE = "trace_request.json"
 TRACES_DIR = "traces"
 DUMP_REQUEST_FILE = "dump_request.json"
 DUMPS_DIR = "dumps"
+CORRUPT_REQUEST_FILE = "corrupt_request.json"
 
 SECRET_BYTES = 32
 
@@ -176,6 +178,10 @@ class JobDir:
     @property
     def traces(self) -> Path:
         return self.path / TRACES_DIR
+
+    @property
+    def corrupt_request(self) -> Path:
+        return self.path / CORRUPT_REQUEST_FILE
 
     @property
     def dump_request(self) -> Path:

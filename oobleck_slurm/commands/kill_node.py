@@ -6,6 +6,8 @@ detection times are measured from the injection), then:
     hang     one worker of the node is SIGSTOPped (a hung worker)
     slow     the node keeps working, slower: its agent duty-cycles its workers with SIGSTOP/SIGCONT
              (a straggler; found from compute times, see detection.stragglers)
+    corrupt  silent data corruption: one bit of a parameter of the node's worker (`--worker I`) flips
+             at its next step (the replicas' checksums find it: fault_tolerance.integrity_interval)
     leak     a metric-only fault: the node's agent allocates more memory every second (found by the
              metrics detector; training is unaffected)
     down     `scontrol update nodename=NODE state=down` (an admin, or slurmctld, takes it out; Slurm only)
@@ -35,7 +37,7 @@ from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
 if TYPE_CHECKING:  # imported when the command runs, not when the CLI starts
     from oobleck_slurm.cluster.jobdir import JobDir
 
-HOWS = ("agent", "worker", "hang", "slow", "leak", "down", "freeze", "node", "process")
+HOWS = ("agent", "worker", "hang", "slow", "corrupt", "leak", "down", "freeze", "node", "process")
 SUPERVISOR = "supervisor"  # the NODE that names the job's primary supervisor
 
 
@@ -45,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("node", help="node name (Slurm's, or the job's id of a replacement such as r1), or "
                         "'supervisor' (the job's primary supervisor)")
     parser.add_argument("--how", choices=HOWS, default="agent", help="what to do to the node (default: agent)")
-    parser.add_argument("--worker", type=int, default=0, help="which worker of the node, for worker and hang (default 0)")
+    parser.add_argument("--worker", type=int, default=0, help="which worker of the node, for worker, hang and corrupt (default 0)")
     parser.add_argument("--job-root", type=Path, default=Path("jobs"), help="where job ids are looked up (default: jobs)")
 
 
@@ -105,7 +107,12 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"{job.job_id}: {err}", EXIT_FAILED)
     if not reply.ok:
         return fail(f"{job.job_id}: {reply.detail or 'the supervisor refused the drill'}", EXIT_FAILED)
-    if args.how == "down":
+    if args.how == "corrupt":  # the worker reads it from the job folder (engine/requests.py)
+        from oobleck_slurm.engine.requests import write_request
+        from oobleck_slurm.protocol.keys import worker_id
+
+        write_request(job.corrupt_request, workers=[worker_id(n, args.worker) for n in {args.node, slurm_node}])
+    elif args.how == "down":
         try:
             set_node_down(slurm_node, "oobleck-drill")
         except SlurmError as err:

@@ -424,6 +424,8 @@ class ElasticWorker:
             if first and g > 0:
                 self.faults.before_replay(w.step)
             self.faults.at_step_start(w.step)
+            if self.requests.take_corrupt():  # `kill-node --how corrupt`
+                self._corrupt("start")
             self.step_reported = False
             self.tracer.before_step(w.step, self.requests.trace)
             try:

@@ -15,6 +15,9 @@ is on the training path: the training loop reads an attribute the thread sets.
                         <worker>.done.
                         The supervisor writes it on a hang verdict and waits for the .done files
                         (`request_dumps`) before it stops the hung node.
+    corrupt_request.json {"id": n, "workers": [...]}: a drill (`kill-node --how corrupt`): the named
+                        worker flips one bit of a parameter at its next step's start, as the "corrupt"
+                        fault does (engine/faults.py), for the replicas' checksums to find.
 
 The flight recorder: torch keeps the last `TORCH_FR_BUFFER_SIZE` collectives and p2p operations of
 every process group (NCCL, and gloo since torch 2.7), read with `_dump_fr_trace` (a pickle; torch's
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oobleck_slurm.cluster.jobdir import DUMP_REQUEST_FILE, DUMPS_DIR, TRACE_REQUEST_FILE
+from oobleck_slurm.cluster.jobdir import CORRUPT_REQUEST_FILE, DUMP_REQUEST_FILE, DUMPS_DIR, TRACE_REQUEST_FILE
 
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"  # torch < 2.7 read TORCH_NCCL_TRACE_BUFFER_SIZE (set too)
 LEGACY_FLIGHT_RECORDER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
@@ -130,6 +133,8 @@ class RequestWatcher:
         # requests older than this worker are not for it (a requeued job's folder keeps the last ones)
         self._dumped = self._id(DUMP_REQUEST_FILE)
         self._traced = self._id(TRACE_REQUEST_FILE)
+        self._corrupt_seen = self._id(CORRUPT_REQUEST_FILE)
+        self._corrupt = threading.Event()  # a corrupt drill for this worker, not yet carried out
         threading.Thread(target=self._run, name="requests", daemon=True).start()
 
     def _id(self, name: str) -> int:
@@ -148,11 +153,25 @@ class RequestWatcher:
             written = dump_worker(self.job_dir / DUMPS_DIR / str(dump["id"]), self.worker, self.rank())
             if self.on_dump is not None:
                 self.on_dump(dump["id"], written)
+        corrupt = read_request(self.job_dir / CORRUPT_REQUEST_FILE)
+        if corrupt is not None and corrupt["id"] > self._corrupt_seen:
+            self._corrupt_seen = corrupt["id"]
+            if self.worker in (corrupt.get("workers") or ()):
+                self._corrupt.set()
         trace = read_request(self.job_dir / TRACE_REQUEST_FILE)
         if (trace is not None and trace["id"] > self._traced and isinstance(trace.get("start"), int)
                 and isinstance(trace.get("stop"), int)):
             self._traced = trace["id"]
             self.trace = TraceRequest(trace["id"], trace["start"], trace["stop"])
+
+
+    def take_corrupt(self) -> bool:
+        """True once for each corrupt drill addressed to this worker (the training loop asks between
+        steps, so the flip lands between an update and the next step's check)."""
+        if not self._corrupt.is_set():
+            return False
+        self._corrupt.clear()
+        return True
 
 
 def request_dumps(job_dir: Path, reason: str, workers: Sequence[str], wait: float,

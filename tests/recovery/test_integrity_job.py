@@ -7,8 +7,14 @@ tests/engine/test_integrity.py, on real gloo groups with the ranks as threads.)"
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+from job_events import assert_trained_on_the_reference, running_job, wait_for
 from jobrun import assert_matches_reference, run_job, tiny_recipe
+
+from oobleck_slurm.protocol.events import read_events
 
 pytestmark = pytest.mark.slow
 
@@ -33,3 +39,22 @@ def test_a_flipped_bit_in_one_of_three_replicas_evicts_its_node_and_keeps_the_tr
     assert {e["step"] for e in run.kind("step") if e["generation"] == 0} == {0, 1}  # step 2 never logged there
     assert_matches_reference(run, optimizer_state=True)
 
+
+
+def test_kill_node_corrupt_drill_is_found_and_its_node_evicted(tmp_path, templates_cache):
+    """`kill-node --how corrupt` on a running job (the drill users run): the worker flips a bit at its
+    next step, the next check names its node, and training goes on without it."""
+    ft = "  f: 2\n  replacement: none\n  checkpoint_interval: 0\n  integrity_max_cost: 0.0\n"
+    with running_job(tmp_path, ft, templates_cache, precision="fp64") as job:
+        wait_for(job, "steps", lambda ev: [e for e in ev if e["kind"] == "step" and e["step"] >= 2])
+        done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "kill-node", str(job), "node3", "--how", "corrupt"],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        [mismatch] = wait_for(job, "replica_mismatch", lambda ev: [e for e in ev if e["kind"] == "replica_mismatch"])
+        assert mismatch["nodes"] == ["node3"] and mismatch["attributed"], mismatch
+        lost = wait_for(job, "node3 lost", lambda ev: [e for e in ev if e["kind"] == "node_lost"])
+        assert [(e["node"], e["cause"]) for e in lost] == [("node3", "replica_mismatch")], lost
+        steps = len(read_events(job / "events.jsonl", "step"))
+        wait_for(job, "training after the eviction", lambda ev: len([e for e in ev if e["kind"] == "step"]) > steps + 2)
+        assert not read_events(job / "events.jsonl", "replica_mismatch")[1:]  # the replicas agree again
+    assert_trained_on_the_reference(job)  # the corrupted step was withheld and replayed
