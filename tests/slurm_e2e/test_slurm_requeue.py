@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from job_events import events_so_far
 from reference import train_reference  # tests/reference.py
+from wandb_files import history, offline_runs  # tests/wandb_files.py
 
 from oobleck_slurm.cluster.slurm import parse_scontrol_records
+from oobleck_slurm.dashboard.wandb_logger import STEP_METRIC
 from oobleck_slurm.engine.spec import JobSpec
 from oobleck_slurm.protocol.events import read_events
 
@@ -63,6 +65,8 @@ training:
 fault_tolerance:
   checkpoint_interval: 0
   replacement: none
+logging:
+  wandb: {{project: lab, mode: offline}}
 """)
     done = subprocess.run([sys.executable, "-m", "oobleck_slurm", "submit", str(recipe), "--detach",
                            "--cache", str(templates_cache)], cwd=tmp_path,
@@ -96,6 +100,11 @@ fault_tolerance:
         assert resumed[0]["step"] == ckpt["step"], "the requeued run starts at the checkpointed step, not 0"
         assert [e["step"] for e in resumed] == list(range(ckpt["step"], STEPS))
         assert_on_reference(job, resumed)
+        # W&B (offline mode, no network): the requeued run's supervisor resumed the job's one run.
+        runs = offline_runs(job / "wandb")
+        assert len(runs) == 2 and len({p.name for p in runs}) == 1, runs  # run-<id>.wandb twice, one id
+        logged = {row[STEP_METRIC] for p in runs for row in history(p) if "train/loss" in row}
+        assert logged == set(range(STEPS)), sorted(set(range(STEPS)) - logged)
     finally:
         if slurm_id:
             subprocess.run(["scancel", slurm_id], timeout=30, check=False)
