@@ -1,8 +1,8 @@
 """Checkpoints that move between jobs (engine/resume.py), retention, and failed writes, on real local
 jobs (supervisor, agents and workers as processes: tests/jobrun.py).
 
-One old job (4 nodes, f 1, 6 steps, a checkpoint every 3) is trained once for the module. A new job
-started from its step 3 on 3 nodes with f 0 must train steps 3-5 to the old job's losses and end with
+One old job (5 nodes, f 1, 6 steps, a checkpoint every 3) is trained once for the module. A new job
+started from its step 3 on 3 nodes with f 0, or on 6 nodes with f 2, must train steps 3-5 to the old job's losses and end with
 its final parameters and optimizer state: so the step, learning-rate position, optimizer state, data
 cursor and the parameters at load all carried over (a mismatch in any one changes the losses). A new
 job with a doubled global batch goes on from the old job's consumed-samples cursor; it also meets a
@@ -60,7 +60,7 @@ def _recipe(**changes: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def old_job(tmp_path_factory: pytest.TempPathFactory, templates_cache: Path) -> JobRun:
-    run = run_job(tmp_path_factory.mktemp("old"), _recipe(fault_tolerance={"checkpoint_interval": 3}),
+    run = run_job(tmp_path_factory.mktemp("old"), _recipe(nodes=5, fault_tolerance={"checkpoint_interval": 3}),
                   templates_cache, timeout=JOB_TIMEOUT_S)
     assert latest_complete(run.job.checkpoints, run.spec().model.keys()) == 6
     assert (step_dir(run.job.checkpoints, 3) / DATA_FILE).is_file()
@@ -88,10 +88,11 @@ def _states(job: JobDir, step: int, kind: str) -> dict[str, dict[str, torch.Tens
     return out
 
 
+@pytest.mark.parametrize(("nodes", "f"), [(3, 0), (6, 2)])
 def test_a_new_job_goes_on_from_another_jobs_checkpoint_on_other_nodes_and_f(
-        tmp_path: Path, templates_cache: Path, old_job: JobRun) -> None:
+        tmp_path: Path, templates_cache: Path, old_job: JobRun, nodes: int, f: int) -> None:
     before = _digest(old_job.job.checkpoints)
-    job = _prepare(tmp_path, _recipe(nodes=3, f=0), templates_cache, step_dir(old_job.job.checkpoints, 3))
+    job = _prepare(tmp_path, _recipe(nodes=nodes, f=f), templates_cache, step_dir(old_job.job.checkpoints, 3))
     assert job.meta()["resumed_from"] == {"path": str(step_dir(old_job.job.checkpoints, 3)), "step": 3,
                                           "how": "linked"}  # one filesystem: hard links, no bytes copied
     new = start_and_wait(job, JOB_TIMEOUT_S)
@@ -101,7 +102,8 @@ def test_a_new_job_goes_on_from_another_jobs_checkpoint_on_other_nodes_and_f(
     assert started is not None and started["requeued"] is False  # a new job: its drills would run
     assert started["resumed_from"] == str(step_dir(old_job.job.checkpoints, 3))
     plans = new.kind("plan")
-    assert plans[0]["ranks"] == 3 and old_job.first("plan")["ranks"] == 4  # type: ignore[index]
+    assert plans[0]["ranks"] == nodes and old_job.first("plan")["ranks"] == 5  # type: ignore[index]
+    assert len(plans[0]["pipelines"]) >= f + 1
     old_losses, losses = old_job.losses(), new.losses()
     assert sorted(losses) == [3, 4, 5]  # it went on from the step: steps 0-2 not trained again
     for step in losses:  # same parameters at load, same data, same lr and optimizer state: same losses
