@@ -116,7 +116,12 @@ class Narrator:
         if kind == "preflight" and str(e.get("reason") or "").startswith("not refused"):
             return [f"{e.get('node')} measured slow at the start, {e['reason']}"]
         if kind == "loss_spike_stop":
-            return [f"stopping: {e.get('message') or 'training.loss_spike: too many loss spikes in a row'}"]
+            return [e.get("message") or "training.loss_spike: too many loss spikes in a row"]
+        if kind == "loss_spike_rollback":
+            return [f"rolling back after loss spikes at steps {e.get('spikes')}: every worker restarts from the "
+                    f"checkpoint of step {e.get('checkpoint')} and reads on from step {e.get('data_step')}'s samples, "
+                    f"{e.get('skipped_samples')} samples skipped (rollback {e.get('rollback')} of "
+                    f"{e.get('max_rollbacks')}, training.loss_spike)"]
         if kind == "failure":
             nodes = [str(n) for n in e.get("nodes", [])]
             self.copied = 0

@@ -393,6 +393,10 @@ class DashboardState:
     def _loss_spike_stop(self, e: ev.LossSpikeStop) -> None:
         self._log(e.t, e.kind, e.message or f"training.loss_spike: spikes at steps {e.spikes}: stopping")
 
+    def _loss_spike_rollback(self, e: ev.LossSpikeRollback) -> None:
+        self._log(e.t, e.kind, f"loss spikes at steps {e.spikes}: rolling back to the checkpoint of step "
+                  f"{e.checkpoint}, {e.skipped_samples} samples skipped")
+
     def _collective_error(self, e: ev.CollectiveError) -> None:
         rec = self._recovery_of(e)
         if rec is not None:
@@ -566,6 +570,7 @@ _HANDLERS: dict[str, Callable[[DashboardState, Any], None]] = {
     "failure": DashboardState._failure,
     "out_of_memory": DashboardState._out_of_memory,
     "loss_spike_stop": DashboardState._loss_spike_stop,
+    "loss_spike_rollback": DashboardState._loss_spike_rollback,
     "collective_error": DashboardState._collective_error,
     "reform": DashboardState._reform,
     **{phase: DashboardState._phase for phase in PHASES},

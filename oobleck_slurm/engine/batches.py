@@ -184,6 +184,17 @@ class StepBatches:
         self.identity = identity
         self._ids: tuple[int, np.ndarray] | None = None  # the last step's ids: each is asked per microbatch
 
+    def resume_at(self, step: int, consumed: int) -> None:
+        """Go on from a checkpoint's cursor: step `step` reads from stream position `consumed` (a
+        loss-spike rollback's checkpoint records a cursor moved past the samples it skips)."""
+        if (step, consumed) != self.sampler.origin:
+            self.sampler.origin = (int(step), int(consumed))  # the origin only places the cursor
+            self._ids = None
+
+    @property
+    def origin(self) -> tuple[int, int]:
+        return self.sampler.origin
+
     def step_ids(self, step: int) -> np.ndarray:
         # one read of the cache: the worker's reader thread asks for the next step meanwhile
         cached = self._ids

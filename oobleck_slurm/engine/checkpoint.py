@@ -202,6 +202,15 @@ def load_layer(root: str | os.PathLike[str], step: int, key: str, layer: nn.Modu
     return sum(t.numel() * t.element_size() for t in data.values())
 
 
+def complete_steps(root: str | os.PathLike[str], keys: list[str]) -> list[int]:
+    """The steps whose every layer file exists, in order."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = sorted(int(d.name[4:]) for d in root.glob("step*") if d.name[4:].isdigit())
+    return [s for s in steps if all(layer_file(root, s, k).exists() for k in keys)]
+
+
 def latest_complete(root: str | os.PathLike[str], keys: list[str]) -> int | None:
     """The highest step whose every layer file exists, or None."""
     root = Path(root)

@@ -381,7 +381,8 @@ class ElasticWorker:
         self.members = cfg.members
         world_size = len(cfg.members) * self.per_node
         self.phase = "step"  # a pending step completed here is the previous generation's
-        reach_step(w, cfg.resume_step)
+        if cfg.source != "checkpoint":  # a checkpoint (a loss-spike rollback, in this process) sets the step
+            reach_step(w, cfg.resume_step)
         self.faults.generation = g
         self.phase = "groups"
         self.faults.before_groups(w.step)
@@ -456,7 +457,10 @@ class ElasticWorker:
     def _check_spikes(self, g: int, gen: AbortableGeneration) -> None:
         """After `max_consecutive` loss spikes in a row (training.loss_spike; every rank judges the same
         at the same step): finish the checkpoint writes under way, report why (rank 0 also logs it),
-        and stop; the coordinator stops the job instead of recovering it (supervisor/decisions.py)."""
+        and stop; the coordinator stops the job instead of recovering it (supervisor/decisions.py).
+        With `on_consecutive: rollback` the worker stays: it flags the report as a generation error
+        (the coordinator looks for the report then), leaves g once the coordinator fails it and follows
+        the next generation, a restart from a checkpoint, or the job's stop."""
         w = self.worker
         verdict, policy = w.spike_stop, self.job.train.loss_spike
         if verdict is None or policy is None or w.spike is None:
@@ -469,7 +473,12 @@ class ElasticWorker:
         if w.rank == 0:
             self.log.emit("loss_spike_stop", step=w.step - 1, spikes=list(w.spike.spikes), loss=verdict.loss,
                           threshold=verdict.threshold, checkpoint=checkpoint, message=message)
-        records.put(self.store, LossSpikeStop(step=w.step - 1, message=message, t=time.time()), g, self.name)
+        records.put(self.store, LossSpikeStop(step=w.step - 1, message=message, t=time.time(),
+                                              spikes=tuple(w.spike.spikes)), g, self.name)
+        if policy.on_consecutive == "rollback":
+            self.store.add(keys.errors(g), 1)
+            if self._wait_key(keys.failed(g), self.timeouts.reconfiguration_timeout):
+                raise GenerationAborted(f"{keys.failed(g)}: training.loss_spike rollback after step {w.step - 1}")
         raise LossSpikesStopped(f"worker {self.name}: {message}")
 
     def _corrupt(self, point: str) -> None:

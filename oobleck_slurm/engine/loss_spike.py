@@ -3,7 +3,10 @@
 A step whose loss exceeds the mean of the last `window` accepted losses by more than `sigma` of their
 standard deviation, once at least `warmup` losses were accepted, is skipped by every rank (the engine's
 non-finite guard's path: parameters and optimizer state unchanged, the step consumed); after
-`max_consecutive` spikes in a row the job stops, naming the steps (docs/engine.md, numerical guards).
+`max_consecutive` spikes in a row the job rolls back to the newest complete checkpoint at or before the
+first of them and skips the data up to the last (`on_consecutive: rollback`, at most `max_rollbacks`
+times: supervisor/decisions.py `loss_spike_action`), or stops naming the steps (`stop`; docs/engine.md,
+numerical guards).
 
 Every rank must decide identically, so the decision is a pure function of (`SpikeState`, the step's
 loss) and the state is the same on every rank: the loss is the world sum of the step's last stages'
@@ -30,6 +33,13 @@ class SpikePolicy:
     window: int = 100
     warmup: int = 100
     max_consecutive: int = 5
+    on_consecutive: Literal["rollback", "stop"] = "rollback"  # what `max_consecutive` spikes in a row do
+    max_rollbacks: int = 3  # rollbacks a job makes before a further run of spikes stops it
+
+    @property
+    def rollbacks(self) -> int:
+        """The rollbacks the coordinator may make (0: `stop`)."""
+        return self.max_rollbacks if self.on_consecutive == "rollback" else 0
 
     def __post_init__(self) -> None:
         if not (self.sigma > 0 and math.isfinite(self.sigma)):
@@ -40,6 +50,10 @@ class SpikePolicy:
             raise ValueError(f"training.loss_spike.warmup must be in [2, window={self.window}], got {self.warmup}")
         if self.max_consecutive < 1:
             raise ValueError(f"training.loss_spike.max_consecutive must be >= 1, got {self.max_consecutive}")
+        if self.on_consecutive not in ("rollback", "stop"):
+            raise ValueError(f"training.loss_spike.on_consecutive must be 'rollback' or 'stop', got {self.on_consecutive!r}")
+        if self.max_rollbacks < 1:
+            raise ValueError(f"training.loss_spike.max_rollbacks must be >= 1, got {self.max_rollbacks}")
 
 
 @dataclass(frozen=True)
@@ -136,12 +150,17 @@ def judge(policy: SpikePolicy, state: SpikeState, step: int, loss: float) -> tup
 
 
 def stop_message(policy: SpikePolicy, spikes: tuple[int, ...], judgement: Judgement, checkpoint: int | None) -> str:
-    """Why the job stops after `max_consecutive` spikes in a row, and what the user can do."""
+    """Why the workers stop after `max_consecutive` spikes in a row, and what happens next: the job
+    stops (`on_consecutive: stop`; what the user can do), or the coordinator rolls back."""
+    head = (f"training.loss_spike: {len(spikes)} loss spikes in a row (steps {', '.join(map(str, spikes))}; "
+            f"the last loss {judgement.loss:.6g} against a mean of {judgement.mean:.6g} + {policy.sigma:g} sigma "
+            f"= {judgement.threshold:.6g}): max_consecutive is {policy.max_consecutive}")
+    if policy.on_consecutive == "rollback":
+        return (f"{head}, so the job rolls back to the newest complete checkpoint at or before step {spikes[0]} "
+                f"and skips the samples up to step {spikes[-1]} (on_consecutive: rollback)")
     where = (f"the newest complete checkpoint is step {checkpoint}" if checkpoint is not None
              else "the job has no complete checkpoint")
-    return (f"training.loss_spike: {len(spikes)} loss spikes in a row (steps {', '.join(map(str, spikes))}; "
-            f"the last loss {judgement.loss:.6g} against a mean of {judgement.mean:.6g} + {policy.sigma:g} sigma "
-            f"= {judgement.threshold:.6g}): max_consecutive is {policy.max_consecutive}, so the job stops; {where}. "
+    return (f"{head}, so the job stops; {where}. "
             f"The engine is deterministic: resuming from that checkpoint with the same data and settings "
             f"reproduces these spikes exactly, so change what caused them (the learning rate, the samples of "
-            f"those steps) before resuming, or raise sigma or max_consecutive")
+            f"those steps) before resuming, or raise sigma or max_consecutive, or set on_consecutive: rollback")

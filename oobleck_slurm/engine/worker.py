@@ -379,8 +379,13 @@ class Worker:
             self._clear_layers()
             for index in sorted(needed):
                 received += self._fresh_layer(index, role=role, checkpoint=checkpoint)
-            self.step = checkpoint[1]
+            self.step, self.pending = checkpoint[1], None
+            self._resume_data(*checkpoint)
             self.spike = self._spike_from_checkpoint(*checkpoint)
+            # a rollback (training.loss_spike) comes back to an earlier step in this process: what was
+            # judged and kept after it belongs to the abandoned trajectory
+            self.spike_stop = self.judgement = None
+            self._spike_at = {s: v for s, v in self._spike_at.items() if s <= self.step}
         elif source == "memory":
             # What every rank holds now, read by every adopt (one world all-reduce): a table kept from an
             # earlier adopt names layers dropped since, and a newcomer would post the all-reduce alone.
@@ -396,6 +401,22 @@ class Worker:
             raise RuntimeError(f"rank {self.rank} lacks layer(s) {sorted(missing)} after adopting the plan")
         self.plan, self.gen, self.role = plan, gen, role
         return received
+
+    def _resume_data(self, root: str, step: int) -> None:
+        """Read on from the checkpoint's data cursor (its data record): the supervisor checked the data
+        against it when the job started (engine/batches.prepare_data), and a loss-spike rollback moves
+        the cursor of the checkpoint it goes back to past the samples it skips (supervisor/coordinator.py)."""
+        record = read_data_record(root, step)
+        if record is not None:
+            self.batches.resume_at(step, int(record["consumed_samples"]))
+
+    def data_step(self, step: int) -> int:
+        """The step of the job's stream (from its origin, at this global batch) whose samples `step`
+        reads: `step` itself but after a loss-spike rollback, which skipped some (the "spike" fault
+        strikes by it: a bad batch, not a step number)."""
+        gbs = self.job.train.global_batch_size
+        s0, c0 = self.job.data.origin
+        return s0 + (self.batches.sampler.cursor(step) - c0) // gbs
 
     def _spike_from_checkpoint(self, root: str, step: int) -> SpikeState | None:
         """The loss-spike state recorded with the checkpoint of `step` (its data record); a checkpoint
@@ -429,13 +450,19 @@ class Worker:
         holders = [r for r, h in enumerate(holds.cpu().tolist()) if h]
         if not holders:  # nobody judged this step (a bug: a memory adopt has survivors at the step)
             raise RuntimeError(f"no rank holds the loss-spike state of step {self.step}")
-        values = torch.zeros(SpikeState.floats_len(policy), dtype=torch.float64, device=self.device)
+        # the state, then the data cursor's origin: a newcomer started with the job's, which a rollback
+        # moved (exact in float64: steps and sample counts stay below 2**53)
+        n = SpikeState.floats_len(policy)
+        values = torch.zeros(n + 2, dtype=torch.float64, device=self.device)
         if self.rank == holders[0]:
             mine = self.spike.to_floats()
             values[: len(mine)] = torch.tensor(mine, dtype=torch.float64)
+            values[n:] = torch.tensor([float(v) for v in self.batches.origin], dtype=torch.float64)
         with step_timeout_waits(gen):
             gen.wait(gen.world.allreduce([values]))  # a sum of zeros and one row: the same bits
-        self.spike = SpikeState.from_floats(values.cpu().tolist())
+        got = values.cpu().tolist()
+        self.spike = SpikeState.from_floats(got[:n])
+        self.batches.resume_at(int(got[n]), int(got[n + 1]))
 
     def data_record(self, step: int) -> dict[str, Any]:
         """The checkpoint of `step`'s data record (engine/checkpoint.py DATA_FILE): the data's, and the
@@ -924,7 +951,7 @@ class Worker:
                     # the sum over the stage's ranks is the mean of the pass's microbatches' means
                     scale = samples / b / plan.num_microbatches
                     if self.loss_factor is not None:
-                        scale *= self.loss_factor(self.step)
+                        scale *= self.loss_factor(self.data_step(self.step))
                     documents = self._documents(windows[m][:, :-1]) if self.eos_id is not None else None
                     with clock.span():
                         out = stage.forward(m, x, y, scale, split=m == last_pass, documents=documents,

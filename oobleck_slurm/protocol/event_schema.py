@@ -189,7 +189,7 @@ class Plan(RecoveryEvent):
         "each pipeline: `id`, `nodes`, `microbatches`, `stages`: [{`layers` [start, stop), `node`, `worker`, "
         "`rank`, `workers`, `ranks`, `memory_bytes`}]; a pipeline's template is its stage count")
     generation: int | None = optional("from 0")
-    reason: str | None = optional('"initial", "requeue", "failure", "reform", "join", "rebalance" or "takeover"')
+    reason: str | None = optional('"initial", "requeue", "failure", "reform", "join", "rebalance", "takeover" or "rollback"')
     workers_per_node: int | None = optional("workers (devices) per node")
     ranks: int | None = optional("ranks in all")
     spares: list[str] | None = optional("nodes in no pipeline")
@@ -540,8 +540,8 @@ class OutOfMemory(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class LossSpikeStop(Event):
-    """training.loss_spike: `max_consecutive` loss spikes in a row (written by rank 0, whose worker then
-    stops with the others): the coordinator stops the job with `message` rather than recover it."""
+    """training.loss_spike: `max_consecutive` loss spikes in a row (written by rank 0; every worker then
+    stops): the coordinator rolls back (`loss_spike_rollback`) or stops the job with `message`."""
 
     kind = "loss_spike_stop"
     step: int = required("the step of the last spike (skipped like the others)")
@@ -550,6 +550,23 @@ class LossSpikeStop(Event):
     threshold: float | None = optional("the bar it exceeded")
     checkpoint: int | None = optional("the newest complete checkpoint's step; null if none")
     message: str | None = optional("what happened and what to do")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossSpikeRollback(RecoveryEvent):
+    """training.loss_spike (`on_consecutive: rollback`): every worker restarts from a checkpoint at or
+    before the first spike, its data cursor moved so that it reads on from the last spike's successor."""
+
+    kind = "loss_spike_rollback"
+    step: int = required("the step of the last spike")
+    spikes: list[int] = required("the steps of the spikes in a row")
+    checkpoint: int = required("the step of the checkpoint rolled back to: the next step run")
+    data_step: int = required("the step whose samples the checkpoint's step reads (the last spike's + 1)")
+    skipped_samples: int = required("the samples skipped: those of the steps from the checkpoint's to the last spike")
+    rollback: int = required("this job's rollbacks so far, this one included")
+    max_rollbacks: int | None = optional("training.loss_spike.max_rollbacks")
+    discarded: list[int] | None = optional("the newer checkpoints deleted (the abandoned trajectory's)")
+    generation: int | None = optional("the generation whose workers stopped")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -698,7 +715,7 @@ SECTIONS: dict[str, tuple[type[Event], ...]] = {
     "Plan and training": (Plan, Step, Eval, Checkpoint, CheckpointRequested, CheckpointFallback),
     "Nodes": (Node, NodeLost, ReplacementRequested, NodeJoined, HealthCheck, Preflight, FaultInjected, Drill, PreemptNotice,
               SlurmUnreachable, SlurmCalls, Refused, StoreRejected),
-    "Failure and recovery": (CollectiveError, Failure, OutOfMemory, LossSpikeStop, Detection, Reform, Replan, GroupRebuild,
+    "Failure and recovery": (CollectiveError, Failure, OutOfMemory, LossSpikeStop, LossSpikeRollback, Detection, Reform, Replan, GroupRebuild,
                              StateCopy, Replay, Resumed),
     "Faulty machines and stragglers": (Health, FaultyNode, Straggler, ReplicaMismatch, TransferRefetch),
     "Metrics": (MetricsLogger, TraceRequested, TraceWritten, HangDump),

@@ -199,13 +199,15 @@ class OutOfMemory(Record):
 @dataclass(frozen=True, kw_only=True)
 class LossSpikeStop(Record):
     """training.loss_spike judged `max_consecutive` steps in a row spikes (every rank does, at the same
-    step): the worker exits next, and the coordinator stops the job with `message` instead of
-    recovering (a replay from memory or a checkpoint would meet the same spikes: the engine is exact)."""
+    step). `on_consecutive: stop`: the worker exits next, and the coordinator stops the job with `message`
+    instead of recovering (a replay from memory or a checkpoint would meet the same spikes: the engine is
+    exact); `rollback`: the worker waits, and the coordinator rolls back past `spikes` or stops."""
 
     KEY = staticmethod(keys.loss_spike_stop)
     step: int
     message: str
     t: float
+    spikes: tuple[int, ...] = ()  # the steps of the spikes in a row (a rollback skips the data up to the last)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -351,13 +351,18 @@ def at_least_two(value: int) -> str | None:
 class LossSpikeConfig:
     """`training.loss_spike` (docs/engine.md, numerical guards): a step whose loss exceeds the mean of
     the last `window` accepted losses by more than `sigma` of their standard deviation, once `warmup`
-    losses were accepted, is skipped by every rank; `max_consecutive` spikes in a row stop the job,
-    naming the steps and the newest complete checkpoint. Absent: off."""
+    losses were accepted, is skipped by every rank. `max_consecutive` spikes in a row: `on_consecutive:
+    rollback` restarts every worker from the newest complete checkpoint at or before the first of them
+    and skips the samples from there to the last spike's (the engine is exact: the same data would spike
+    again), at most `max_rollbacks` times in a job, and stops without such a checkpoint; `stop` stops
+    the job, naming the steps and the newest complete checkpoint. Absent: off."""
 
     sigma: float = field(default=6.0, metadata=check(positive))
     window: int = field(default=100, metadata=check(at_least_two))
     warmup: int = field(default=100, metadata=check(at_least_two))  # accepted losses before any is judged
     max_consecutive: int = field(default=5, metadata=check(positive))
+    on_consecutive: Literal["rollback", "stop"] = "rollback"
+    max_rollbacks: int = field(default=3, metadata=check(positive))
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ checkpoint, checkpoint_fallback, checkpoint_requested, done.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -47,7 +48,15 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from oobleck_slurm.detection.health import Rebalance
-from oobleck_slurm.engine.checkpoint import latest_complete, layer_file, prune, step_dir
+from oobleck_slurm.engine.checkpoint import (
+    complete_steps,
+    latest_complete,
+    layer_file,
+    prune,
+    read_data_record,
+    step_dir,
+    write_data_record,
+)
 from oobleck_slurm.engine.from_planner import exec_plan
 from oobleck_slurm.errors import JobTimeoutError, OobleckError, UnrecoverableError
 from oobleck_slurm.planning import Plan, PlanningError, instantiate
@@ -85,6 +94,7 @@ from oobleck_slurm.supervisor.decisions import (
     Observation,
     Phase,
     Policy,
+    Rollback,
     decide,
     on_tick,
     resume_step,
@@ -129,6 +139,7 @@ class CoordinatorConfig:
     mode: str = "memory"  # "memory": checkpoint-free recovery; "checkpoint": always restart from one
     checkpoint_dir: str = ""
     keep_checkpoints: int = 0  # complete checkpoints kept (engine/checkpoint.prune); 0: every one
+    max_rollbacks: int = 0  # training.loss_spike rollbacks (decisions.loss_spike_action); 0: stop
     devices_per_node: int = 1
     # Used here: reconfiguration_timeout (collecting reports after an abort), run_timeout,
     # checkpoint_timeout (an on-demand checkpoint, from request to complete), heartbeat_lease (a worker's
@@ -203,7 +214,7 @@ class Coordinator:
         # another supervisor holds a higher epoch (main.LeaseKeeper.check); none in unit tests.
         self.fence: Callable[[], None] = lambda: None
         self.plan, self.keys, self.log, self.cfg = str_nodes(plan), layer_keys, log, config
-        self.policy = Policy(tuple(templates), config.f, layer_bytes, config.replacement)
+        self.policy = Policy(tuple(templates), config.f, layer_bytes, config.replacement, config.max_rollbacks)
         self.total_steps = total_steps
         self.phase = Phase.RUNNING
         self.gen = 0
@@ -216,6 +227,7 @@ class Coordinator:
         self.checkpoints_seen: set[int] = set()
         self.errors_seen: tuple[int, float] | None = None  # (generation, when its first error was seen)
         self.reforms: dict[int, int] = {}  # resume step -> re-forms that resumed there
+        self.rollbacks = 0  # training.loss_spike rollbacks made (this supervisor's; its limit is per run)
         self.trained = False  # a step completed, or the job started from a checkpoint (not the seed's state)
         self._rebalance_due = False  # a rebalance decision not yet carried out
         self.slowdown: dict[NodeId, float] = {}  # stragglers awaiting a rebalance: node -> compute time over peers'
@@ -371,11 +383,14 @@ class Coordinator:
             step_running = view.first_step is not None
             progress = view.progress
             last_step_near = self.total_steps is not None and progress is not None and progress + 1 >= self.total_steps
+        # workers that wait for a loss-spike rollback flag their report as an error of the generation
+        spike = not lost and view.errors is not None and self._loss_spike_stop(self.gen, self.members) is not None
         return Observation(self.phase, lost=lost, live=live, finished=bool(self.finished),
                            preemption=self.preemption.requested.is_set(),
-                           errors_expired=not lost and self._unexplained_errors(view), ready_joins=joins,
+                           errors_expired=not lost and not spike and self._unexplained_errors(view), ready_joins=joins,
                            step_running=step_running, last_step_near=last_step_near,
-                           slowdown=tuple(sorted((str(n), f) for n, f in self.slowdown.items())) if self._rebalance_due else ())
+                           slowdown=tuple(sorted((str(n), f) for n, f in self.slowdown.items())) if self._rebalance_due else (),
+                           loss_spike=spike)
 
     def _exits(self) -> list[str]:
         lost = []
@@ -412,13 +427,13 @@ class Coordinator:
                                                 detail=f"{worker}: {report.error} ({report.phase}, step {report.step})")
         return tuple(found)
 
-    def _loss_spike_stop(self, g: int, lost: Collection[str]) -> str | None:
-        """Why the workers of the `lost` nodes stopped, if training.loss_spike stopped them in
-        generation g (records.LossSpikeStop, written before they exit); else None."""
-        for node in lost:
+    def _loss_spike_stop(self, g: int, nodes: Collection[str]) -> LossSpikeStop | None:
+        """Why the workers of `nodes` stopped, if training.loss_spike stopped them in generation g
+        (records.LossSpikeStop, written before they exit or wait for the rollback); else None."""
+        for node in nodes:
             for worker in keys.node_workers(node, self.cfg.devices_per_node):
                 if (report := records.get_if(self.store, LossSpikeStop, g, worker)) is not None:
-                    return report.message
+                    return report
         return None
 
     def _workers_keys(self, node: str, key: Callable[[str], str]) -> list[str]:
@@ -502,13 +517,18 @@ class Coordinator:
         holders = whole_holders(holders, shards)
         steps = {w: r.step for w, r in reports.items() if r.layers}
         completable = frozenset(w for w, r in reports.items() if r.layers and r.completable)
+        spike = self._loss_spike_stop(g, self.members)  # lost nodes' workers (stop) or waiting ones (rollback)
+        root = self.cfg.checkpoint_dir
         collected = Collected(self.plan, lost_set, tuple(joined), steps, holders, completable=completable,
                               finished=bool(self.finished),
                               checkpoint_mode=self.cfg.mode == "checkpoint",
                               reforms_at_resume=self.reforms.get(resume_step(steps.values()), 0),
                               trained=self.trained, slowdown=change.slowdown,
                               out_of_memory=self._name_out_of_memory(g, sorted(lost_set)),
-                              loss_spike_stop=self._loss_spike_stop(g, sorted(lost_set)))
+                              loss_spike_stop=spike.message if spike is not None else None,
+                              loss_spikes=spike.spikes if spike is not None else (),
+                              checkpoints=tuple(complete_steps(root, self.keys)) if spike is not None and root else (),
+                              rollbacks=self.rollbacks)
         action = decide(collected, self.policy, g, cause)
         if isinstance(action, GiveUp):
             raise CannotContinue(f"cannot continue: {action.reason}")
@@ -524,6 +544,8 @@ class Coordinator:
             return
         if isinstance(action, Fallback):
             return self._fallback(action.reason, lost_set, recovery_id)
+        if isinstance(action, Rollback):
+            return self._rollback(action, lost_set, recovery_id)
         if change.trigger == "rebalance":
             self._rebalance_due = False
         if action.reason == "reform":
@@ -633,16 +655,7 @@ class Coordinator:
         if step is None:
             raise CannotContinue(f"cannot continue: {reason}; and no complete checkpoint exists in "
                                  f"{root or '(no checkpoint directory)'}")
-        plan = None
-        for f in range(self.cfg.f, -1, -1):
-            try:
-                plan = instantiate(self.policy.templates, live, f, self.plan.global_microbatches,
-                                   microbatch_size=self.plan.microbatch_size)
-                break
-            except PlanningError:
-                continue
-        if plan is None:
-            raise CannotContinue(f"cannot continue: {reason}; {len(live)} live node(s) cannot hold the model")
+        plan = self._plan_on(live, reason)
         # Stopping the old workers is asynchronous (their agents kill them): skip a generation, so that
         # none of them, waiting for the next config, joins the restarted workers' group rendezvous.
         self.gen += 1
@@ -654,6 +667,51 @@ class Coordinator:
         self.trained = True
         for n in self.members:
             self.backend.start(n)
+
+    def _rollback(self, action: Rollback, lost: frozenset[str], recovery_id: int) -> None:
+        """training.loss_spike: every live worker (they wait in the aborted generation) restarts from
+        the checkpoint of `action.checkpoint`, whose data record's cursor is moved past the samples of
+        the steps from there to the last spike: the run then reads what step `action.data_step` would
+        have read. Written into the checkpoint (durable: a requeue or a later fallback resumes the same
+        way, and the data identity is unchanged); the newer checkpoints, of the abandoned trajectory,
+        are deleted, else a requeue would resume from one of them."""
+        root, c = self.cfg.checkpoint_dir, action.checkpoint
+        record = read_data_record(root, c)
+        if record is None:  # every checkpoint of a job records its data; one from before that cannot move
+            raise CannotContinue(f"cannot continue: training.loss_spike rollback to the checkpoint of step {c}: "
+                                 f"it has no data record ({step_dir(root, c)}), so its data cannot be skipped")
+        gbs = int(record["global_batch_size"])
+        skipped = (action.data_step - c) * gbs
+        record["consumed_samples"] = int(record["consumed_samples"]) + skipped
+        record["rollbacks"] = [*record.get("rollbacks", []), {"spikes": list(action.spikes), "data_step": action.data_step,
+                                                             "skipped_samples": skipped}]
+        self.fence()
+        write_data_record(root, c, record)
+        newer = sorted(int(d.name[4:]) for d in Path(root).glob("step*") if d.name[4:].isdigit() and int(d.name[4:]) > c)
+        for s in newer:
+            shutil.rmtree(step_dir(root, s), ignore_errors=True)
+            self.checkpoints_seen.discard(s)
+        self.rollbacks = action.number
+        self.log.emit("loss_spike_rollback", generation=self.gen, step=action.spikes[-1], spikes=list(action.spikes),
+                      checkpoint=c, data_step=action.data_step, skipped_samples=skipped, rollback=action.number,
+                      max_rollbacks=self.cfg.max_rollbacks, discarded=newer, **self._recovery_fields(recovery_id))
+        live = [n for n in self.members if n not in lost]
+        plan = self.plan
+        if lost:  # nodes lost meanwhile: a plan over the live ones (the same search as a fallback's)
+            plan = self._plan_on(live, "training.loss_spike rollback")
+        self._to(Phase.RESTARTING)
+        self._publish(plan, "checkpoint", c, "rollback", checkpoint=CheckpointRef(root=str(root), step=c),
+                      recovery=recovery_id)
+        self.recovery = _Recovery(recovery_id, self.gen, time.time(), c)
+
+    def _plan_on(self, live: list[str], reason: str) -> Plan:
+        for f in range(self.cfg.f, -1, -1):
+            try:
+                return instantiate(self.policy.templates, live, f, self.plan.global_microbatches,
+                                   microbatch_size=self.plan.microbatch_size)
+            except PlanningError:
+                continue
+        raise CannotContinue(f"cannot continue: {reason}; {len(live)} live node(s) cannot hold the model")
 
     # ---- preemption: an on-demand checkpoint, then every worker stops ----------------------------
 

@@ -25,8 +25,11 @@ Phases of a job (`Phase`, protocol/phases.py: the events carry them) and their t
     DONE           terminal
 
 Workers that stop on training.loss_spike's `max_consecutive` spikes in a row (every rank at the same
-step, each reporting why: records.LossSpikeStop) stop the job (`GiveUp`, with their message): the
-engine is exact, so a recovery, from memory or a checkpoint, would replay into the same spikes.
+step, each reporting why: records.LossSpikeStop) are not recovered as after a loss: the engine is exact,
+so a recovery, from memory or a checkpoint, would replay into the same spikes. `loss_spike_action`:
+with `on_consecutive: rollback` every worker restarts from the newest complete checkpoint at or before
+the first spike with the data cursor moved past the last one (`Rollback`), at most `max_rollbacks` times;
+else, or without such a checkpoint, the job stops (`GiveUp`, with their message).
 
 A worker that ran out of device memory is a loss whose cause is named (`out_of_memory_action`): the
 change restarts from a checkpoint if it happened while layers were copied in memory, and otherwise stops
@@ -99,6 +102,7 @@ class Observation:
     step_running: bool = False  # the current generation completed a step (a join can be folded in)
     last_step_near: bool = False  # the run is at its last step (a join would only abort it)
     slowdown: tuple[tuple[str, float], ...] = ()  # stragglers to rebalance for: (node, compute time over peers')
+    loss_spike: bool = False  # workers reported training.loss_spike's max_consecutive spikes and wait (rollback)
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ class Change:
 
     lost: tuple[str, ...]
     joined: tuple[str, ...]
-    trigger: str  # "failure" | "join" | "collective_error" | "rebalance" | "supervisor" (a takeover)
+    trigger: str  # "failure" | "join" | "collective_error" | "rebalance" | "supervisor" (a takeover) | "loss_spike"
     slowdown: tuple[tuple[str, float], ...] = ()  # a rebalance's stragglers
 
 
@@ -142,6 +146,8 @@ def on_tick(o: Observation) -> TickAction:
         return Change(o.lost, (), "failure")
     if o.preemption and o.phase == Phase.RUNNING:
         return CheckpointAndStop()
+    if o.loss_spike:  # the workers wait for the rollback (or the stop) to be decided
+        return Change((), (), "loss_spike")
     if o.errors_expired:
         return Change((), (), "collective_error")
     between_steps = o.phase == Phase.RUNNING and o.step_running and not o.finished and not o.last_step_near
@@ -171,8 +177,11 @@ class Collected:
     slowdown: tuple[tuple[str, float], ...] = ()  # a rebalance: stragglers' compute time over their peers'
     # (worker, phase) of each lost worker that reported running out of device memory (keys.out_of_memory)
     out_of_memory: tuple[tuple[str, str], ...] = ()
-    # training.loss_spike stopped the workers (records.LossSpikeStop): why, as a lost worker reported it
+    # training.loss_spike stopped the workers (records.LossSpikeStop): why, as a worker reported it
     loss_spike_stop: str | None = None
+    loss_spikes: tuple[int, ...] = ()  # and the steps of the spikes in a row
+    checkpoints: tuple[int, ...] = ()  # the steps of the complete checkpoints (read for a loss-spike stop)
+    rollbacks: int = 0  # loss-spike rollbacks this job made so far
 
 
 @dataclass(frozen=True)
@@ -181,6 +190,7 @@ class Policy:
     f: int
     layer_bytes: Sequence[int] | None = None
     replacement: bool = False  # ask the backend for a new node per lost node
+    max_rollbacks: int = 0  # training.loss_spike rollbacks a job may make (0: on_consecutive stop, or off)
 
 
 @dataclass(frozen=True)
@@ -215,7 +225,40 @@ class GiveUp:
     reason: str
 
 
-ChangeAction = Complete | Fallback | Publish | GiveUp
+@dataclass(frozen=True)
+class Rollback:
+    """training.loss_spike: restart every worker from the checkpoint of step `checkpoint`, the data
+    cursor moved so that it reads the samples step `data_step` (the last spike's + 1) would have read."""
+
+    checkpoint: int
+    data_step: int
+    spikes: tuple[int, ...]
+    number: int  # this job's rollbacks with this one
+
+
+ChangeAction = Complete | Fallback | Publish | GiveUp | Rollback
+
+
+def loss_spike_action(message: str, spikes: Sequence[int], checkpoints: Collection[int], rollbacks: int,
+                      max_rollbacks: int) -> Rollback | GiveUp:
+    """What `max_consecutive` loss spikes in a row (steps `spikes`) call for, the workers having said
+    why (`message`): roll back to the newest complete checkpoint (of those at `checkpoints`) at or
+    before the first spike, which the spikes did not reach, skipping the data to the last one's
+    successor (the same data would spike again: the engine is exact), if fewer than `max_rollbacks`
+    were made (0: on_consecutive stop); else stop, saying why no rollback."""
+    if max_rollbacks <= 0:
+        return GiveUp(message)
+    if not spikes:
+        raise InternalError("a loss-spike stop without its spikes' steps")
+    if rollbacks >= max_rollbacks:
+        return GiveUp(f"{message}; but the job rolled back {rollbacks} time(s) already "
+                      f"(training.loss_spike.max_rollbacks is {max_rollbacks}): it stops")
+    before = [c for c in checkpoints if c <= spikes[0]]
+    if not before:
+        return GiveUp(f"{message}; but no complete checkpoint exists at or before step {spikes[0]}"
+                      + (f" (those kept: steps {', '.join(map(str, sorted(checkpoints)))})" if checkpoints else "")
+                      + ": the job stops")
+    return Rollback(max(before), max(spikes) + 1, tuple(spikes), rollbacks + 1)
 
 
 # Where running out of device memory says only that two states were held at once: copying layers from
@@ -283,7 +326,7 @@ def decide(c: Collected, policy: Policy, generation: int, trigger: str) -> Chang
     if c.finished:
         return Complete(f"{trigger} as the run ended: no recovery needed")
     if c.loss_spike_stop is not None:  # every rank stopped at the same step: recovering replays the spikes
-        return GiveUp(c.loss_spike_stop)
+        return loss_spike_action(c.loss_spike_stop, c.loss_spikes, c.checkpoints, c.rollbacks, policy.max_rollbacks)
     if c.out_of_memory:  # before the checkpoint mode: its restart would run the same plan again
         return out_of_memory_action(c.out_of_memory)
     if c.checkpoint_mode and c.lost:

@@ -395,6 +395,7 @@ def _run(job: JobDir, backend: str, log: Any, preemption: Any, on_preempt: Any, 
             launcher.lost(previous_host)  # the batch host: replacements and a requeue avoid it
     config = CoordinatorConfig(f=ft.f, replacement=ft.replacement != "none", checkpoint_dir=ckpt_dir,
                                keep_checkpoints=ft.keep_checkpoints,
+                               max_rollbacks=spec.train.loss_spike.rollbacks if spec.train.loss_spike else 0,
                                devices_per_node=cluster.devices_per_node, timeouts=timeouts)
     coordinator = Coordinator(store, nodes_backend, templates, plan, spec.model.keys(), log, config, observer,
                               total_steps=recipe.training.steps, state_file=job.supervisor_state, epoch=epoch)

@@ -55,7 +55,13 @@ def test_a_loss_spike_skip_and_stop_are_said_with_their_figures() -> None:
                     "and optimizer state unchanged")
     (line,) = narrator.lines({"t": 2.0, "kind": "loss_spike_stop", "step": 12, "spikes": [10, 11, 12],
                               "message": "training.loss_spike: 3 loss spikes in a row"})
-    assert line == "stopping: training.loss_spike: 3 loss spikes in a row"
+    assert line == "training.loss_spike: 3 loss spikes in a row"  # the message says what follows
+    (line,) = narrator.lines({"t": 3.0, "kind": "loss_spike_rollback", "step": 12, "spikes": [10, 11, 12],
+                              "checkpoint": 8, "data_step": 13, "skipped_samples": 40, "rollback": 1,
+                              "max_rollbacks": 3})
+    assert line == ("rolling back after loss spikes at steps [10, 11, 12]: every worker restarts from the checkpoint "
+                    "of step 8 and reads on from step 13's samples, 40 samples skipped (rollback 1 of 3, "
+                    "training.loss_spike)")
 
 
 def test_step_lines_every_few_steps_and_the_last() -> None:

@@ -119,14 +119,15 @@ def test_a_bad_saved_state_is_named(bad: object, message: str) -> None:
 
 @pytest.mark.parametrize("kwargs,key", [({"sigma": 0.0}, "sigma"), ({"sigma": math.inf}, "sigma"),
                                         ({"window": 1, "warmup": 1}, "window"), ({"warmup": 1}, "warmup"),
-                                        ({"window": 5, "warmup": 6}, "warmup"), ({"max_consecutive": 0}, "max_consecutive")])
+                                        ({"window": 5, "warmup": 6}, "warmup"), ({"max_consecutive": 0}, "max_consecutive"),
+                                        ({"on_consecutive": "restart"}, "on_consecutive"), ({"max_rollbacks": 0}, "max_rollbacks")])
 def test_a_bad_policy_is_refused_naming_its_key(kwargs: dict, key: str) -> None:
     with pytest.raises(ValueError, match=f"training.loss_spike.{key}"):
         SpikePolicy(**kwargs)
 
 
 def test_the_stop_message_names_the_steps_the_checkpoint_and_what_to_do() -> None:
-    policy = SpikePolicy(sigma=3.0, window=4, warmup=3, max_consecutive=2)
+    policy = SpikePolicy(sigma=3.0, window=4, warmup=3, max_consecutive=2, on_consecutive="stop")
     state = SpikeState()
     judgement = None
     for step, loss in enumerate([2.0, 2.1, 1.9, 9.0, 9.5]):
@@ -135,3 +136,16 @@ def test_the_stop_message_names_the_steps_the_checkpoint_and_what_to_do() -> Non
     text = stop_message(policy, state.spikes, judgement, 2)
     assert "steps 3, 4" in text and "checkpoint is step 2" in text and "max_consecutive is 2" in text
     assert "no complete checkpoint" in stop_message(policy, state.spikes, judgement, None)
+
+
+def test_the_rollback_message_names_the_steps_and_what_the_job_does() -> None:
+    policy = SpikePolicy(sigma=3.0, window=4, warmup=3, max_consecutive=2)
+    assert policy.on_consecutive == "rollback" and policy.rollbacks == 3
+    assert SpikePolicy(on_consecutive="stop").rollbacks == 0
+    state = SpikeState()
+    judgement = None
+    for step, loss in enumerate([2.0, 2.1, 1.9, 9.0, 9.5]):
+        judgement, state = judge(policy, state, step, loss)
+    assert judgement is not None and judgement.verdict == "stop"
+    text = stop_message(policy, state.spikes, judgement, 2)
+    assert "steps 3, 4" in text and "at or before step 3" in text and "up to step 4" in text

@@ -28,8 +28,10 @@ from oobleck_slurm.supervisor.decisions import (
     Phase,
     Policy,
     Publish,
+    Rollback,
     Wait,
     decide,
+    loss_spike_action,
     on_tick,
     resume_step,
     transition,
@@ -70,10 +72,10 @@ def test_a_loss_during_any_recovering_phase_starts_the_next_recovery():
 # ---- the loop: every observation --------------------------------------------------------------------
 
 def observations():
-    for phase, lost, live, finished, preempt, errors, joins, running, near, slow in itertools.product(
+    for phase, lost, live, finished, preempt, errors, joins, running, near, slow, spike in itertools.product(
             Phase, [(), ("n2",)], [0, 3], [False, True], [False, True], [False, True], [(), ("r1",)],
-            [False, True], [False, True], [(), (("n3", 2.0),)]):
-        yield Observation(phase, lost, live, finished, preempt, errors, joins, running, near, slow)
+            [False, True], [False, True], [(), (("n3", 2.0),)], [False, True]):
+        yield Observation(phase, lost, live, finished, preempt, errors, joins, running, near, slow, spike)
 
 
 def expected(o: Observation):
@@ -90,6 +92,8 @@ def expected(o: Observation):
         return Change(o.lost, (), "failure")
     if o.preemption and o.phase == Phase.RUNNING:
         return CheckpointAndStop()
+    if o.loss_spike:
+        return Change((), (), "loss_spike")
     if o.errors_expired:
         return Change((), (), "collective_error")
     if o.ready_joins and o.phase == Phase.RUNNING and o.step_running and not o.finished and not o.last_step_near:
@@ -104,7 +108,7 @@ def test_on_tick_matches_its_specification_for_every_observation():
     for o in observations():
         assert on_tick(o) == expected(o), o
         checked += 1
-    assert checked == len(Phase) * 2 ** 9
+    assert checked == len(Phase) * 2 ** 10
 
 
 def test_on_tick_properties():
@@ -121,6 +125,55 @@ def test_on_tick_properties():
 
 
 # ---- after the reports: decide ----------------------------------------------------------------------
+
+def expected_spike_action(message, spikes, checkpoints, rollbacks, max_rollbacks):
+    """The specification of `loss_spike_action`, as a plain decision list."""
+    if max_rollbacks == 0:
+        return "give_up", message
+    if rollbacks >= max_rollbacks:
+        return "give_up", "rolled back"
+    before = [c for c in checkpoints if c <= spikes[0]]
+    if not before:
+        return "give_up", f"no complete checkpoint exists at or before step {spikes[0]}"
+    return "rollback", Rollback(max(before), spikes[-1] + 1, tuple(spikes), rollbacks + 1)
+
+
+def test_the_loss_spike_action_matches_its_specification_for_every_case():
+    """Every set of checkpoints among steps 0..7, runs of spikes starting at 2..5, limits 0..3 and
+    rollbacks made 0..3: a rollback goes to the newest checkpoint at or before the first spike (never
+    one the spikes reached), reads on after the last, and counts itself; anything else stops, saying why."""
+    why = "training.loss_spike: 2 loss spikes in a row"
+    checked = 0
+    for mask in range(2 ** 8):
+        checkpoints = tuple(c for c in range(8) if mask >> c & 1)
+        for first, length, made, limit in itertools.product(range(2, 6), (1, 2, 3), range(4), range(4)):
+            spikes = tuple(range(first, first + length))
+            action = loss_spike_action(why, spikes, checkpoints, made, limit)
+            kind, detail = expected_spike_action(why, spikes, checkpoints, made, limit)
+            if kind == "rollback":
+                assert action == detail
+                assert action.checkpoint <= spikes[0] < action.data_step and action.number <= limit
+            else:
+                assert isinstance(action, GiveUp) and action.reason.startswith(why) and detail in action.reason
+            checked += 1
+    assert checked == 2 ** 8 * 4 * 3 * 4 * 4
+
+
+def test_decide_rolls_back_on_a_loss_spike_stop_with_or_without_a_loss(setup):
+    templates, plan = setup
+    why = "training.loss_spike: 2 loss spikes in a row (steps 5, 6 ...)"
+    policy = Policy(templates, 1, max_rollbacks=3)
+    for lost in ((), plan.pipelines[0].nodes[:1]):
+        for mode in (False, True):
+            action = decide(collected(plan, lost, loss_spike_stop=why, loss_spikes=(5, 6), checkpoints=(2, 4, 6),
+                                      rollbacks=1, checkpoint_mode=mode), policy, 4, "loss_spike")
+            assert action == Rollback(4, 7, (5, 6), 2)
+    action = decide(collected(plan, (), loss_spike_stop=why, loss_spikes=(5, 6), checkpoints=(2, 4), rollbacks=3),
+                    policy, 4, "loss_spike")
+    assert isinstance(action, GiveUp) and "rolled back 3 time(s) already" in action.reason
+    assert isinstance(decide(collected(plan, (), loss_spike_stop=why, loss_spikes=(5, 6), finished=True), policy, 4,
+                             "loss_spike"), Complete)
+
 
 @pytest.fixture(scope="module")
 def setup():
@@ -172,6 +225,7 @@ def test_running_out_of_device_memory_never_runs_the_same_plan_again(setup):
 
 
 def test_a_loss_spike_stop_stops_the_job_with_its_reason_whatever_else_holds(setup):
+    """on_consecutive: stop (the policy's max_rollbacks 0)."""
     templates, plan = setup
     lost = plan.pipelines[0].nodes[:1]
     why = "training.loss_spike: 5 loss spikes in a row (steps 10, 11, 12, 13, 14 ...)"
