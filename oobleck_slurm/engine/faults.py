@@ -32,7 +32,9 @@ holds its step pending while peers that were not held applied it, engine/recover
 torch.OutOfMemoryError there, as the CUDA caching allocator does when the device is full (the CPU has
 no such error: this is how the worker's handling of one is tested without a GPU), "spike" multiplies
 the worker's loss of step S by F, and so its gradients (on a last stage: the step's loss jumps, as with
-a bad batch; for training.loss_spike), each time step S runs, whatever `at` says, "corrupt" is silent
+a bad batch; for training.loss_spike), each time a step reads step S's samples, whatever `at` says (S
+numbers the job's data stream: a loss-spike rollback, which skips samples, skips the spike with them,
+as it would a bad batch), "corrupt" is silent
 data corruption (engine/integrity.py): at "start", one bit of the first parameter of the worker's first
 held layer is flipped in place (a mantissa bit: the value stays finite, training goes on, only the
 replicas' checksums tell); at "adopt", every layer this worker sends in that adoption's recovery copies
