@@ -31,9 +31,13 @@ layers as an on-demand checkpoint of that step, and exits 0; a requeued job resu
 A worker that runs out of device memory reports it before it exits (`gen{g}/oom/{worker}`): its node's
 loss is named `out_of_memory`, and `decide` restarts from a checkpoint (it happened while layers were
 copied in memory) or gives up (CannotContinue): elsewhere the plan does not fit, and would not again.
+training.loss_spike with `on_consecutive: rollback`: workers that judged `max_consecutive` spikes in a
+row record it (`gen{g}/loss_spikes/{worker}`), flag it as a generation error and wait; the coordinator
+fails g and carries out `decisions.loss_spike_action` (`_rollback`: every worker loads an earlier
+checkpoint, whose data cursor it moves past the spikes' samples, in g+1) or stops the job.
 Events (events.jsonl): failure, detection, collective_error, reform, node_lost (a hung member named
 here), replan, plan, group_rebuild, state_copy, replay, resumed, node_joined, run_complete,
-checkpoint, checkpoint_fallback, checkpoint_requested, done.
+checkpoint, checkpoint_fallback, loss_spike_rollback, checkpoint_requested, done.
 """
 
 from __future__ import annotations

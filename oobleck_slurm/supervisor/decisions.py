@@ -16,7 +16,8 @@ Phases of a job (`Phase`, protocol/phases.py: the events carry them) and their t
                                                        -> ENDING (a member finished the last step meanwhile)
     REBUILDING     g+1's workers build groups and copy the layers they lack
                                                        -> REPLAYING (every worker rebuilt)
-    RESTARTING     every worker restarts from the last complete checkpoint
+    RESTARTING     every worker restarts from the last complete checkpoint (a loss-spike
+                   rollback: from the one `loss_spike_action` chose)
                                                        -> REPLAYING (every worker rebuilt)
     REPLAYING      rebuilt: the first step of g+1 runs (a rolled-back step is replayed)
                                                        -> RUNNING (its first step completed)
