@@ -134,8 +134,13 @@ def test_a_rank_that_joins_receives_the_state_and_judges_as_the_survivors() -> N
     survivors = on_ranks(2, gen0)
     held = survivors[0].spike
     assert held is not None and held.step == before and len(held.losses) == POLICY.warmup + 1
+    # the survivors' data cursor as a loss-spike rollback leaves it (3 steps' samples skipped at step 2):
+    # the newcomer, started with the job's, receives it with the policy's state
+    moved = (2, (2 + 3) * 8)
+    for worker in survivors:
+        worker.batches.resume_at(*moved)
     newcomer = Worker(job(9), 2)
-    assert newcomer.spike == SpikeState()
+    assert newcomer.spike == SpikeState() and newcomer.batches.origin == (0, 0)
     workers = [*survivors, newcomer]
     seen: dict[int, list] = {}
 
@@ -146,7 +151,8 @@ def test_a_rank_that_joins_receives_the_state_and_judges_as_the_survivors() -> N
         worker.adopt(THREE, gen, "memory", [(layer, 0, 2) for layer in range(6)])
         seen[r] = [worker.spike]
         # the newcomer's loss spikes at step 5: every rank skips it, the survivors by the state it received
-        worker.loss_factor = (lambda s: FACTOR if s == before else 1.0) if r == 2 else None
+        seen[r].append((worker.batches.origin, worker.batches.step_ids(before).tolist(), worker.data_step(before)))
+        worker.loss_factor = (lambda s: FACTOR if s == before + 3 else 1.0) if r == 2 else None
         for _ in range(2):
             result = worker.train_step()
             seen[r].append((result.step, result.skip_reason))
@@ -154,9 +160,10 @@ def test_a_rank_that_joins_receives_the_state_and_judges_as_the_survivors() -> N
 
     on_ranks(3, gen1)
     assert seen[0][0] == seen[1][0] == seen[2][0] == held  # received: the survivors' state, bit for bit
+    assert seen[0][1] == seen[1][1] == seen[2][1] and seen[2][1][0] == moved and seen[2][1][2] == before + 3
     for r in range(3):
-        assert seen[r][1:3] == [(5, "loss_spike"), (6, None)], seen[r]
-    assert seen[0][3] == seen[1][3] == seen[2][3]
+        assert seen[r][2:4] == [(5, "loss_spike"), (6, None)], seen[r]
+    assert seen[0][4] == seen[1][4] == seen[2][4]
 
 
 def test_a_checkpoint_carries_the_state_and_one_without_starts_it_fresh(tmp_path) -> None:
