@@ -138,3 +138,14 @@ def test_spikes_after_the_last_rollback_allowed_stop_the_job_naming_the_limit(tm
     assert [e["spikes"] for e in run.kind("loss_spike_stop")] == [[5, 6], [6, 7]]
     (finished,) = run.kind("job_finished")
     assert "rolled back 1 time(s) already" in finished["error"] and "max_rollbacks is 1" in finished["error"]
+
+
+def test_without_a_checkpoint_before_the_spikes_the_rollback_stops_the_job_saying_so(tmp_path, templates_cache):
+    """No checkpoint written (checkpoint_interval 0): nothing to roll back to, so the job stops,
+    unrecoverable, with the workers' message and why no rollback; the workers waited for the decision
+    (no node was lost) and no plan followed."""
+    run = run_job(tmp_path, recipe(8), templates_cache, faults=spikes(5, 6), expect_exit=EXIT_UNRECOVERABLE)
+    assert not run.kind("loss_spike_rollback") and not run.kind("failure") and len(run.kind("plan")) == 1
+    (finished,) = run.kind("job_finished")
+    assert "2 loss spikes in a row (steps 5, 6" in finished["error"]
+    assert "no complete checkpoint exists at or before step 5" in finished["error"]
