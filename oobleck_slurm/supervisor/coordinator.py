@@ -301,6 +301,10 @@ class Coordinator:
         """Publish generation 0 and start every member: from the seed, or (`from_checkpoint`: the
         supervisor asks it of every run) from the newest complete checkpoint in `checkpoint_dir`."""
         self.store.set(keys.CURRENT_GEN, "0")
+        self._start_members(from_checkpoint)
+
+    def _start_members(self, from_checkpoint: bool) -> None:
+        """Publish generation `self.gen` as a start (no change led to it) and start every member."""
         step = latest_complete(self.cfg.checkpoint_dir, self.keys) if from_checkpoint and self.cfg.checkpoint_dir else None
         if step is None:
             self._publish(self.plan, "seed", 0, "initial")
@@ -320,6 +324,18 @@ class Coordinator:
         self.gen, self.members, self.start_step = state.generation, list(state.members), state.start_step
         self.plan = str_nodes(Plan.from_dict(state.plan))
         self.finished, self.trained = set(state.finished), state.trained
+        if not state.trained and state.recovery is None and not self._stepped_this_run():
+            # Lost while the job started: workers may not have started (their start waits for the
+            # pre-flight verdicts, held by the lost supervisor), and one that did not cannot report
+            # for the generation. Start again as a job starts: stop what started, skip a generation
+            # (no old worker joins the new rendezvous), and start every member from where the job
+            # started (the seed, or the checkpoint of a requeue). Members whose agents did not come
+            # back are lost, and their loss is handled before the first step, from the seed.
+            self.backend.stop(list(self.members))
+            self.gen += 1
+            self.store.set(keys.CURRENT_GEN, str(self.gen))
+            self._start_members(from_checkpoint=True)
+            return
         kept = (Phase.REBUILDING, Phase.RESTARTING, Phase.REPLAYING)  # phases a change may interrupt
         self.phase = Phase(state.phase) if state.phase in {str(p) for p in kept} else Phase.RUNNING
         r = state.recovery
@@ -334,6 +350,13 @@ class Coordinator:
         for node, asked in (state.pending_joins or {}).items():  # replacements on their way: they join later
             self.pending_joins[node] = asked
             self.backend.start(node)
+
+    def _stepped_this_run(self) -> bool:
+        """Whether this run logged a step (rank 0 logs each): the persisted state's `trained` is written
+        only with a generation, so after a takeover in steady training it may still say no."""
+        records = read_events(self.log.path)
+        starts = [i for i, r in enumerate(records) if r["kind"] == "job_started"]
+        return any(r["kind"] == "step" for r in records[(starts[-1] if starts else 0):])
 
     # ---- the loop ----------------------------------------------------------------------------------
 

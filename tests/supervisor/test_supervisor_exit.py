@@ -169,3 +169,32 @@ def test_a_takeover_does_not_report_again_a_join_the_lost_supervisor_logged(tmp_
         assert seen == {"recovery": None, "phase": Phase.RUNNING}
     else:
         assert seen["recovery"].joined == ("n3",) and seen["phase"] == Phase.REPLAYING
+
+
+def test_a_takeover_before_the_first_step_starts_the_members_again(tmp_path: Path) -> None:
+    """The lost supervisor died while the job started (seen in the suite under load: a lease lost 6 s
+    into the default demo): members whose workers had not started could never report for generation 0,
+    and the takeover's recovery waited for them until it gave the job up. It now starts them again, a
+    generation later, from the seed."""
+    from oobleck_slurm.protocol import keys, records
+    from oobleck_slurm.protocol.records import GenerationConfig, SupervisorState
+
+    calls: list[tuple[str, Any]] = []
+
+    class Recorded(SilentNodes):
+        def start(self, node: str) -> None:
+            calls.append(("start", node))
+
+        def stop(self, nodes: Sequence[str]) -> None:
+            calls.append(("stop", tuple(nodes)))
+
+    coordinator = timed_out_coordinator(tmp_path)
+    coordinator.backend = Recorded()
+    state = SupervisorState(epoch=1, generation=0, members=tuple(NODES), plan=coordinator.plan.to_dict(),
+                            start_step=0, phase="running", trained=False)
+    coordinator.take_over(state)
+    assert calls == [("stop", tuple(NODES))] + [("start", n) for n in NODES]
+    assert coordinator.gen == 1 and coordinator.store.get(keys.CURRENT_GEN) == b"1"
+    config = records.get(coordinator.store, GenerationConfig, 1)
+    assert (config.source, config.resume_step, config.members) == ("seed", 0, tuple(NODES))
+    assert [e["reason"] for e in read_events(coordinator.log.path, "plan")] == ["initial"]
