@@ -29,3 +29,16 @@ def on_ranks(world: int, fn: Callable[[int], Any], join_s: float = JOIN_S) -> li
         raise errors[0]
     assert not any(t.is_alive() for t in threads), f"a rank did not return within {join_s:g} s"
     return out
+
+
+def worker_state(worker: Any) -> dict[str, Any]:
+    """Copies of a worker's held parameters and optimizer state, by "<layer>/<name>" (bitwise checks)."""
+    from oobleck_slurm.optim import optimizer_state_tensors
+
+    out = {}
+    for i in sorted(worker.layers):
+        for name, p in worker.layers[i].named_parameters():
+            out[f"{i}/{name}"] = p.detach().clone()
+        for name, t in optimizer_state_tensors(worker.optimizers[i]).items():
+            out[f"{i}/state/{name}"] = t.detach().clone()
+    return out

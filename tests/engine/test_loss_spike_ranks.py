@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from exec_plans import make_plan
-from rank_threads import on_ranks
+from rank_threads import on_ranks, worker_state
 
 from oobleck_slurm.engine.abort import AbortableGeneration
 from oobleck_slurm.engine.checkpoint import CheckpointWriter, read_data_record
@@ -23,7 +23,6 @@ from oobleck_slurm.engine.recovery import reach_step
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.models import gpt_config
-from oobleck_slurm.optim import optimizer_state_tensors
 from oobleck_slurm.timeouts import JobTimeouts
 
 TIMEOUTS = JobTimeouts(collective_timeout=60.0, step_timeout=300.0)
@@ -39,16 +38,6 @@ def job(steps: int) -> JobSpec:
                    optim=OptimSpec("adamw", lr=1e-3, weight_decay=0.1),
                    train=TrainSpec(steps=steps, microbatch_size=2, num_microbatches=4, seed=0, precision="fp64",
                                    loss_spike=POLICY))
-
-
-def state(worker: Worker) -> dict[str, torch.Tensor]:
-    out = {}
-    for i in sorted(worker.layers):
-        for name, p in worker.layers[i].named_parameters():
-            out[f"{i}/{name}"] = p.detach().clone()
-        for name, t in optimizer_state_tensors(worker.optimizers[i]).items():
-            out[f"{i}/state/{name}"] = t.detach().clone()
-    return out
 
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -73,12 +62,12 @@ def train(steps: int, poison: Callable[[int, Worker, int], object]) -> tuple[dic
         worker = Worker(job(steps), r)
         worker.adopt(TWO, AbortableGeneration(client(master), 0, r, 2, TWO, TIMEOUTS))
         for step in range(steps):
-            before = state(worker)
+            before = worker_state(worker)
             undo = poison(r, worker, step)
             result = worker.train_step()
             if callable(undo):
                 undo()
-            seen[r].append((result.step, result.skipped, result.skip_reason, equal(before, state(worker)),
+            seen[r].append((result.step, result.skipped, result.skip_reason, equal(before, worker_state(worker)),
                             result.loss, worker.spike_stop is not None))
         return worker
 
@@ -110,14 +99,14 @@ def test_a_spike_on_one_rank_makes_every_rank_skip_the_step_unchanged_and_max_co
         assert [s[5] for s in got] == [s >= 8 for s in range(steps)]  # the second in a row: stop, on every rank
     assert workers[0].spike == workers[1].spike and workers[0].spike is not None
     assert workers[0].spike.spikes == (7, 8) and len(workers[0].spike.losses) == POLICY.window
-    assert equal(state(workers[0]), state(workers[1]))  # the replicas still agree
+    assert equal(worker_state(workers[0]), worker_state(workers[1]))  # the replicas still agree
 
     # The same run with those steps skipped for another reason (a NaN): every other step's loss and the
     # final state bitwise equal, so a spike skipped is a step skipped, nothing more.
     ref, ref_workers = train(steps, nan_on_rank_1)
     assert [s[2] for s in ref[0]] == ["non_finite" if s in SPIKES else None for s in range(steps)]
     assert [s[4] for s in seen[0] if s[0] not in SPIKES] == [s[4] for s in ref[0] if s[0] not in SPIKES]
-    assert equal(state(workers[0]), state(ref_workers[0]))
+    assert equal(worker_state(workers[0]), worker_state(ref_workers[0]))
 
 
 def test_a_rank_that_joins_receives_the_state_and_judges_as_the_survivors() -> None:

@@ -13,28 +13,17 @@ import math
 import torch
 import torch.distributed as dist
 from exec_plans import make_plan
-from rank_threads import on_ranks
+from rank_threads import on_ranks, worker_state
 
 from oobleck_slurm.engine.abort import AbortableGeneration
 from oobleck_slurm.engine.spec import DataSpec, JobSpec, ModelSpec, OptimSpec, TrainSpec
 from oobleck_slurm.engine.worker import Worker
 from oobleck_slurm.models import gpt_config
-from oobleck_slurm.optim import optimizer_state_tensors
 from oobleck_slurm.timeouts import JobTimeouts
 
 TIMEOUTS = JobTimeouts(collective_timeout=60.0, step_timeout=300.0)
 PLAN = make_plan(6, [[0, 6], [0, 6]], [2, 2])  # two pipelines of one stage: data parallel
 POISONED = 1  # the step whose gradient rank 1 poisons
-
-
-def state(worker: Worker) -> dict[str, torch.Tensor]:
-    out = {}
-    for i in sorted(worker.layers):
-        for name, p in worker.layers[i].named_parameters():
-            out[f"{i}/{name}"] = p.detach().clone()
-        for name, t in optimizer_state_tensors(worker.optimizers[i]).items():
-            out[f"{i}/state/{name}"] = t.detach().clone()
-    return out
 
 
 def test_a_nan_on_one_rank_makes_every_rank_skip_the_step_unchanged():
@@ -50,7 +39,7 @@ def test_a_nan_on_one_rank_makes_every_rank_skip_the_step_unchanged():
         worker = Worker(job, r)
         worker.adopt(PLAN, AbortableGeneration(client, 0, r, 2, PLAN, TIMEOUTS))
         for step in range(job.train.steps):
-            before = state(worker)
+            before = worker_state(worker)
             hook = None
             if r == 1 and step == POISONED:  # one element of one layer's gradient, on one rank
                 p = next(worker.layers[3].parameters())
@@ -58,10 +47,10 @@ def test_a_nan_on_one_rank_makes_every_rank_skip_the_step_unchanged():
             result = worker.train_step()
             if hook is not None:
                 hook.remove()
-            after = state(worker)
+            after = worker_state(worker)
             unchanged = all(torch.equal(before[k], after[k]) for k in before)
             seen[r].append((result.step, result.skipped, unchanged, result.grad_norm, worker.step))
-        finals[r] = state(worker)
+        finals[r] = worker_state(worker)
 
     on_ranks(2, rank)
     for r in (0, 1):
