@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics as stats
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -126,12 +127,17 @@ def test_a_bad_policy_is_refused_naming_its_key(kwargs: dict, key: str) -> None:
         SpikePolicy(**kwargs)
 
 
+def judged(policy: SpikePolicy, losses: list[float]) -> tuple[Any, SpikeState]:
+    """The last judgement and the state after `losses`, judged in order from step 0."""
+    state, judgement = SpikeState(), None
+    for step, loss in enumerate(losses):
+        judgement, state = judge(policy, state, step, loss)
+    return judgement, state
+
+
 def test_the_stop_message_names_the_steps_the_checkpoint_and_what_to_do() -> None:
     policy = SpikePolicy(sigma=3.0, window=4, warmup=3, max_consecutive=2, on_consecutive="stop")
-    state = SpikeState()
-    judgement = None
-    for step, loss in enumerate([2.0, 2.1, 1.9, 9.0, 9.5]):
-        judgement, state = judge(policy, state, step, loss)
+    judgement, state = judged(policy, [2.0, 2.1, 1.9, 9.0, 9.5])
     assert judgement is not None and judgement.verdict == "stop"
     text = stop_message(policy, state.spikes, judgement, 2)
     assert "steps 3, 4" in text and "checkpoint is step 2" in text and "max_consecutive is 2" in text
@@ -142,10 +148,7 @@ def test_the_rollback_message_names_the_steps_and_what_the_job_does() -> None:
     policy = SpikePolicy(sigma=3.0, window=4, warmup=3, max_consecutive=2)
     assert policy.on_consecutive == "rollback" and policy.rollbacks == 3
     assert SpikePolicy(on_consecutive="stop").rollbacks == 0
-    state = SpikeState()
-    judgement = None
-    for step, loss in enumerate([2.0, 2.1, 1.9, 9.0, 9.5]):
-        judgement, state = judge(policy, state, step, loss)
+    judgement, state = judged(policy, [2.0, 2.1, 1.9, 9.0, 9.5])
     assert judgement is not None and judgement.verdict == "stop"
     text = stop_message(policy, state.spikes, judgement, 2)
     assert "steps 3, 4" in text and "at or before step 3" in text and "up to step 4" in text
