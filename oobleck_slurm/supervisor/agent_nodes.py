@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import math
 import os
 import queue
 import signal
@@ -84,6 +85,9 @@ from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 # Its timeouts and polls (the watcher's period, scontrol's, a joining node's health check) are the job's:
 # BackendConfig.timeouts (timeouts.py). The job's progress and the per-worker steps come from the
 # store observer's view (supervisor/observer.py), which reads them every store_poll and rank_step_poll.
+# A start check's waits (the store, the group with the node's check process, its result): each is
+# bounded by health_check_timeout; the start decides without a check still out after all of them.
+START_CHECK_WAITS = 3
 NODE_EVENT_S = 5.0  # a `node` snapshot per node this often (the dashboard's node table)
 RELAYED_DRILLS = ("agent", "worker", "hang", "slow", "leak")  # faults that the node's agent injects (see agent.py)
 
@@ -138,6 +142,7 @@ class AgentNodes:
         # registration while the others register; their verdicts wait for them all (the start's median).
         self._start_checks: dict[str, tuple[bool, str, dict[str, float], float] | None] = {}
         self._verdicts: dict[str, Verdict] = {}  # an initial member's start verdict, until its start uses it
+        self._start_deadline = math.inf  # the start's verdicts are decided by then, with or without every check
         self.fleet: dict[str, dict[str, float]] = {}  # the admitted nodes' figures: the median's fleet
 
     # ---- setting up ------------------------------------------------------------------------------
@@ -171,6 +176,10 @@ class AgentNodes:
                     raise JobTimeoutError(f"agents of {[r.slurm_node for r in missing]} did not register within "
                                           f"{timeout:g} s; see logs/agent-*.log")
                 self._registered.wait(0.2)
+            if self._start_checks:
+                # Each of a check's waits is bounded by health_check_timeout, but nothing in C++ (a gloo
+                # connect, a peer that stopped) is trusted to honour it: a check not in by then fails
+                self._start_deadline = time.time() + START_CHECK_WAITS * self.cfg.timeouts.health_check_timeout
         self._watcher.start()
 
     def adopt_agents(self, timeout: float) -> list[str]:
@@ -416,6 +425,8 @@ class AgentNodes:
             if record is None or record.agent is None or record.agent.channel is not channel:
                 return  # a drill or status client, or a connection that never registered
             record.agent = None
+            if self._start_checks.get(record.node_id, ()) is None:  # an unwatched member: the others go on
+                self._start_check_done(record.node_id, (False, "its agent went away during the check", {}, 0.0))
             if not self._stop.is_set():
                 loss = self.membership.agent_lost(record.node_id, time.time())
                 if loss is not None:
@@ -556,10 +567,26 @@ class AgentNodes:
         t0 = time.time()
         ok, detail, figures = self._run_check(agent, keys.health_prefix(record.node_id, time.time_ns()))
         with self._lock:
-            self._start_checks[record.node_id] = (ok, detail, figures, time.time() - t0)
-            if any(v is None for v in self._start_checks.values()):
-                return
+            self._start_check_done(record.node_id, (ok, detail, figures, time.time() - t0))
+
+    def _start_check_done(self, node: str, result: tuple[bool, str, dict[str, float], float]) -> None:
+        """An initial member's check is in (lock held): its result, a failure (lost meanwhile), or no
+        result by the start's deadline; the last one in decides all. Once decided, later ones are moot."""
+        if self._start_checks.get(node, ()) is not None:
+            return  # decided already (a late check after the deadline), or not an initial member's check
+        self._start_checks[node] = result
+        if all(v is not None for v in self._start_checks.values()):
             self._decide_start()
+
+    def _start_checks_overdue(self, now: float) -> None:
+        """The start's deadline passed with checks still out: they fail (lock held), and the start is
+        decided without them (a member whose check hangs must not hold every other one back)."""
+        if now < self._start_deadline or not self._start_checks:
+            return
+        late = sorted(n for n, v in self._start_checks.items() if v is None)
+        waited = START_CHECK_WAITS * self.cfg.timeouts.health_check_timeout
+        for node in late:
+            self._start_check_done(node, (False, f"no result within {waited:g} s of the start", {}, waited))
 
     def _decide_start(self) -> None:
         """Every initial member measured (lock held): their verdicts against the start's median; a member
@@ -664,6 +691,7 @@ class AgentNodes:
         while not self._stop.wait(timeouts.backend_poll):
             now = time.time()
             with self._lock:
+                self._start_checks_overdue(now)
                 for record in self.nodes.values():
                     code = record.step.poll() if record.step is not None else None
                     if code is not None:

@@ -102,6 +102,7 @@ from oobleck_slurm.supervisor.decisions import (
     decide,
     on_tick,
     resume_step,
+    step_to_log,
     transition,
     unreachable,
     whole_holders,
@@ -469,16 +470,9 @@ class Coordinator:
 
     def _log_step_completed_in_recovery(self, logged_next: int, resume: int,
                                         reports: dict[str, WorkerReport]) -> None:
-        """Log the `step` event of a step that rank 0 did not log: its last collective completed on
-        some ranks only, and rank 0 completes it in the recovery (engine/recovery.py). A survivor
-        that finished the collective has the step's figures in its report."""
-        if resume <= logged_next:
-            return
-        for report in reports.values():
-            last = report.last_step
-            if last is not None and last.result.step == resume - 1:
-                self.log.emit("step", **last.result.event(last.generation, last.global_batch_size))
-                return
+        """Log the `step` event of a step that rank 0 did not log (decisions.step_to_log)."""
+        if (last := step_to_log(logged_next, resume, reports.values())) is not None:
+            self.log.emit("step", **last.result.event(last.generation, last.global_batch_size))
 
     def _progress(self) -> int | None:
         """The current generation's last completed step, read now (the observer's view may be a period

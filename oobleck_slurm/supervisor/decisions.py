@@ -43,7 +43,7 @@ A loss during COLLECTING joins the lost set of the change being collected.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from oobleck_slurm.errors import InternalError
@@ -59,6 +59,7 @@ from oobleck_slurm.planning.reconfigure import (
 )
 from oobleck_slurm.planning.templates import PipelineTemplate
 from oobleck_slurm.protocol.phases import Phase
+from oobleck_slurm.protocol.records import LastStep, WorkerReport
 
 MAX_REFORMS_PER_STEP = 3  # re-forms that resume at the same step before the job stops trusting them
 
@@ -310,6 +311,18 @@ def whole_holders(layers: Mapping[Device, frozenset[int]],
                 kept.add(layer)
         out[(node, d)] = frozenset(kept)
     return out
+
+
+def step_to_log(logged_next: int, resume: int, reports: Iterable[WorkerReport]) -> LastStep | None:
+    """The step a recovery completes that rank 0 did not log (its last collective completed on some
+    ranks only, and rank 0 completes it in the recovery: engine/recovery.py), as a survivor that
+    finished the collective reported it; None when there is none to log. A member's report first: a
+    spare never sees the gradient norm, so it cannot tell a step skipped for a non-finite one."""
+    if resume <= logged_next:
+        return None
+    done = [r.last_step for r in sorted(reports, key=lambda r: not r.layers)
+            if r.last_step is not None and r.last_step.result.step == resume - 1]
+    return done[0] if done else None
 
 
 def unreachable(steps: Mapping[str, int], completable: Collection[str]) -> list[str]:

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -199,12 +200,21 @@ def test_a_flood_is_reported_within_the_cap(server: dist.TCPStore, tmp_path: Pat
 
 # ---- process groups over it --------------------------------------------------------------------------
 
-def _rank(port: int, rank: int, secret: bytes, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _rank(port: int, rank: int, secret: bytes, out: multiprocessing.Queue, met: Any) -> None:  # type: ignore[type-arg]
     torch.set_num_threads(1)
-    time.sleep(rank)  # rank 0 waits for rank 1's address while only the forged one is there
     try:
         store = signed_store.connect("127.0.0.1", port, TIMEOUT, secret, None, f"rank {rank}", 0.01)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("gen1/world", store), rank, 2, dt.timedelta(seconds=5))
+        if met is None:
+            pass
+        elif rank == 0:  # tell rank 1 once this rank refused a forged value (rank 1's address, as gloo reads it)
+            def watch() -> None:
+                while store.rejections.total < 1:
+                    time.sleep(0.01)
+                met.set()
+            threading.Thread(target=watch, daemon=True).start()
+        else:  # rank 0 waits for this rank's address while only the forged one is there
+            met.wait(60)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("gen1/world", store), rank, 2, dt.timedelta(seconds=30))
         t = torch.full((4,), float(rank + 1), dtype=torch.float64)
         pg.allreduce([t]).wait()
         out.put((rank, t.tolist(), store.rejections.total))
@@ -212,10 +222,12 @@ def _rank(port: int, rank: int, secret: bytes, out: multiprocessing.Queue) -> No
         out.put((rank, f"{type(err).__name__}: {err}", -1))
 
 
-def run_ranks(port: int, secrets: list[bytes]) -> dict[int, tuple]:
+def run_ranks(port: int, secrets: list[bytes], forged: bool = False) -> dict[int, tuple]:
+    """Two ranks form a gloo group over the signed store; with `forged`, rank 1 writes its address only
+    once rank 0 refused the forged one there."""
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(port, r, s, out)) for r, s in enumerate(secrets)]
+    out, met = ctx.Queue(), ctx.Event() if forged else None
+    procs = [ctx.Process(target=_rank, args=(port, r, s, out, met)) for r, s in enumerate(secrets)]
     for p in procs:
         p.start()
     results = {}
@@ -234,7 +246,7 @@ def test_a_gloo_group_forms_over_it_with_forged_rendezvous_keys_in_the_way(serve
     for rank in range(2):
         hostile.set(f"gen1/world/0/{rank}", os.urandom(170))
         hostile.set(signer.name(f"gen1/world/0/{rank}"), MAGIC + os.urandom(200))
-    results = run_ranks(server.port, [SECRET, SECRET])
+    results = run_ranks(server.port, [SECRET, SECRET], forged=True)
     assert {r: v for r, (v, _) in results.items()} == {0: [3.0] * 4, 1: [3.0] * 4}
     assert results[0][1] >= 1  # rank 0 met the forged value of rank 1's address, and waited
 

@@ -303,6 +303,61 @@ def test_at_the_start_a_slow_member_is_refused_and_the_others_start(preflight_ba
     assert set(b.nodes.fleet) == {"node1", "node2"}  # the admitted: the fleet a join is judged against
 
 
+def answer_checks(b: Backend, agents: dict[str, Channel]) -> None:
+    """Play the agents of `agents` through their start checks, each reporting this machine's figures."""
+    checks = {n: parse(a.recv()) for n, a in agents.items()}
+    peers = {n: MeasuringAgent(n, c, b.job_dir) for n, c in checks.items()}  # type: ignore[arg-type]
+    for node, peer in peers.items():
+        peer.join(IO_TIMEOUT_S * 3)
+        assert peer.result is not None and peer.result.ok, peer.result
+        agents[node].send(peer.result.to_dict())
+
+
+def test_a_member_whose_agent_goes_away_during_its_check_does_not_hold_the_start(preflight_backend: Backend) -> None:
+    """node3's agent closes its connection on receiving its check: its check fails at once and the
+    others start, not after its check's waits (health_check_timeout, a minute) run out."""
+    b = preflight_backend
+    b.nodes._start_checks = {n: None for n in ("node1", "node2", "node3")}  # what launch_agents sets
+    agents = {n: registered(b, n) for n in ("node1", "node2", "node3")}
+    for node in ("node1", "node2", "node3"):
+        b.nodes.start(node)
+    gone = agents.pop("node3")
+    parse(gone.recv())
+    gone.close()
+    answer_checks(b, agents)
+    for node in ("node1", "node2"):
+        assert parse(agents[node].recv()) == Start(node_id=node, workers=2, threads=3, device="cpu")
+    verdicts = {e["node"]: e for e in until("three verdicts", lambda: len(b.kinds("preflight")) == 3 and b.kinds("preflight"))}
+    assert not verdicts["node3"]["admitted"] and "went away" in verdicts["node3"]["reason"], verdicts["node3"]
+    (loss,) = until("node3's failed start", b.nodes.exited).values()
+    assert loss.node == "node3" and loss.cause is LossCause.JOIN_FAILED
+
+
+def test_a_start_check_still_out_at_the_deadline_fails_and_the_others_start(preflight_backend: Backend) -> None:
+    """node3's agent takes its check and never answers: past the start's deadline (START_CHECK_WAITS x
+    health_check_timeout after the agents registered; here passed by hand) its check fails and the
+    others start, whatever holds node3's check."""
+    b = preflight_backend
+    b.nodes._start_checks = {n: None for n in ("node1", "node2", "node3")}  # what launch_agents sets
+    agents = {n: registered(b, n) for n in ("node1", "node2", "node3")}
+    silent = agents.pop("node3")
+    parse(silent.recv())  # its check: never run
+    answer_checks(b, agents)
+    for node in ("node1", "node2", "node3"):
+        b.nodes.start(node)
+    time.sleep(0.5)  # the two results are in: nothing starts while node3's check is out
+    assert [b.state(n) for n in ("node1", "node2")] == [NodeState.HEALTH_CHECK] * 2 and not b.kinds("preflight")
+    with b.nodes._lock:  # what the watcher does every period once the deadline passed
+        b.nodes._start_deadline = 0.0
+        b.nodes._start_checks_overdue(time.time())
+    for node in ("node1", "node2"):
+        assert parse(agents[node].recv()) == Start(node_id=node, workers=2, threads=3, device="cpu")
+    verdicts = {e["node"]: e for e in b.kinds("preflight")}
+    assert not verdicts["node3"]["admitted"] and "no result within 180 s" in verdicts["node3"]["reason"]
+    (loss,) = until("node3's failed start", b.nodes.exited).values()
+    assert loss.node == "node3" and loss.cause is LossCause.JOIN_FAILED
+
+
 @pytest.mark.parametrize("slowdown", [1.0, 4.0])
 def test_a_joining_node_is_judged_against_the_fleet(preflight_backend: Backend, slowdown: float) -> None:
     b = preflight_backend

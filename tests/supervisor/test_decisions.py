@@ -362,3 +362,25 @@ def test_a_wide_stage_holds_its_layers_only_all_together():
     # shard indices must match the devices' positions in the stage
     swapped = {("a", 0): shards[("a", 1)], ("a", 1): shards[("a", 0)]}
     assert whole_holders({k: layers[k] for k in swapped}, swapped) == {("a", 0): frozenset(), ("a", 1): frozenset()}
+
+
+def test_step_to_log_takes_a_members_report_over_a_spares_in_any_order():
+    """The step a recovery completes is logged from a member's report: a spare's figures lack what it
+    never sees (the gradient norm, so a skip for a non-finite one); the reports come in any order (the
+    suite saw a spare's first under load, and the step was logged as applied)."""
+    from oobleck_slurm.protocol.records import LastStep, StepResult, WorkerReport
+    from oobleck_slurm.supervisor.decisions import step_to_log
+
+    def report(step: int, layers: tuple[int, ...], skipped: bool, grad_norm: float) -> WorkerReport:
+        result = StepResult(step=step, loss=9.0, grad_norm=grad_norm, lr=0.1, seconds=1.0, skipped=skipped,
+                            skip_reason="loss_spike" if skipped else None)
+        return WorkerReport(step=step + 1, layers=layers, last_step=LastStep(result=result, generation=0, global_batch_size=16))
+
+    member, spare = report(4, (0, 1), True, 2.5), report(4, (), False, 0.0)
+    behind = WorkerReport(step=4, layers=(0, 1), completable=True, last_step=report(3, (0,), False, 1.0).last_step)
+    for order in itertools.permutations([member, spare, behind]):
+        last = step_to_log(4, 5, order)
+        assert last is not None and last.result.skipped and last.result.grad_norm == 2.5
+        assert step_to_log(5, 5, order) is None  # rank 0 logged it
+    assert step_to_log(4, 5, [spare]).result.step == 4  # no member's report: the spare's figures still log it
+    assert step_to_log(4, 5, [behind]) is None
