@@ -232,7 +232,9 @@ class Coordinator:
         self.checkpoints_seen: set[int] = set()
         self.errors_seen: tuple[int, float] | None = None  # (generation, when its first error was seen)
         self.reforms: dict[int, int] = {}  # resume step -> re-forms that resumed there
-        self.rollbacks = 0  # training.loss_spike rollbacks made (this supervisor's; its limit is per run)
+        # training.loss_spike rollbacks this job made: its limit holds across the supervisor's takeovers and
+        # Slurm's requeues, so they are counted from the job's own log (a --resume-from job starts afresh)
+        self.rollbacks = len(read_events(log.path, "loss_spike_rollback"))
         self.trained = False  # a step completed, or the job started from a checkpoint (not the seed's state)
         self._rebalance_due = False  # a rebalance decision not yet carried out
         self.slowdown: dict[NodeId, float] = {}  # stragglers awaiting a rebalance: node -> compute time over peers'

@@ -868,3 +868,18 @@ def test_a_loss_reported_while_falling_back_is_not_restarted(make_job, tmp_path)
     job.backend.lose("n1")
     cfg = job.value(keys.config(2))
     assert "n4" not in cfg["members"], "a node the backend reported lost is a member of the restart generation"
+
+
+def test_rollbacks_made_before_a_takeover_or_requeue_count_against_the_limit(make_job: Callable[..., Job],
+                                                                            tmp_path: Path) -> None:
+    """A supervisor that takes over, or starts after Slurm requeued the job, goes on with the job's log:
+    the loss-spike rollbacks logged there count against training.loss_spike.max_rollbacks (a count
+    kept in memory only would give every requeue a fresh budget, and a run that spikes forever would
+    roll back forever)."""
+    log = EventLog(tmp_path / "job0" / "events.jsonl")
+    log.emit("loss_spike_rollback", generation=3, step=6, spikes=[5, 6], checkpoint=4, data_step=7, skipped_samples=48,
+             rollback=1, recovery=2, phase="restarting")
+    log.close()
+    job = make_job()
+    assert job.coordinator.rollbacks == 1
+    assert make_job().coordinator.rollbacks == 0  # another job's log: none
