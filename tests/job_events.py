@@ -29,6 +29,31 @@ def events_so_far(path: Path) -> list[dict[str, Any]]:
     return list(seen)
 
 
+def dump_stacks(job: Path, settle_s: float = 5.0) -> str:
+    """For a test that gives up on a job: ask its supervisor and agents (processes on this machine, by
+    the pids their events name) for every thread's stack (oobleck_slurm/stack_dumps.py), and return
+    what their logs gained, so that a hang seen once in CI says where it was."""
+    from oobleck_slurm.stack_dumps import STACK_DUMP_SIGNAL
+
+    events = read_events(job / "events.jsonl")
+    pids = {e["pid"] for e in events if e["kind"] == "job_started" and e.get("pid")}
+    pids |= {e["agent_pid"] for e in events if e["kind"] == "node" and e.get("agent_pid")}
+    logs = [p for p in job.rglob("*") if p.is_file() and (p.suffix in (".err", ".log"))]
+    sizes = {p: p.stat().st_size for p in logs}
+    signalled = []
+    for pid in sorted(pids):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, STACK_DUMP_SIGNAL)
+            signalled.append(pid)
+    deadline = time.monotonic() + settle_s  # the dumps are written from the signal handlers, at once
+    while time.monotonic() < deadline and not any(p.stat().st_size > sizes[p] for p in logs):
+        time.sleep(0.1)
+    time.sleep(0.5)  # the other processes' dumps
+    grown = [f"--- {p.relative_to(job)} (stacks)\n{p.read_bytes()[sizes[p]:].decode(errors='replace')[-6000:]}"
+             for p in logs if p.stat().st_size > sizes[p]]
+    return f"stacks of pids {signalled}:\n" + "\n".join(grown)
+
+
 @contextlib.contextmanager
 def running_job(tmp_path: Path, fault_tolerance: str, cache: Path,
                 faults: list[dict[str, Any]] | None = None, nodes: int = 4, sections: str = "",

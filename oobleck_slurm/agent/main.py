@@ -91,6 +91,7 @@ from oobleck_slurm.protocol.messages import (
     parse,
 )
 from oobleck_slurm.protocol.wire import Channel, ProtocolError, connect
+from oobleck_slurm.stack_dumps import enable_stack_dumps
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 # Set in every NCCL worker's environment, before torch starts (docs/nccl.md, "Aborting"): torch's watchdog must never act on its own (it sleeps 60 s, then tears the process down);
@@ -463,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if in_slurm_step():
         write_output_to(JobDir.at(args.job_dir.resolve()).agent_log(node_name(args.node)))
+    enable_stack_dumps()
     try:
         agent = Agent(args.job_dir.resolve(), node_name(args.node), args.replacement)
     except Exception as err:  # noqa: BLE001 - reported plainly; srun's log keeps it

@@ -54,6 +54,7 @@ from oobleck_slurm.errors import (
     status_for,
 )
 from oobleck_slurm.exit_codes import EXIT_FAILED, EXIT_OK
+from oobleck_slurm.stack_dumps import enable_stack_dumps
 from oobleck_slurm.timeouts import DEFAULT_TIMEOUTS, JobTimeouts
 
 if TYPE_CHECKING:
@@ -156,6 +157,7 @@ def run_standby(job_dir: Path, backend: str, preemption: Any = None, on_preempt:
     """Wait while the primary holds its lease; when it lapses (or, on one machine, the primary's process
     is gone), claim the next epoch and run the job from the primary's durable state (lease.py). Under
     Slurm the primary runs on another node: only its lease's age tells."""
+    enable_stack_dumps()
     from oobleck_slurm.cluster.lease import claim_epoch, current_epoch, primary_gone, read_lease
     from oobleck_slurm.protocol.records import read_state
     from oobleck_slurm.protocol.wire import ProtocolError
@@ -204,6 +206,7 @@ def run_supervisor(job_dir: Path, backend: str = "slurm", preemption: Any = None
     from oobleck_slurm.protocol.events import EventLog
     from oobleck_slurm.supervisor.preemption import Preemption
 
+    enable_stack_dumps()
     job = JobDir.at(job_dir)
     log = EventLog(job.events)
     preemption = preemption or Preemption()

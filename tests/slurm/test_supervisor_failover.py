@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from job_events import events_so_far
+from job_events import dump_stacks, events_so_far
 
 from oobleck_slurm.cluster.slurm import parse_scontrol_records
 from oobleck_slurm.protocol.events import read_events
@@ -60,7 +60,7 @@ def wait_for(job: Path, what: str, check, timeout: float):
             logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
                              for p in sorted((job / "submitit").glob("*.err")) + sorted((job / "logs").glob("*"))
                              if p.is_file())
-            pytest.fail(f"{what}: not seen after {timeout}s\n{tail}\n{logs}")
+            pytest.fail(f"{what}: not seen after {timeout}s\n{tail}\n{logs}\n{dump_stacks(job)}")
         time.sleep(0.1)
     return found
 
