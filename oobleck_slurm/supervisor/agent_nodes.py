@@ -23,12 +23,14 @@ refused on the control plane (`refused` event) and changes nothing.
 from __future__ import annotations
 
 import datetime as dt
+import faulthandler
 import itertools
 import math
 import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -585,6 +587,11 @@ class AgentNodes:
             return
         late = sorted(n for n, v in self._start_checks.items() if v is None)
         waited = START_CHECK_WAITS * self.cfg.timeouts.health_check_timeout
+        # Every wait of a check is bounded: one still out is a bug or a stuck call, and where its thread
+        # waits is what explains it (the supervisor's log)
+        print(f"supervisor: the start checks of {late} are still out after {waited:g} s; every thread's stack:",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         for node in late:
             self._start_check_done(node, (False, f"no result within {waited:g} s of the start", {}, waited))
 
