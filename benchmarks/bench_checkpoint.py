@@ -15,7 +15,9 @@ size), in this one process:
   while the step computes, the update fenced (`LayerCopier.fence`); `none`: the step alone. The cost
   of a checkpoint (`sync_cost_s`, `async_cost_s`) is the checkpoint step's time less the plain step's
   (medians of `--rounds`), so that what the copying thread takes from the step's compute counts too;
-  `fence_s` is how long the update waited for the copy (median);
+  `fence_s` is how long the update waited for the copy (median); `sync_cpu_s`, `async_cpu_s`: the
+  same difference in the training thread's own CPU time (`time.thread_time`): the work the checkpoint
+  puts on that thread, whatever other processes take from the cores;
 - replicas: with P pipelines layer i is written by pipeline i mod P, so each of P ranks writes 1/P of
   the layers; `--layers-for-replicas` layers of the first size, P writers in this process (threads,
   one disk), the time until every writer has flushed its share.
@@ -79,42 +81,42 @@ def measure_training_path(layer: nn.Linear, opt: torch.optim.Optimizer, tokens: 
         opt.zero_grad(set_to_none=False)
         layer(x).square().mean().backward()
 
-    def none() -> tuple[float, float]:
-        t0 = time.perf_counter()
+    def none() -> float:
         compute()
         opt.step()
-        return time.perf_counter() - t0, 0.0
+        return 0.0
 
-    def sync() -> tuple[float, float]:
-        t0 = time.perf_counter()
+    def sync() -> float:
         layer_payload(layer, opt)
         compute()
         opt.step()
-        return time.perf_counter() - t0, 0.0
+        return 0.0
 
-    def asynchronous() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        snapshot = copier.copy("layer", live_tensors(layer, opt))
+    def asynchronous() -> float:
+        copier.copy("layer", live_tensors(layer, opt))
         compute()
         fence = copier.fence(["layer"])
         opt.step()
-        elapsed = time.perf_counter() - t0
-        snapshot.tensors()  # the copy made (outside the timing): the next round starts from a quiet copier
-        return elapsed, fence
+        return fence
 
     modes = {"none": none, "sync": sync, "async": asynchronous}
-    times: dict[str, list[float]] = {m: [] for m in modes}
+    wall: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}  # the training thread's own CPU time
     fences: list[float] = []
     none()  # warm-up: first-touch allocations of the gradients and the kernels' workspaces
     for _ in range(rounds):
         for mode, run in modes.items():
-            elapsed, fence = run()
-            times[mode].append(elapsed)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fence = run()
+            wall[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.thread_time() - c0)
             if mode == "async":
                 fences.append(fence)
-    step, sync_s, async_s = (statistics.median(times[m]) for m in ("none", "sync", "async"))
+    step, sync_s, async_s = (statistics.median(wall[m]) for m in modes)
+    step_cpu, sync_cpu, async_cpu = (statistics.median(cpu[m]) for m in modes)
     return {"tokens": tokens, "step_s": step, "sync_step_s": sync_s, "async_step_s": async_s,
-            "sync_cost_s": sync_s - step, "async_cost_s": async_s - step, "fence_s": statistics.median(fences)}
+            "sync_cost_s": sync_s - step, "async_cost_s": async_s - step, "fence_s": statistics.median(fences),
+            "sync_cpu_s": sync_cpu - step_cpu, "async_cpu_s": async_cpu - step_cpu}
 
 
 def measure_replicas(params: int, layers: int, replicas: list[int], root: Path) -> list[dict[str, Any]]:
@@ -146,8 +148,9 @@ def main() -> None:
     torch.set_num_threads(1)
     rows, replica_rows = [], []
     sizes = [int(float(p)) for p in args.params.split(",")]
-    print(f"{'params':>8} {'MiB':>7} | {'copy':>8} {'write':>8} | {'step':>8} {'sync +':>8} {'async +':>8} "
-          f"{'fence':>8}   (seconds; '+': the checkpoint's cost on the training path)", flush=True)
+    print(f"{'params':>8} {'MiB':>7} | {'copy':>7} {'write':>7} | {'step':>7} {'sync +':>7} {'async +':>7} "
+          f"{'fence':>7} | {'cpu sync':>8} {'async':>7}   (seconds; '+': the checkpoint's cost on the training "
+          f"path; cpu: the training thread's)", flush=True)
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         for params in sizes:
             layer, opt = _layer(params)
@@ -155,9 +158,10 @@ def main() -> None:
             row.update(measure_copy_and_write(layer, opt, args.rounds, Path(tmp)))
             row.update(measure_training_path(layer, opt, args.tokens, args.rounds))
             rows.append(row)
-            print(f"{row['params'] / 1e6:7.1f}M {row['bytes'] / 2**20:7.1f} | {row['clone_s']:8.3f} "
-                  f"{row['write_s']:8.3f} | {row['step_s']:8.3f} {row['sync_cost_s']:8.3f} "
-                  f"{row['async_cost_s']:8.3f} {row['fence_s']:8.3f}", flush=True)
+            print(f"{row['params'] / 1e6:7.1f}M {row['bytes'] / 2**20:7.1f} | {row['clone_s']:7.3f} "
+                  f"{row['write_s']:7.3f} | {row['step_s']:7.3f} {row['sync_cost_s']:7.3f} "
+                  f"{row['async_cost_s']:7.3f} {row['fence_s']:7.3f} | {row['sync_cpu_s']:8.3f} "
+                  f"{row['async_cpu_s']:7.3f}", flush=True)
         if args.replicas:
             replica_rows = measure_replicas(sizes[0], args.layers_for_replicas,
                                             [int(p) for p in args.replicas.split(",")], Path(tmp))

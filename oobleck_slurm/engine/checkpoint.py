@@ -317,7 +317,7 @@ class LayerCopier:
         """Queue a copy of `live` (`live_tensors`); returns its snapshot at once."""
         snapshot = Snapshot(key)
         ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-        self._pending[key] = snapshot
+        self._pending[key] = snapshot  # replaces an older one: copies complete in order, so this one fences both
         self._queue.put((snapshot, live, ready))
         return snapshot
 
