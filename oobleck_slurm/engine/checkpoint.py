@@ -7,9 +7,10 @@ buffers; a non-persistent one is remade by the seed build the load starts from),
 "oobleck-slurm-layer", "version": "1", "step": "<S>"}: no pickles, and readable by any safetensors
 reader. A file appears only complete, and stays complete after a crash (cluster/durable.py: temp file,
 fsync, rename, fsync of the folder), so a checkpoint is complete when every layer's file exists. Every
-`interval` steps, one holder of each layer (pipeline i mod the pipelines for layer i) clones the layer's parameters and
-optimizer state (a memory copy, the only cost on the training path) and a background thread
-serialises them.
+`interval` steps, one holder of each layer (pipeline i mod the pipelines for layer i) hands the layer's
+live parameters, buffers and optimizer state to a `LayerCopier`, whose thread copies them to CPU memory
+while the next step computes (the next update waits for the copy: `LayerCopier.fence`), and a
+`CheckpointWriter` thread serialises the copies.
 """
 
 from __future__ import annotations
@@ -104,14 +105,20 @@ def layer_file(root: str | os.PathLike[str], step: int, key: str) -> Path:
     return step_dir(root, step) / f"{key}{LAYER_SUFFIX}"
 
 
-def layer_payload(layer: nn.Module, opt: torch.optim.Optimizer, step: int | None = None) -> dict[str, torch.Tensor]:
-    """Detached CPU copies of everything that defines a trained layer. `step` is not part of it (the
-    step is the one `CheckpointWriter.submit` / `save_layer` are given, kept in the file's metadata);
-    it is accepted for the callers that still pass it."""
-    out = {f"param.{n}": p.detach().to("cpu", copy=True) for n, p in layer.named_parameters()}
-    out.update({f"buffer.{n}": b.detach().to("cpu", copy=True) for n, b in persistent_buffers(layer).items()})
-    out.update({f"state.{n}": t.detach().to("cpu", copy=True) for n, t in optimizer_state_tensors(opt).items()})
+def live_tensors(layer: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Everything that defines a trained layer, by its name in a layer file, as detached references to
+    the live tensors (no copy): what `layer_payload` copies, and what a `LayerCopier` copies later."""
+    out = {f"param.{n}": p.detach() for n, p in layer.named_parameters()}
+    out.update({f"buffer.{n}": b.detach() for n, b in persistent_buffers(layer).items()})
+    out.update({f"state.{n}": t.detach() for n, t in optimizer_state_tensors(opt).items()})
     return out
+
+
+def layer_payload(layer: nn.Module, opt: torch.optim.Optimizer, step: int | None = None) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of everything that defines a trained layer (`live_tensors`), made now. `step`
+    is not part of it (the step is the one `CheckpointWriter.submit` / `save_layer` are given, kept in
+    the file's metadata); it is accepted for the callers that still pass it."""
+    return {name: t.to("cpu", copy=True) for name, t in live_tensors(layer, opt).items()}
 
 
 def persistent_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
@@ -245,6 +252,141 @@ def prune(root: str | os.PathLike[str], keys: list[str], keep: int, protect: Col
     return doomed
 
 
+class Snapshot:
+    """CPU copies of one layer's tensors (`live_tensors`), taken off the training path by a
+    `LayerCopier`, or already taken (`Snapshot.taken`). `tensors()` waits for them; the writer calls
+    `release()` once it has serialised them (the copier may then reuse their pinned buffers)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        # Set once the copies are made (CUDA: issued on the copier's stream, `_copied_on_device`
+        # completes them) or failed: from then on the live tensors are no longer read on the CPU side.
+        self.copied = threading.Event()
+        self.released = threading.Event()
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._error: Exception | None = None
+        self._copied_on_device: torch.cuda.Event | None = None
+
+    @classmethod
+    def taken(cls, key: str, tensors: dict[str, torch.Tensor]) -> Snapshot:
+        """A snapshot of copies made already (a wide stage's gathered layer)."""
+        snapshot = cls(key)
+        snapshot._tensors = tensors
+        snapshot.copied.set()
+        return snapshot
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The CPU copies, once complete; raises the error that stopped the copy."""
+        self.copied.wait()
+        if self._error is not None:
+            raise self._error
+        if self._copied_on_device is not None:
+            self._copied_on_device.synchronize()
+        return self._tensors
+
+    def release(self) -> None:
+        self.released.set()
+
+
+class LayerCopier:
+    """Copies layers' live tensors to the CPU in a background thread, so that a periodic checkpoint
+    costs the training path only the hand-over (`copy`). Whatever writes or frees a layer's tensors in
+    place (the optimizer update, a plan change, a rollback) calls `fence` first: it waits until the
+    pending copies of those layers no longer read them.
+
+    On the CPU a copy is a plain clone in the thread. On CUDA the thread issues `non_blocking` copies
+    on a side stream, after an event recorded on the training stream at `copy` (they read the values
+    of the update before it), into pinned staging buffers reused per layer key once the writer has
+    released them; `fence` makes the training stream wait for the copies (no CPU wait for the DMA).
+    The CUDA path has not been run on a GPU."""
+
+    def __init__(self, device: torch.device, before_copy: Callable[[str], None] | None = None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.before_copy = before_copy  # called in the copier's thread before each layer's copy (tests delay it)
+        self._queue: queue.Queue = queue.Queue()
+        self._pending: dict[str, Snapshot] = {}  # key -> its newest copy not fenced yet
+        self._staging: dict[str, Snapshot] = {}  # CUDA: key -> the snapshot whose pinned buffers may be reused
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._waiting = threading.Event()  # a fence waits for a copy (tests wait for it)
+        self.waited_s = 0.0  # the fences' waits, over the copier's life
+        self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-copier")
+        self._thread.start()
+
+    def copy(self, key: str, live: dict[str, torch.Tensor]) -> Snapshot:
+        """Queue a copy of `live` (`live_tensors`); returns its snapshot at once."""
+        snapshot = Snapshot(key)
+        ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+        self._pending[key] = snapshot  # replaces an older one: copies complete in order, so this one fences both
+        self._queue.put((snapshot, live, ready))
+        return snapshot
+
+    def fence(self, keys: Iterable[str] | None = None) -> float:
+        """Wait until the pending copies of `keys` (every pending copy by default) are made, so that
+        their tensors may be written or freed; returns the seconds waited."""
+        chosen = list(self._pending) if keys is None else [k for k in keys if k in self._pending]
+        if not chosen:
+            return 0.0
+        t0 = time.perf_counter()
+        for key in chosen:
+            snapshot = self._pending.pop(key)
+            if not snapshot.copied.is_set():
+                self._waiting.set()
+                snapshot.copied.wait()
+            if snapshot._copied_on_device is not None:
+                torch.cuda.current_stream(self.device).wait_event(snapshot._copied_on_device)
+        self._waiting.clear()
+        waited = time.perf_counter() - t0
+        self.waited_s += waited
+        return waited
+
+    def fence_waiting(self) -> bool:
+        """Whether a fence is waiting for a copy now."""
+        return self._waiting.is_set()
+
+    def _run(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)  # no context on another GPU
+        while True:
+            self._take(*self._queue.get())  # a call of its own: its locals do not keep a dropped layer alive
+            self._queue.task_done()
+
+    def _take(self, snapshot: Snapshot, live: dict[str, torch.Tensor], ready: torch.cuda.Event | None) -> None:
+        try:
+            if self.before_copy is not None:
+                self.before_copy(snapshot.key)
+            if ready is not None:
+                self._copy_on_device(snapshot, live, ready)
+            else:
+                snapshot._tensors = {name: t.to("cpu", copy=True) for name, t in live.items()}
+        except Exception as err:  # noqa: BLE001 - the writer reports it (CheckpointWriter's on_error)
+            snapshot._error = err
+        finally:
+            snapshot.copied.set()
+
+    def _copy_on_device(self, snapshot: Snapshot, live: dict[str, torch.Tensor], ready: torch.cuda.Event) -> None:
+        assert self._stream is not None
+        old = self._staging.get(snapshot.key)
+        reuse = old is not None and old.released.is_set() and old._error is None and all(
+            name in old._tensors and old._tensors[name].shape == t.shape and old._tensors[name].dtype == t.dtype
+            for name, t in live.items() if t.is_cuda)
+        out: dict[str, torch.Tensor] = {}
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            for name, t in live.items():
+                if not t.is_cuda:  # a CPU tensor (AdamW's step counter): a plain copy, now
+                    out[name] = t.to("cpu", copy=True)
+                    continue
+                t.record_stream(self._stream)  # freed before the copy ran, its memory is not reused too early
+                buf = old._tensors[name] if reuse and old is not None else torch.empty(
+                    t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                out[name] = buf
+            snapshot._copied_on_device = self._stream.record_event()
+        snapshot._tensors = out
+        self._staging[snapshot.key] = snapshot
+
+
 class CheckpointWriter:
     """Serialises layer payloads in a background thread (one at a time, in order).
 
@@ -269,7 +411,9 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-writer")
         self._thread.start()
 
-    def submit(self, step: int, key: str, payload: dict[str, torch.Tensor]) -> None:
+    def submit(self, step: int, key: str, payload: dict[str, torch.Tensor] | Snapshot) -> None:
+        """Queue layer `key` of the checkpoint of `step`: its CPU copies, or a snapshot being taken of
+        them (`LayerCopier.copy`: the writer waits for it; a failed copy is a failed write)."""
         self.submitted.add((step, key))
         self._queue.put((step, key, payload))
 
@@ -283,7 +427,7 @@ class CheckpointWriter:
                 if self.data_record is not None and step not in self._recorded:
                     write_data_record(self.root, step, self.data_record(step))
                     self._recorded.add(step)
-                save_layer(self.root, step, key, payload)
+                save_layer(self.root, step, key, payload.tensors() if isinstance(payload, Snapshot) else payload)
             except Exception as err:  # noqa: BLE001 - reported, and raised by flush() for the steps waited on
                 self._failed[step] = err
                 self.failures += 1
@@ -294,6 +438,8 @@ class CheckpointWriter:
                     except Exception:  # noqa: BLE001, S110 - a report that fails must not stop the writer
                         pass
             finally:
+                if isinstance(payload, Snapshot):
+                    payload.release()
                 self._queue.task_done()
 
     def flush(self, steps: Iterable[int] | None = None) -> None:

@@ -488,6 +488,7 @@ class ElasticWorker:
         if point == "adopt":
             w.corrupt_sends = True
         elif w.layers:
+            w.settle_copies([min(w.layers)])  # a checkpoint's copy still under way holds the step's bits
             flip_bit(w.holding_tensors(min(w.layers))[0], 0, CORRUPT_BIT)
 
     def _replica_mismatch(self, g: int, err: ReplicaMismatchError) -> None:
@@ -547,8 +548,8 @@ class ElasticWorker:
                 self.writer.flush(())  # its periodic writes that failed were reported (_write_failed)
             self.writer = self._new_writer(root)
         for i in self._writes(w):
-            if (payload := w.layer_payload(i)) is not None:
-                self.writer.submit(w.step, w.keys[i], payload)
+            if (snapshot := w.snapshot(i)) is not None:
+                self.writer.submit(w.step, w.keys[i], snapshot)
         self.writer.flush([w.step])  # the trained model or the requeue's checkpoint: its failure fails the run
 
     def _new_writer(self, root: str) -> CheckpointWriter:
@@ -591,16 +592,16 @@ class ElasticWorker:
             self._submit_layers(self._writes(self.worker))
 
     def _submit_layers(self, layers: list[int]) -> None:
-        """Queue `layers` for the checkpoint of the worker's step: cloned now (the next step changes the
-        tensors), serialised in the background."""
+        """Queue `layers` for the checkpoint of the worker's step: copied and serialised in the
+        background (Worker.snapshot; the next update waits for the copy, not for the write)."""
         w = self.worker
         if not layers:
             return
         if self.writer is None:
             self.writer = self._new_writer(self.checkpoint_root)
         for i in layers:
-            if (payload := w.layer_payload(i)) is not None:
-                self.writer.submit(w.step, w.keys[i], payload)
+            if (snapshot := w.snapshot(i)) is not None:
+                self.writer.submit(w.step, w.keys[i], snapshot)
 
     def _complete_checkpoint(self, gen: AbortableGeneration) -> None:
         """At the step a recovery resumes at, write the layers its checkpoint lacks. The step's writers

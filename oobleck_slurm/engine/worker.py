@@ -24,7 +24,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,7 +34,10 @@ from torch import nn
 from oobleck_slurm.engine.batches import Reads, StepBatches, open_dataset, open_validation
 from oobleck_slurm.engine.checkpoint import (
     CheckpointError,
+    LayerCopier,
+    Snapshot,
     layer_payload,
+    live_tensors,
     load_layer,
     persistent_buffers,
     read_data_record,
@@ -250,6 +253,9 @@ class Worker:
         self.plan: ExecPlan | None = None
         self.gen: Generation | None = None
         self.role: Role | None = None
+        # periodic checkpoints copy layers off the training path (`snapshot`); `settle_copies` fences them
+        self.copier = LayerCopier(self.device)
+        self.copy_wait_s = 0.0  # how long the last update waited for a checkpoint's copy (`settle_copies`)
         t = job.train
         dataset = open_dataset(job.data, job.model.seq_len, job.model.vocab_size)
         self.batches = StepBatches(dataset, t.global_batch_size, t.microbatch_size, t.seed,
@@ -351,6 +357,7 @@ class Worker:
         if plan.num_microbatches != self.job.train.num_microbatches:
             raise ValueError(f"plan splits {plan.num_microbatches} microbatches, the job's step has "
                              f"{self.job.train.num_microbatches}")
+        self.settle_copies()  # layers are dropped, replaced, read into and sent from below
         role = plan.role(self.rank)
         needed = set(role.layers) if role else set()
         received = 0
@@ -1298,6 +1305,32 @@ class Worker:
             self.gen.wait(self.gen.send(h.hidden.to(self.job.train.param_dtype).contiguous(),
                                         peer(role.next_rank), 2 * h.index))
 
+    def snapshot(self, index: int) -> Snapshot | None:
+        """Layer `index` for the checkpoint of this step, as `layer_payload` gives it, but a whole layer
+        is copied in the background (`copier`): the training path only hands over its tensors, and
+        whatever next writes them in place waits for the copy first (`settle_copies`). A layer sharded
+        over a wide stage is gathered and copied now, as `layer_payload` does: its gather is a
+        collective of the stage, and its copies are of the gathered buffers, which it frees at once."""
+        if index in self.shards:
+            payload = self.layer_payload(index)
+            return None if payload is None else Snapshot.taken(self.keys[index], payload)
+        self._keep_spike_state()
+        return self.copier.copy(self.keys[index], live_tensors(self.layers[index], self.optimizers[index]))
+
+    def settle_copies(self, layers: Iterable[int] | None = None) -> float:
+        """The one fence before anything writes or frees held layers' tensors in place (the update, a
+        plan change, a drill's corruption): wait until the checkpoint copies pending for `layers` (every
+        held layer by default) no longer read them. Returns the seconds waited."""
+        return self.copier.fence(None if layers is None else [self.keys[i] for i in layers])
+
+    def _keep_spike_state(self) -> None:
+        """Keep the loss-spike state at this step for the checkpoint's data record (`data_record`),
+        which the writer's thread makes later, when the state may have moved on."""
+        if self.spike is not None and self.step not in self._spike_at:
+            self._spike_at[self.step] = self.spike
+            for old in sorted(self._spike_at)[:-SPIKE_SNAPSHOTS]:
+                del self._spike_at[old]
+
     def layer_payload(self, index: int) -> dict[str, torch.Tensor] | None:
         """The whole of layer `index` (checkpoint.layer_payload: parameters, buffers, optimizer
         state), as CPU copies. A layer sharded over a wide stage is gathered first: every rank of the
@@ -1308,12 +1341,8 @@ class Worker:
         CPU copies and freed before the next gather: beyond the payload, a rank holds one whole-layer
         buffer and its own shard of one moment (docs/engine.md, checkpoints).
 
-        The loss-spike state at this step is kept for the checkpoint's data record (`data_record`),
-        which the writer's thread makes later, when the state may have moved on."""
-        if self.spike is not None and self.step not in self._spike_at:
-            self._spike_at[self.step] = self.spike
-            for old in sorted(self._spike_at)[:-SPIKE_SNAPSHOTS]:
-                del self._spike_at[old]
+        The loss-spike state at this step is kept for the checkpoint's data record (`_keep_spike_state`)."""
+        self._keep_spike_state()
         sharded = self.shards.get(index)
         if sharded is None:
             return layer_payload(self.layers[index], self.optimizers[index], self.step)
@@ -1388,6 +1417,7 @@ class Worker:
             self.pending = None
             return lr
         coef = clip_coefficient(self.pending.total_sq, self.job.train.grad_clip)
+        self.copy_wait_s = self.settle_copies(self.optimizers)  # the update writes parameters and state in place
         for index in sorted(self.optimizers):
             if self.before_update is not None:
                 self.before_update(self.step)
