@@ -471,6 +471,8 @@ class AgentNodes:
             record = self.nodes.get(node_id)
             if record is None or record.agent is not None:
                 return self._refuse(channel, message.node, f"{node_id} is not a member waiting for its agent")
+            if record.replacement and record.state in (NodeState.REQUESTED, NodeState.AWAITING_AGENT):
+                return self._rejoin(channel, message, record)
             try:
                 self._fire(record, NodeEvent.ADOPT)
             except IllegalTransition:
@@ -490,6 +492,22 @@ class AgentNodes:
                     self._lost(loss)
             else:
                 self.membership.heartbeat(node_id, now, node_worker_state(message.workers))
+
+    def _rejoin(self, channel: Channel, message: Register, record: NodeRecord) -> None:
+        """A replacement whose workers the lost supervisor started after its check, before they joined
+        a generation (lock held): its join is pending in the durable state, but this supervisor neither
+        checked it nor started them. Its workers are stopped and it joins as a replacement whose agent
+        just registered does: checked first, then started afresh (the coordinator starts it, or already
+        did: `start` of a pending join)."""
+        self._fire(record, NodeEvent.REGISTER)
+        record.slurm_node = message.node
+        self._ids[message.node] = record.node_id
+        record.agent = AgentConn(channel, pid=message.pid)
+        record.agent.send(Stop())
+        self.log.emit("node", node=record.node_id, slurm_node=message.node, state="joining", agent_pid=message.pid)
+        self._registered.notify_all()
+        if record.state is NodeState.HEALTH_CHECK:  # the coordinator is waiting for it
+            self._begin_health_check(record)
 
     def _refuse(self, channel: Channel, peer: str, reason: str) -> None:
         self.log.emit("refused", peer=peer, reason=reason)

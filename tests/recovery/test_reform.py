@@ -35,7 +35,9 @@ def test_a_slow_stage_is_waited_for_not_reformed(tmp_path, templates_cache):
     assert_matches_reference(run)
     assert not run.kind("collective_error") and not run.kind("reform"), run.kind("collective_error")
     steps = [e for e in run.kind("step")]
-    assert len(steps) == 5 and all(e["seconds"] >= SLOW_S for e in steps), steps  # node2 was slow every step
+    # node2 was slow every step: rank 0's step outlasted the collective timeout every time (it times its
+    # step from its own start, which load may delay behind node2's: 2.97 s of node2's 3 s was seen)
+    assert len(steps) == 5 and all(e["seconds"] > COLLECTIVE_S for e in steps), [e["seconds"] for e in steps]
 
 
 def test_collective_timeout_without_a_loss_reforms_the_same_members(tmp_path, templates_cache):

@@ -53,7 +53,8 @@ def until(what: str, check: Callable[[], Any], timeout: float = IO_TIMEOUT_S) ->
 
 class Backend:
     def __init__(self, tmp_path: Path, members: tuple[str, ...] | list[str] = ("node1", "node2"),
-                 spares: tuple[str, ...] | list[str] = ("node3",), preflight: PreflightConfig | None = None) -> None:
+                 spares: tuple[str, ...] | list[str] = ("node3",), preflight: PreflightConfig | None = None,
+                 requested: tuple[str, ...] = ()) -> None:
         self.job_dir, self.events = tmp_path, tmp_path / "events.jsonl"
         self.secret = create_secret(tmp_path)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -64,7 +65,7 @@ class Backend:
         self.nodes = AgentNodes(self.secret, LocalLauncher(tmp_path), self.log, BackendConfig(
             replacement="spare", store_host="127.0.0.1", store_port=self.store.port, workers_per_node=2,
             threads_per_worker=3, timeouts=timeouts, preflight=preflight), members=list(members),
-            observer=self.observer, spares=list(spares))
+            observer=self.observer, spares=list(spares), requested=requested)
         self.nodes.server.start()
 
     def agent(self, node: str, message: Message | None = None) -> Channel:
@@ -173,6 +174,36 @@ def test_a_spare_joins_through_a_real_health_check(backend: Backend) -> None:
     assert checked["ok"] and checked["node"] == "node3"
     assert backend.nodes.new_node() is None  # no spare left
     assert backend.kinds("replacement_requested")[-1]["ok"] is False
+
+
+@pytest.mark.parametrize("started_first", [True, False])
+def test_a_replacement_started_before_a_takeover_is_checked_and_started_again(tmp_path: Path,
+                                                                               started_first: bool) -> None:
+    """After a takeover the join of r1 is pending (the durable state), but the lost supervisor had checked
+    it and started its workers: its agent comes back saying they run under r1. This supervisor did not
+    check it: its workers are stopped, it is checked, and started afresh, whether the coordinator's start
+    of the pending join comes before its agent or after (in CI the agent was refused, and r1 never
+    joined)."""
+    b = Backend(tmp_path, spares=(), requested=("r1",))
+    try:
+        if started_first:
+            b.nodes.start("r1")
+            assert b.state("r1") is NodeState.AWAITING_AGENT
+        agent = b.agent("r1-host", Register(node="r1-host", pid=4321, running="r1", workers=("sleeping",)))
+        assert parse(agent.recv()) == Stop()  # the workers it started under the lost supervisor
+        if not started_first:
+            assert b.state("r1") is NodeState.IDLE
+            b.nodes.start("r1")
+        check = parse(agent.recv())
+        assert isinstance(check, Health)
+        peer = AgentsSideOfCheck(check, b.job_dir)
+        peer.join(IO_TIMEOUT_S)
+        agent.send(HealthResult(node="r1-host", prefix=check.prefix, ok=peer.code == 0, seconds=0.1).to_dict())
+        assert parse(agent.recv()) == Start(node_id="r1", workers=2, threads=3, device="cpu")
+        assert b.state("r1") is NodeState.RUNNING and not b.kinds("refused")
+    finally:
+        b.nodes.close()
+        b.log.close()
 
 
 def test_a_stopped_check_is_abandoned_and_a_failed_one_fails_the_join(backend: Backend) -> None:
