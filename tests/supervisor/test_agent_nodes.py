@@ -158,16 +158,21 @@ class AgentsSideOfCheck(threading.Thread):
         self.code = health.main([c.host, str(c.port), c.prefix, str(c.timeout), str(self.job_dir)])
 
 
+def answer_check(agent: Channel, node: str, job_dir: Path) -> None:
+    """Play `node`'s agent through the health check it is sent next: the real collective, then its result."""
+    check = parse(agent.recv())
+    assert isinstance(check, Health)
+    peer = AgentsSideOfCheck(check, job_dir)
+    peer.join(IO_TIMEOUT_S)
+    agent.send(HealthResult(node=node, prefix=check.prefix, ok=peer.code == 0, seconds=0.1).to_dict())
+
+
 def test_a_spare_joins_through_a_real_health_check(backend: Backend) -> None:
     agent = registered(backend, "node3")
     assert backend.nodes.new_node() == "node3" and backend.state("node3") is NodeState.IDLE
     backend.nodes.start("node3")  # a spare is not trusted: checked first
     assert backend.state("node3") is NodeState.HEALTH_CHECK
-    check = parse(agent.recv())
-    assert isinstance(check, Health)
-    peer = AgentsSideOfCheck(check, backend.job_dir)
-    peer.join(IO_TIMEOUT_S)
-    agent.send(HealthResult(node="node3", prefix=check.prefix, ok=peer.code == 0, seconds=0.1).to_dict())
+    answer_check(agent, "node3", backend.job_dir)
     assert parse(agent.recv()) == Start(node_id="node3", workers=2, threads=3, device="cpu")
     assert backend.state("node3") is NodeState.RUNNING
     (checked,) = backend.kinds("health_check")
@@ -194,11 +199,7 @@ def test_a_replacement_started_before_a_takeover_is_checked_and_started_again(tm
         if not started_first:
             assert b.state("r1") is NodeState.IDLE
             b.nodes.start("r1")
-        check = parse(agent.recv())
-        assert isinstance(check, Health)
-        peer = AgentsSideOfCheck(check, b.job_dir)
-        peer.join(IO_TIMEOUT_S)
-        agent.send(HealthResult(node="r1-host", prefix=check.prefix, ok=peer.code == 0, seconds=0.1).to_dict())
+        answer_check(agent, "r1-host", b.job_dir)
         assert parse(agent.recv()) == Start(node_id="r1", workers=2, threads=3, device="cpu")
         assert b.state("r1") is NodeState.RUNNING and not b.kinds("refused")
     finally:
